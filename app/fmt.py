@@ -1,0 +1,53 @@
+"""Text formatting shared by the CLI and the panel."""
+
+from __future__ import annotations
+
+import time
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def nbytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def stage_duration(st: dict, now: float | None = None) -> float | None:
+    if not st.get("started_at"):
+        return None
+    end = st.get("ended_at") or (now or time.time())
+    return max(0.0, end - st["started_at"])
+
+
+def exit_text(st: dict) -> str:
+    if st.get("signal"):
+        return st["signal"]
+    if st.get("exit_code") is not None:
+        return str(st["exit_code"])
+    return "-"
+
+
+def progress_text(ev: dict | None) -> str:
+    if not ev:
+        return "-"
+    done, total, unit = ev.get("done"), ev.get("total"), ev.get("unit", "")
+    parts = [f"{done}/{total} {unit}" if total else f"{done} {unit}"]
+    if ev.get("rate"):
+        parts.append(f"{ev['rate']:.1f}/s")
+    if ev.get("eta_s") is not None:
+        parts.append(f"ETA {duration(ev['eta_s'])}")
+    return "  ".join(parts)

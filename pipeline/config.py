@@ -1,0 +1,402 @@
+"""Load and validate config.toml: the one file that describes a pipeline run.
+
+Every check lives here, so a bad config fails before anything is launched,
+with an error that names the file, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STAGE_NAMES = ("prepare", "extract", "vocab", "train")
+# Each stage's inputs: its fingerprint folds in theirs, so a change upstream
+# invalidates everything downstream.
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "prepare": (),
+    "extract": ("prepare",),
+    "vocab": ("prepare",),
+    "train": ("prepare", "extract", "vocab"),
+}
+BUILTIN_MODEL = "builtin:tiny-llama"
+BUILTIN_DATA = "builtin:conversations"
+
+
+class ConfigError(Exception):
+    """A config problem a user must fix; the message says where and how."""
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    runs_dir: str = "runs"
+
+
+@dataclass
+class ModelSection:
+    target: str = BUILTIN_MODEL
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+
+
+@dataclass
+class DataSection:
+    path: str = BUILTIN_DATA
+    format: str = "auto"
+    max_samples: int = 0
+
+
+@dataclass
+class GpusSection:
+    devices: list[int] = field(default_factory=list)
+    extract: list[int] | None = None
+    train: list[int] | None = None
+
+
+@dataclass
+class RuntimeSection:
+    python: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    cancel_grace_s: float = 30.0
+    term_grace_s: float = 10.0
+
+
+@dataclass
+class StageCommon:
+    # The module run as `python -m ENTRY`: the real stage by default; tests
+    # and users can substitute their own.
+    entry: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class PrepareSection(StageCommon):
+    seq_length: int = 512
+    render_endpoint: str = ""
+    render_timeout_s: float = 30.0
+
+
+@dataclass
+class ExtractSection(StageCommon):
+    backend: str = "hf"
+    layer_ids: list[int] = field(default_factory=list)
+    batch_tokens: int = 8192
+    min_free_gb: float = 2.0
+
+
+@dataclass
+class VocabSection(StageCommon):
+    draft_vocab_size: int = 32000
+
+
+@dataclass
+class TrainSection(StageCommon):
+    epochs: int = 3
+    lr: float = 1e-4
+    num_layers: int = 1
+    total_seq_len: int = 8192
+    ttt_steps: int = 3
+    train_ratio: float = 0.9
+    checkpoint_freq: float = 1.0
+    max_steps: int = 0
+    loss: str = "auto"
+    attention: str = "auto"
+    seed: int = 0
+    log_freq: int = 1
+
+
+@dataclass
+class StagesSection:
+    prepare: PrepareSection = field(default_factory=PrepareSection)
+    extract: ExtractSection = field(default_factory=ExtractSection)
+    vocab: VocabSection = field(default_factory=VocabSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    gpus: GpusSection = field(default_factory=GpusSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    stages: StagesSection = field(default_factory=StagesSection)
+    source: Path | None = None
+    base_dir: Path = PROJECT_ROOT
+
+    # -- derived values -------------------------------------------------
+    def stage(self, name: str) -> StageCommon:
+        return getattr(self.stages, name)
+
+    def stage_entry(self, name: str) -> str:
+        return self.stage(name).entry or f"pipeline.stages.{name}"
+
+    def stage_devices(self, name: str) -> list[int]:
+        if name not in ("extract", "train"):
+            return []
+        own = getattr(self.gpus, name)
+        return list(self.gpus.devices if own is None else own)
+
+    def python(self) -> str:
+        return self.runtime.python or sys.executable
+
+    def resolve(self, path: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        p = Path(os.path.expanduser(path))
+        return p if p.is_absolute() else (self.base_dir / p)
+
+    def runs_dir(self) -> Path:
+        return self.resolve(self.run.runs_dir)
+
+    def section_dict(self, name: str) -> dict:
+        return dataclasses.asdict(self.stage(name))
+
+    def fingerprint(self, name: str, upstream: dict[str, str]) -> str:
+        """Hash of what decides the stage's output: its section, the shared
+        sections it reads, the fingerprints of its inputs and our version."""
+        from pipeline import __version__
+
+        payload = {
+            "stage": name,
+            "section": self.section_dict(name),
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data) if name == "prepare" else None,
+            "devices": self.stage_devices(name),
+            "inputs": {k: upstream.get(k, "") for k in STAGE_INPUTS[name]},
+            "version": __version__,
+        }
+        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# -- validation ------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        return "a table of strings"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _check_value(value, tp, where: str, src: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _check_value(value, args[0], where, src)
+    bad = ConfigError(
+        f"{src}: `{where}` must be {_type_name(tp)}, got {type(value).__name__} {value!r}. "
+        f"Fix the value of `{where}` in {src}."
+    )
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item,) = typing.get_args(tp)
+        return [_check_value(v, item, f"{where}[{i}]", src) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise bad
+        return dict(value)
+    raise AssertionError(f"unsupported config type {tp}")
+
+
+def _fill(cls, table: dict, prefix: str, src: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in ("source", "base_dir")]
+    kwargs = {}
+    for key, value in table.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f" Did you mean `{prefix}{near[0]}`?" if near else ""
+            valid = ", ".join(names)
+            raise ConfigError(
+                f"{src}: unknown key `{where}`.{hint} Valid keys here: {valid}."
+            )
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{src}: `{where}` must be a table ([{where}]), got {value!r}.")
+            kwargs[key] = _fill(tp, value, f"{where}.", src)
+        else:
+            kwargs[key] = _check_value(value, tp, where, src)
+    return cls(**kwargs)
+
+
+def _choice(value: str, allowed, where: str, src: str):
+    if value not in allowed:
+        raise ConfigError(
+            f"{src}: `{where}` = {value!r} is not one of {', '.join(map(repr, allowed))}. "
+            f"Set `{where}` to one of them."
+        )
+
+
+def _semantic_checks(cfg: Config, src: str, gpu_count):
+    if not cfg.run.name or "/" in cfg.run.name or cfg.run.name.startswith("."):
+        raise ConfigError(f"{src}: `run.name` = {cfg.run.name!r} must be a plain folder name.")
+    _choice(cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"), "model.dtype", src)
+    _choice(cfg.data.format, ("auto", "messages", "sharegpt", "tokenized"), "data.format", src)
+    _choice(cfg.stages.extract.backend, ("hf", "vllm-server", "vllm-engine"),
+            "stages.extract.backend", src)
+    _choice(cfg.stages.train.loss, ("auto", "eager", "fused"), "stages.train.loss", src)
+    _choice(cfg.stages.train.attention, ("auto", "sdpa", "eager", "flex"),
+            "stages.train.attention", src)
+    for where, value in (
+        ("stages.prepare.seq_length", cfg.stages.prepare.seq_length),
+        ("stages.extract.batch_tokens", cfg.stages.extract.batch_tokens),
+        ("stages.vocab.draft_vocab_size", cfg.stages.vocab.draft_vocab_size),
+        ("stages.train.epochs", cfg.stages.train.epochs),
+        ("stages.train.num_layers", cfg.stages.train.num_layers),
+        ("stages.train.total_seq_len", cfg.stages.train.total_seq_len),
+        ("stages.train.ttt_steps", cfg.stages.train.ttt_steps),
+        ("stages.train.log_freq", cfg.stages.train.log_freq),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{src}: `{where}` must be positive, got {value}.")
+    if not 0 < cfg.stages.train.train_ratio <= 1:
+        raise ConfigError(f"{src}: `stages.train.train_ratio` must be in (0, 1], "
+                          f"got {cfg.stages.train.train_ratio}.")
+    if cfg.runtime.cancel_grace_s < 0 or cfg.runtime.term_grace_s < 0:
+        raise ConfigError(f"{src}: `runtime.cancel_grace_s` and `runtime.term_grace_s` "
+                          "must not be negative.")
+    if any(i < 0 for i in cfg.stages.extract.layer_ids):
+        raise ConfigError(f"{src}: `stages.extract.layer_ids` must be layer numbers >= 0.")
+
+    for kind, value in (("model.target", cfg.model.target), ("data.path", cfg.data.path)):
+        if value.startswith("builtin:"):
+            if value not in (BUILTIN_MODEL, BUILTIN_DATA):
+                raise ConfigError(
+                    f"{src}: `{kind}` = {value!r} is not a built-in; the built-ins are "
+                    f"{BUILTIN_MODEL!r} and {BUILTIN_DATA!r}."
+                )
+            continue
+        if not cfg.resolve(value).exists():
+            raise ConfigError(
+                f"{src}: `{kind}` = {value!r}: {cfg.resolve(value)} does not exist. "
+                "Give a local path (relative paths are relative to the config file), "
+                "or use the built-in default."
+            )
+    if cfg.runtime.python:
+        py = Path(cfg.runtime.python)
+        if not (py.is_file() and os.access(py, os.X_OK)):
+            raise ConfigError(
+                f"{src}: `runtime.python` = {cfg.runtime.python!r} is not an executable "
+                "file. Point it at the interpreter of your ML environment "
+                "(e.g. /opt/venv/bin/python), or leave it empty to use eagle-panel's own."
+            )
+
+    devices = cfg.gpus.devices
+    if len(set(devices)) != len(devices):
+        raise ConfigError(f"{src}: `gpus.devices` lists a GPU twice: {devices}.")
+    for stage in ("extract", "train"):
+        own = getattr(cfg.gpus, stage)
+        if own is not None and not set(own) <= set(devices):
+            raise ConfigError(
+                f"{src}: `gpus.{stage}` = {own} uses GPUs not in `gpus.devices` = {devices}. "
+                f"Add them to `gpus.devices` or remove them from `gpus.{stage}`."
+            )
+    if devices and gpu_count is not None:
+        count = gpu_count()
+        if count is None:
+            raise ConfigError(
+                f"{src}: `gpus.devices` = {devices}, but no NVIDIA driver was found on this "
+                "machine. Set `devices = []` to run on the CPU."
+            )
+        missing = [d for d in devices if d >= count]
+        if missing:
+            raise ConfigError(
+                f"{src}: `gpus.devices` names GPU {missing[0]}, but this machine has "
+                f"{count} GPU(s) (0..{count - 1}). Fix `gpus.devices`."
+            )
+
+
+def _nvml_gpu_count() -> int | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        return pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def parse(text: str, src: str = "config.toml", base_dir: Path | None = None,
+          gpu_count=_nvml_gpu_count) -> Config:
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{src}: not valid TOML: {e}. Fix the syntax at that line.") from None
+    cfg = _fill(Config, table, "", src)
+    cfg.base_dir = (base_dir or PROJECT_ROOT).resolve()
+    _semantic_checks(cfg, src, gpu_count)
+    return cfg
+
+
+def load(path: str | os.PathLike, gpu_count=_nvml_gpu_count,
+         base_dir: Path | None = None) -> Config:
+    """Load a config file; `base_dir` overrides the folder relative paths are
+    resolved from (a run's frozen copy keeps its original folder's meaning).
+    `gpu_count=None` skips the GPU-presence check (stages already launched)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{p}: config file not found. Pass --config PATH, or copy the example "
+            "config.toml from the eagle-panel folder."
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config: {e.strerror}.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}).") from None
+    cfg = parse(text, str(p), base_dir or p.resolve().parent, gpu_count)
+    cfg.source = p.resolve()
+    return cfg
+
+
+def default_config_path() -> Path:
+    here = Path.cwd() / "config.toml"
+    return here if here.exists() else PROJECT_ROOT / "config.toml"

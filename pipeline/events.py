@@ -1,0 +1,233 @@
+"""The event protocol: stages append JSON lines, the panel and CLI tail them.
+
+Writer: one `os.write` per event on an O_APPEND descriptor, so concurrent
+writers never interleave inside a line and a crash loses at most the line
+being written. Reader: remembers a byte offset, returns only complete lines
+and keeps a half-written last line for the next poll.
+Standard library only (stages import it from any interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+EVENT_TYPES = (
+    "stage_started", "progress", "metric", "kv_cache", "kv_usage", "artifact",
+    "warning", "error", "stage_finished", "log",
+)
+
+
+def _clean(value):
+    # JSON has no NaN/inf; a diverged loss must still be a valid line.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class EventWriter:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, type: str, **fields) -> dict:
+        event = {"t": time.time(), "type": type, **fields}
+        line = json.dumps(_clean(event), separators=(",", ":"), default=str) + "\n"
+        os.write(self._fd, line.encode())
+        return event
+
+    def warning(self, message: str, hint: str | None = None, **fields) -> dict:
+        return self.emit("warning", message=message, hint=hint, **fields)
+
+    def error(self, message: str, hint: str | None = None, **fields) -> dict:
+        return self.emit("error", message=message, hint=hint, **fields)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class EventTail:
+    """Follow an events file from a byte offset (0 = from the start)."""
+
+    def __init__(self, path: str | os.PathLike, offset: int = 0, chunk: int = 1 << 20):
+        self.path = Path(path)
+        self.offset = offset
+        self.chunk = chunk
+        self._partial = b""
+        self._ino = None
+        self.bad_lines = 0
+
+    def poll(self, max_bytes: int | None = None) -> list[dict]:
+        """Events completed since the last call (possibly none)."""
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            if self._ino is not None and (st.st_ino != self._ino or st.st_size < self.offset):
+                # Replaced or truncated: start over rather than read garbage.
+                self.offset, self._partial = 0, b""
+            self._ino = st.st_ino
+            f.seek(self.offset)
+            data = f.read(max_bytes if max_bytes is not None else -1)
+        if not data:
+            return []
+        self.offset += len(data)
+        data = self._partial + data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._partial = data
+            return []
+        self._partial = data[end + 1:]
+        return self._parse(data[:end])
+
+    def _parse(self, block: bytes) -> list[dict]:
+        # One json.loads over the whole block is ~2x faster than one per line;
+        # only a block with a damaged line pays for the line-by-line pass.
+        try:
+            events = json.loads(b"[" + block.strip(b"\n").replace(b"\n", b",") + b"]")
+            if all(isinstance(e, dict) for e in events):
+                return events
+        except ValueError:
+            pass
+        events = []
+        for line in block.split(b"\n"):
+            if not line:
+                continue
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                ev = None
+            if isinstance(ev, dict):
+                events.append(ev)
+            else:
+                self.bad_lines += 1
+        return events
+
+
+def read_events(path: str | os.PathLike) -> list[dict]:
+    """Every complete event in a file (for tests and small files)."""
+    return EventTail(path).poll()
+
+
+def last_event(path: str | os.PathLike, types: tuple[str, ...], window: int = 1 << 20) -> dict | None:
+    """The newest event of one of `types`, reading backwards from the end in
+    blocks, at most `window` bytes: a status check on a file of a million
+    events must not read the whole file."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        pos, tail, block = size, b"", 64 << 10
+        needles = [f'"type":"{t}"'.encode() for t in types]
+        while pos > 0 and size - pos < window:
+            step = min(block, pos)
+            pos -= step
+            f.seek(pos)
+            buf = f.read(step) + tail
+            lines = buf.split(b"\n")
+            # The first piece may be a partial line: keep it for the next block.
+            tail = lines[0] if pos > 0 else b""
+            for line in reversed(lines[1:] if pos > 0 else lines):
+                if any(n in line for n in needles):
+                    try:
+                        ev = json.loads(line)
+                    except ValueError:
+                        continue
+                    if ev.get("type") in types:
+                        return ev
+    return None
+
+
+def tail_lines(path: str | os.PathLike, n: int, max_bytes: int = 4 << 20) -> tuple[list[bytes], int]:
+    """The last n lines of a (maybe huge) file and the file size, reading
+    backwards at most max_bytes."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return [], 0
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        pos, buf = size, b""
+        while pos > 0 and buf.count(b"\n") <= n and size - pos < max_bytes:
+            step = min(64 << 10, pos)
+            pos -= step
+            f.seek(pos)
+            buf = f.read(step) + buf
+    lines = buf.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if pos > 0 and lines:
+        lines = lines[1:]  # the first one is cut
+    return lines[-n:] if n else [], size
+
+
+class ChangeWaiter:
+    """Wait until files in a folder change, or a timeout passes.
+
+    Uses Linux inotify through ctypes when it is there (a new event reaches
+    a reader in about a millisecond), and plain sleeping otherwise (the
+    reader then sees it at its next poll)."""
+
+    _IN_MODIFY, _IN_CREATE, _IN_MOVED_TO = 0x2, 0x100, 0x80
+
+    def __init__(self, folders):
+        self._fd = -1
+        try:
+            import ctypes
+            import ctypes.util
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd < 0:
+                return
+            mask = self._IN_MODIFY | self._IN_CREATE | self._IN_MOVED_TO
+            for folder in folders:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                libc.inotify_add_watch(fd, str(folder).encode(), mask)
+            self._fd = fd
+        except (OSError, AttributeError):
+            self._fd = -1
+
+    @property
+    def native(self) -> bool:
+        return self._fd >= 0
+
+    def wait(self, timeout: float) -> bool:
+        """True when something changed (or may have: without inotify)."""
+        if self._fd < 0:
+            time.sleep(timeout)
+            return True
+        import select
+        ready, _, _ = select.select([self._fd], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            while os.read(self._fd, 65536):
+                pass
+        except BlockingIOError:
+            pass
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

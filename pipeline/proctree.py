@@ -1,0 +1,103 @@
+"""Find and stop every process a stage started, wherever it went.
+
+A stage's children usually share its process group, but some leave it
+(vLLM's engine core and workers, anything that calls setsid) and outlive a
+killed parent while holding GPU memory. Every stage process is started with
+EAGLE_PANEL_TOKEN in its environment, which every descendant inherits, so a
+scan of /proc finds them all. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+TOKEN_VAR = "EAGLE_PANEL_TOKEN"
+
+
+def _pids():
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            yield int(name)
+
+
+def _environ_has(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1] == b"Z"
+    except (OSError, ValueError):
+        return True
+
+
+def proc_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").strip().decode(errors="replace")
+        return cmd[:120] or f"pid {pid}"
+    except OSError:
+        return f"pid {pid}"
+
+
+def pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def stage_processes(token: str | None, pgid: int | None = None) -> list[int]:
+    """Live processes that carry the stage's token or sit in its process group."""
+    if not token and not pgid:
+        return []
+    needle = f"{TOKEN_VAR}={token}".encode() if token else None
+    me = os.getpid()
+    found = []
+    for pid in _pids():
+        if pid == me or _is_zombie(pid):
+            continue
+        if (pgid and pgid_of(pid) == pgid) or (needle and _environ_has(pid, needle)):
+            found.append(pid)
+    return found
+
+
+def signal_all(pids, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def wait_gone(find, timeout: float, poll: float = 0.1) -> list[int]:
+    """Poll `find()` until it returns nothing or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = find()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(poll)
+
+
+def stop_tree(token: str | None, pgid: int | None, term_grace: float = 5.0,
+              kill_grace: float = 5.0) -> list[int]:
+    """SIGTERM then SIGKILL every process of a stage; returns the pids that survived."""
+    find = lambda: stage_processes(token, pgid)  # noqa: E731
+    left = find()
+    if not left:
+        return []
+    signal_all(left, signal.SIGTERM)
+    left = wait_gone(find, term_grace)
+    if left:
+        signal_all(left, signal.SIGKILL)
+        left = wait_gone(find, kill_grace)
+    return left

@@ -1,0 +1,340 @@
+"""Launch, supervise, cancel and resume stage subprocesses.
+
+Process layout (all detached from whoever asked for the run):
+
+    driver      python -m pipeline.runner drive   own session, holds runs/<id>/lock,
+                                                  starts the stages one after another
+    supervisor  python -m pipeline.supervise      own session per stage attempt,
+                                                  records the exit in state.json
+    stage       python -m pipeline.stages.NAME    own process group under the supervisor
+
+Nothing here holds a pipe to a stage: the panel and the CLI learn everything
+from state.json, events.jsonl and stage.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline import config as config_mod
+from pipeline.config import PROJECT_ROOT, STAGE_INPUTS, STAGE_NAMES, Config
+from pipeline.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, wait_gone
+from pipeline.rundir import RunDir, proc_alive, proc_start_ticks
+
+POLL_S = 0.2
+
+
+# -- liveness ---------------------------------------------------------------
+
+def stage_alive(st: dict) -> bool:
+    return proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")) or proc_alive(
+        st.get("pid"), st.get("create_time"))
+
+
+def driver_alive(state: dict) -> bool:
+    d = state.get("driver") or {}
+    return proc_alive(d.get("pid"), d.get("create_time"))
+
+
+def refresh(rd: RunDir) -> dict:
+    """Read state, marking `running` stages whose processes are all gone as
+    failed (the machine rebooted, or someone killed the supervisor)."""
+    state = rd.read_state()
+    dead = [s for s, st in state["stages"].items()
+            if st["status"] == "running" and not stage_alive(st)]
+    if not dead:
+        return state
+    with rd.mutate_state() as state:
+        for s in dead:
+            st = state["stages"][s]
+            if st["status"] == "running" and not stage_alive(st):
+                st.update(status="cancelled" if st.get("cancel_requested") else "failed",
+                          ended_at=st.get("ended_at") or time.time(),
+                          reason="the stage and its supervisor are gone without recording an "
+                                 "exit (machine restart or supervisor killed)")
+    return state
+
+
+# -- planning ---------------------------------------------------------------
+
+def fingerprints(cfg: Config) -> dict[str, str]:
+    fps: dict[str, str] = {}
+    for s in STAGE_NAMES:
+        fps[s] = cfg.fingerprint(s, fps)
+    return fps
+
+
+@dataclass
+class Step:
+    stage: str
+    action: str  # "run" | "skip"
+    why: str
+
+
+def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False) -> list[Step]:
+    """What `run` will do for each stage, and why."""
+    fps = fingerprints(cfg)
+    steps, stale = [], set()
+    for s in STAGE_NAMES:
+        st = state["stages"][s]
+        upstream_stale = [u for u in STAGE_INPUTS[s] if u in stale]
+        selected = only is None or only == s
+        if not selected:
+            if only is not None and s in STAGE_INPUTS[only] and st["status"] != "succeeded":
+                steps.append(Step(s, "blocked", f"{only} needs {s}, which has not succeeded"))
+            continue
+        if force:
+            steps.append(Step(s, "run", "forced re-run"))
+        elif st["status"] == "succeeded" and st.get("fingerprint") == fps[s] and not upstream_stale:
+            steps.append(Step(s, "skip", f"up to date (fingerprint {fps[s]})"))
+            continue
+        elif st["status"] == "succeeded":
+            steps.append(Step(s, "run", "config changed (fingerprint "
+                                        f"{st.get('fingerprint')} -> {fps[s]})"))
+        elif st["status"] in ("failed", "cancelled"):
+            steps.append(Step(s, "run", f"resume after {st['status']} attempt {st['attempt']}"))
+        elif st["status"] == "running":
+            steps.append(Step(s, "run", "already running: wait for it"))
+        else:
+            steps.append(Step(s, "run", "not run yet"))
+        stale.add(s)
+    return steps
+
+
+# -- launching --------------------------------------------------------------
+
+def _stage_env(cfg: Config, stage: str, attempt: int) -> dict[str, str]:
+    env = os.environ.copy()
+    env.update(cfg.runtime.env)
+    env.update(cfg.stage(stage).env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    # The supervisor hands the token to the stage only: a scan for the token
+    # must find the stage's processes, never the supervisor recording them.
+    env.pop(TOKEN_VAR, None)
+    env["EAGLE_PANEL_STAGE"] = stage
+    env["EAGLE_PANEL_ATTEMPT"] = str(attempt)
+    # The devices a stage was given are the only reliable map of GPUs to
+    # stages inside containers; an empty list means CPU.
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.stage_devices(stage)))
+    return env
+
+
+def _reset_outputs(rd: RunDir, stage: str) -> None:
+    """Move the stage's outputs aside, then delete them: a crash in between
+    leaves a hidden trash folder, never a half-deleted out/."""
+    out = rd.out_dir(stage)
+    if out.exists() and any(out.iterdir()):
+        trash = rd.stage_dir(stage) / f".trash-{secrets.token_hex(4)}"
+        os.replace(out, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = False) -> dict:
+    """Start one stage attempt under its supervisor; returns the stage state.
+    The caller must hold the run's launcher lock."""
+    st = rd.read_state()["stages"][stage]
+    if st["status"] == "running" and stage_alive(st):
+        raise RuntimeError(f"{stage} is already running (pid {st['pid']})")
+    if force or st.get("out_fingerprint") != fingerprint:
+        _reset_outputs(rd, stage)
+    attempt = st["attempt"] + 1
+    token = f"{rd.id}/{stage}/{attempt}/{secrets.token_hex(4)}"
+    argv = [cfg.python(), "-m", cfg.stage_entry(stage), "--run-dir", str(rd.path),
+            "--config", str(rd.config_path)]
+    rd.update_stage(stage, status="running", attempt=attempt, pid=None, pgid=None,
+                    create_time=None, started_at=time.time(), ended_at=None, exit_code=None,
+                    signal=None, fingerprint=fingerprint, out_fingerprint=fingerprint,
+                    devices=cfg.stage_devices(stage), token=token, cancel_requested=False,
+                    reason=None)
+    log = open(rd.log_path(stage), "ab")
+    log.write(f"\n===== eagle-panel: {stage} attempt {attempt} at "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
+    log.flush()
+    with log:
+        sup = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.supervise", "--run-dir", str(rd.path),
+             "--stage", stage, "--", *argv],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=_stage_env(cfg, stage, attempt), cwd=str(rd.path),
+            start_new_session=True,
+        )
+    return rd.update_stage(stage, supervisor_pid=sup.pid,
+                           supervisor_create_time=proc_start_ticks(sup.pid))
+
+
+def wait_stage(rd: RunDir, stage: str, poll: float = POLL_S) -> dict:
+    """Block until the stage is no longer running (works for a stage this
+    process did not start: the launcher may have been restarted)."""
+    while True:
+        state = refresh(rd)
+        st = state["stages"][stage]
+        if st["status"] != "running":
+            return st
+        time.sleep(poll)
+
+
+def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
+    """Run the pipeline to its end (the body of the detached driver)."""
+    fd = rd.try_lock()
+    if fd is None:
+        print(f"another launcher (pid {rd.lock_holder()}) is driving {rd.path}", file=sys.stderr)
+        return 3
+    state = rd.read_state()
+    cfg = load_run_config(rd, state)
+    with rd.mutate_state() as state:
+        state["driver"] = {"pid": os.getpid(), "create_time": proc_start_ticks(os.getpid()),
+                           "started_at": time.time(), "only": only, "force": force}
+        state["cancel_requested"] = False
+    result = 0
+    try:
+        fps = fingerprints(cfg)
+        for step in plan(cfg, refresh(rd), only, force):
+            if step.action == "blocked":
+                print(f"[{step.stage}] {step.why}", flush=True)
+                result = 1
+                break
+            if step.action == "skip":
+                print(f"[{step.stage}] skipped: {step.why}", flush=True)
+                continue
+            if rd.read_state().get("cancel_requested"):
+                result = 130
+                break
+            st = rd.read_state()["stages"][step.stage]
+            if not (st["status"] == "running" and stage_alive(st)):
+                print(f"[{step.stage}] starting: {step.why}", flush=True)
+                launch(rd, cfg, step.stage, fps[step.stage], force)
+            st = wait_stage(rd, step.stage)
+            print(f"[{step.stage}] {st['status']}", flush=True)
+            if st["status"] != "succeeded":
+                result = 130 if st["status"] == "cancelled" else 1
+                break
+    finally:
+        with rd.mutate_state() as state:
+            state["driver"] = None
+        os.close(fd)
+    return result
+
+
+def load_run_config(rd: RunDir, state: dict | None = None) -> Config:
+    """The run's frozen config, with relative paths meaning what they meant
+    next to the original config file."""
+    state = state or rd.read_state()
+    base = state.get("base_dir")
+    return config_mod.load(rd.config_path, gpu_count=None, base_dir=Path(base) if base else None)
+
+
+def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
+    """Create (or reuse) the run directory and freeze the config into it."""
+    rid = run_id or cfg.run.name
+    rd = RunDir(cfg.runs_dir() / rid)
+    if rd.path.exists() and not rd.is_run() and any(rd.path.iterdir()):
+        raise config_mod.ConfigError(
+            f"{rd.path} exists and is not an eagle-panel run; choose another --run name "
+            "or [run] name.")
+    text = cfg.source.read_text() if cfg.source else ""
+    if rd.is_run():
+        rd.read_state()  # a corrupt state is reported, never silently reset
+        if rd.lock_holder() is None:
+            rd.create(text, cfg.base_dir)
+    else:
+        rd.create(text, cfg.base_dir)
+    return rd
+
+
+def start_driver(rd: RunDir, only: str | None = None, force: bool = False) -> subprocess.Popen:
+    """Detach a driver for the run: it survives the terminal that started it."""
+    args = [sys.executable, "-m", "pipeline.runner", "drive", "--run-dir", str(rd.path)]
+    if only:
+        args += ["--stage", only]
+    if force:
+        args.append("--force")
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+    log = open(rd.path / "driver.log", "ab")
+    with log:
+        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, cwd=str(rd.path))
+
+
+# -- cancelling -------------------------------------------------------------
+
+@dataclass
+class CancelResult:
+    stage: str
+    was_running: bool
+    signals: list[str]
+    survivors: list[tuple[int, str]]
+
+
+def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
+                 kill_grace: float = 5.0) -> CancelResult:
+    """SIGINT (graceful: training saves a checkpoint), then SIGTERM, then
+    SIGKILL to the stage's whole process tree."""
+    st = refresh(rd)["stages"][stage]
+    if st["status"] != "running":
+        return CancelResult(stage, False, [], [])
+    rd.update_stage(stage, cancel_requested=True)
+    # The supervisor records the pid right after it starts the stage.
+    deadline = time.monotonic() + 5
+    while st.get("pid") is None and stage_alive(st) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        st = rd.read_state()["stages"][stage]
+    token, pgid = st.get("token"), st.get("pgid")
+    find = lambda: stage_processes(token, pgid)  # noqa: E731
+    sent = []
+    for sig, wait_s in ((signal.SIGINT, grace), (signal.SIGTERM, term_grace),
+                        (signal.SIGKILL, kill_grace)):
+        left = find()
+        if not left:
+            break
+        sent.append(signal.Signals(sig).name)
+        signal_all(left, sig)
+        wait_gone(find, wait_s)
+    survivors = [(p, proc_name(p)) for p in find()]
+    # Let the supervisor record the end before we report.
+    end = time.monotonic() + 5
+    while time.monotonic() < end and rd.read_state()["stages"][stage]["status"] == "running":
+        if not proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")):
+            refresh(rd)
+            break
+        time.sleep(0.05)
+    return CancelResult(stage, True, sent, survivors)
+
+
+def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -> list[CancelResult]:
+    """Cancel one stage, or the pipeline: no further stage is started, and
+    the running one is stopped."""
+    if stage is None:
+        with rd.mutate_state() as state:
+            state["cancel_requested"] = True
+    targets = [stage] if stage else [s for s in STAGE_NAMES
+                                     if rd.read_state()["stages"][s]["status"] == "running"]
+    return [cancel_stage(rd, s, grace, term_grace) for s in targets]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.runner")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("drive", help="run the pipeline of a run directory (detached by `eagle-panel run`)")
+    d.add_argument("--run-dir", required=True)
+    d.add_argument("--stage", choices=STAGE_NAMES)
+    d.add_argument("--force", action="store_true")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    return drive(RunDir(a.run_dir).require(), a.stage, a.force)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,106 @@
+"""The stage supervisor: a small process in the stage's own session.
+
+It starts the stage, records its pid, waits for it and writes the exit code or
+signal into state.json. It lives in a new session of its own, so closing the
+panel, losing SSH or killing the launcher does not touch it, and the stage's
+end is recorded even when nobody is watching.
+
+    python -m pipeline.supervise --run-dir R --stage S -- ARGV...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pipeline.events import EventWriter, last_event
+from pipeline.proctree import TOKEN_VAR, stop_tree
+from pipeline.rundir import RunDir, proc_start_ticks, signal_name
+
+
+def _classify(code: int, cancel_requested: bool, events_path) -> tuple[str, int | None, str | None]:
+    exit_code = code if code >= 0 else None
+    sig = signal_name(-code) if code < 0 else None
+    if code == 0:
+        finished = last_event(events_path, ("stage_started", "stage_finished"))
+        said_done = bool(finished and finished.get("type") == "stage_finished"
+                         and finished.get("status") == "succeeded")
+        if not cancel_requested or said_done:
+            return "succeeded", exit_code, sig
+    return ("cancelled" if cancel_requested else "failed"), exit_code, sig
+
+
+def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
+    # The supervisor must outlive a cancel (which signals the stage's group,
+    # not ours) and a hang-up of the terminal that started it.
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
+
+    st = rd.read_state()["stages"][stage]
+    env = os.environ.copy()
+    env[TOKEN_VAR] = st["token"]
+    events = EventWriter(rd.events_path(stage))
+    events.emit("stage_started", stage=stage, attempt=st["attempt"], argv=argv,
+                devices=st["devices"])
+    t0 = time.time()
+    try:
+        # Own process group (inside our session): cancel signals the group.
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, env=env,
+            preexec_fn=lambda: (os.setpgid(0, 0), _restore_signals()),
+        )
+    except OSError as e:
+        print(f"eagle-panel: cannot start {argv[0]}: {e}", file=sys.stderr, flush=True)
+        events.error(f"cannot start the stage: {e}", hint="check [runtime] python in config.toml")
+        events.emit("stage_finished", status="failed", duration_s=0.0, summary={"error": str(e)})
+        rd.update_stage(stage, status="failed", exit_code=127, ended_at=time.time(),
+                        reason=f"could not start: {e}")
+        return 127
+
+    rd.update_stage(stage, pid=child.pid, pgid=child.pid,
+                    create_time=proc_start_ticks(child.pid))
+    code = child.wait()
+
+    # Anything the stage left behind (workers in sessions of their own,
+    # grandchildren) must not keep GPU memory or files busy.
+    survivors = stop_tree(st["token"], child.pid)
+    cancel_requested = rd.read_state()["stages"][stage].get("cancel_requested", False)
+    status, exit_code, sig = _classify(code, cancel_requested, rd.events_path(stage))
+    reason = None
+    if survivors:
+        reason = f"processes still alive after SIGKILL: {survivors}"
+    finished = last_event(rd.events_path(stage), ("stage_started", "stage_finished"))
+    if not finished or finished.get("type") != "stage_finished":
+        detail = f"exit code {exit_code}" if sig is None else f"killed by {sig}"
+        if status == "failed":
+            events.error(f"stage {stage} {detail}",
+                         hint=f"see {rd.log_path(stage)}; `eagle-panel resume` continues from here")
+        events.emit("stage_finished", status=status, duration_s=round(time.time() - t0, 3),
+                    summary={"exit_code": exit_code, "signal": sig}, source="supervisor")
+    events.close()
+    rd.update_stage(stage, status=status, exit_code=exit_code, signal=sig,
+                    ended_at=time.time(), reason=reason)
+    return 0
+
+
+def _restore_signals():
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.supervise")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--stage", required=True)
+    ap.add_argument("argv", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    cmd = a.argv[1:] if a.argv and a.argv[0] == "--" else a.argv
+    return supervise(RunDir(a.run_dir), a.stage, cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""A stand-in stage for the runner's tests: a real process whose behaviour
+is chosen by STAGEKIT in its environment (per stage via [stages.X.env]).
+
+  ok | sleep:S | fail:CODE | fail_once | sigkill | ignore_term:S | grandchild:S |
+  events:N | graceful:S (exits 130 on SIGINT after writing a marker)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pipeline.events import EventWriter
+from pipeline.rundir import RunDir
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--config", required=True)
+    a = ap.parse_args()
+    stage = os.environ["EAGLE_PANEL_STAGE"]
+    rd = RunDir(a.run_dir)
+    ev = EventWriter(rd.events_path(stage))
+    if os.environ.get("STAGEKIT_COUNT"):
+        with open(os.environ["STAGEKIT_COUNT"], "a") as f:
+            f.write(f"{stage} {os.getpid()}\n")
+    action, _, arg = os.environ.get("STAGEKIT", "ok").partition(":")
+    print(f"stagekit {stage}: {action} {arg}", flush=True)
+    t0 = time.time()
+    if action == "sleep":
+        total = float(arg)
+        steps = max(1, int(total / 0.1))
+        for i in range(steps):
+            time.sleep(total / steps)
+            ev.emit("progress", done=i + 1, total=steps, unit="steps")
+    elif action == "fail":
+        print("stagekit: failing on purpose", file=sys.stderr, flush=True)
+        ev.error("failing on purpose", hint="this is a test stage")
+        return int(arg or 1)
+    elif action == "fail_once":
+        marker = rd.stage_dir(stage) / "failed_once"
+        if not marker.exists():
+            marker.write_text("x")
+            ev.error("first attempt fails on purpose")
+            return 1
+    elif action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "ignore_term":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(float(arg))
+    elif action == "grandchild":
+        # A child in a session of its own (like vLLM's workers) that also
+        # ignores SIGTERM, plus a plain grandchild in our group.
+        code = ("import os,signal,time,sys;signal.signal(signal.SIGTERM,signal.SIG_IGN);"
+                "signal.signal(signal.SIGINT,signal.SIG_IGN);open(sys.argv[1],'w').write(str(os.getpid()));"
+                "time.sleep(600)")
+        marker = rd.stage_dir(stage) / "grandchild.pid"
+        subprocess.Popen([sys.executable, "-c", code, str(marker)], start_new_session=True)
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        while not marker.exists():
+            time.sleep(0.02)
+        time.sleep(float(arg))
+    elif action == "events":
+        for i in range(int(arg)):
+            ev.emit("metric", step=i, epoch=0, values={"loss": 1.0 / (i + 1)}, split="train")
+    elif action == "graceful":
+        def stop(*_):
+            (rd.stage_dir(stage) / "graceful.marker").write_text("saved")
+            ev.emit("stage_finished", status="cancelled", duration_s=time.time() - t0, summary={})
+            sys.exit(130)
+        signal.signal(signal.SIGINT, stop)
+        time.sleep(float(arg))
+    ev.emit("stage_finished", status="succeeded", duration_s=time.time() - t0,
+             summary={"action": action})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Bad input: every config problem is one clear error, exit 2, nothing launched."""
+
+import pytest
+
+from pipeline import config as config_mod
+from pipeline.config import ConfigError, parse
+from tests.conftest import ROOT, cli
+
+
+def err(text, gpu_count=None, base_dir=None):
+    with pytest.raises(ConfigError) as e:
+        parse(text, "my.toml", base_dir, gpu_count=gpu_count)
+    return str(e.value)
+
+
+def test_bundled_config_is_valid():
+    cfg = config_mod.load(ROOT / "config.toml", gpu_count=None)
+    assert cfg.stage_entry("train") == "pipeline.stages.train"
+    assert set(cfg.runtime.env) >= set()
+
+
+def test_defaults_and_derived_values():
+    cfg = parse("[gpus]\ndevices = [0, 1, 2, 3]\ntrain = [2, 3]\n", gpu_count=lambda: 8)
+    assert cfg.stage_devices("extract") == [0, 1, 2, 3]
+    assert cfg.stage_devices("train") == [2, 3]
+    assert cfg.stage_devices("prepare") == []
+    fps = {}
+    for s in config_mod.STAGE_NAMES:
+        fps[s] = cfg.fingerprint(s, fps)
+    assert len(set(fps.values())) == 4
+
+
+def test_unknown_key_suggests_nearest():
+    msg = err("[stages.train]\nepochz = 3\n")
+    assert "my.toml" in msg and "`stages.train.epochz`" in msg
+    assert "Did you mean `stages.train.epochs`?" in msg
+    assert "unknown key `stagez`" in err("[stagez]\n") and "`stages`" in err("[stagez]\n")
+
+
+def test_wrong_types():
+    assert "`stages.train.epochs` must be an integer, got str '3'" in err('[stages.train]\nepochs = "3"\n')
+    assert "`model.trust_remote_code` must be true or false" in err("[model]\ntrust_remote_code = 1\n")
+    assert "`gpus.devices[1]` must be an integer" in err('[gpus]\ndevices = [0, "1"]\n')
+    assert "`runtime.env` must be a table of strings" in err("[runtime]\nenv = { A = 1 }\n")
+    assert "must be a table" in err("stages = 3\n")
+
+
+def test_malformed_toml_names_the_line():
+    msg = err("[run]\nname = \n")
+    assert "my.toml: not valid TOML" in msg and "line 2" in msg
+
+
+def test_bad_values():
+    assert "is not one of" in err('[stages.extract]\nbackend = "tensorrt"\n')
+    assert "must be positive" in err("[stages.train]\nepochs = 0\n")
+    assert "train_ratio" in err("[stages.train]\ntrain_ratio = 1.5\n")
+    assert "plain folder name" in err('[run]\nname = "a/b"\n')
+
+
+def test_missing_paths(tmp_path):
+    msg = err('[model]\ntarget = "models/nope"\n', base_dir=tmp_path)
+    assert "`model.target`" in msg and str(tmp_path / "models/nope") in msg
+    assert "`data.path`" in err('[data]\npath = "/no/such.jsonl"\n')
+    assert "not a built-in" in err('[model]\ntarget = "builtin:gpt5"\n')
+    assert "`runtime.python`" in err('[runtime]\npython = "/no/python"\n')
+
+
+def test_gpu_indices_checked_against_the_machine():
+    assert "names GPU 8, but this machine has 8 GPU(s) (0..7)" in err(
+        "[gpus]\ndevices = [0, 8]\n", gpu_count=lambda: 8)
+    assert "no NVIDIA driver" in err("[gpus]\ndevices = [0]\n", gpu_count=lambda: None)
+    assert "uses GPUs not in" in err("[gpus]\ndevices = [0]\ntrain = [1]\n", gpu_count=lambda: 8)
+    assert "twice" in err("[gpus]\ndevices = [0, 0]\n", gpu_count=lambda: 8)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[run\n", "not valid TOML"),
+    ("[stages.prepare]\nseq_lenght = 5\n", "Did you mean `stages.prepare.seq_length`?"),
+    ('[data]\npath = "missing.jsonl"\n', "does not exist"),
+    ("[gpus]\ndevices = [99]\n", "`gpus.devices`"),
+])
+def test_cli_bad_config_exits_2_and_launches_nothing(tmp_path, text, needle):
+    (tmp_path / "config.toml").write_text(text)
+    p = cli("run", cwd=tmp_path, check=2)
+    assert needle in p.stderr and "config.toml" in p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_missing_config_and_bad_run_dir(tmp_path):
+    p = cli("--config", tmp_path / "nope.toml", "run", cwd=tmp_path, check=2)
+    assert "config file not found" in p.stderr
+    (tmp_path / "runs" / "junk").mkdir(parents=True)
+    (tmp_path / "runs" / "junk" / "x").write_text("")
+    p = cli("status", tmp_path / "runs" / "junk", cwd=tmp_path, check=2)
+    assert "no such run directory" in p.stderr or "not an eagle-panel run" in p.stderr
+    (tmp_path / "config.toml").write_text('[run]\nname = "junk"\n')
+    p = cli("run", cwd=tmp_path, check=2)
+    assert "is not an eagle-panel run" in p.stderr
+    assert sorted(x.name for x in (tmp_path / "runs" / "junk").iterdir()) == ["x"]
+
+
+def test_bad_config_leaves_existing_run_untouched(tmp_path, stagekit):
+    cfg = stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    frozen = (tmp_path / "runs/t/config.toml").read_text()
+    state = (tmp_path / "runs/t/state.json").read_text()
+    cfg.write_text(cfg.read_text().replace("[stages.train]\n", "[stages.train]\nbogus = 1\n"))
+    cli("run", cwd=tmp_path, check=2)
+    assert (tmp_path / "runs/t/config.toml").read_text() == frozen
+    assert (tmp_path / "runs/t/state.json").read_text() == state

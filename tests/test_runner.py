@@ -1,0 +1,251 @@
+"""The runner with real processes: tests.stagekit stands in for the stages."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline.proctree import stage_processes
+from pipeline.rundir import RunDir, proc_alive
+from tests.conftest import ROOT, cli, wait_for
+
+
+def starts(tmp_path):
+    f = tmp_path / "starts.txt"
+    return [line.split()[0] for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def state_of(tmp_path, run="t"):
+    return RunDir(tmp_path / "runs" / run).read_state()
+
+
+def test_full_run_then_skip_by_fingerprint(tmp_path, stagekit):
+    stagekit()
+    p = cli("run", "--wait", cwd=tmp_path, check=0)
+    assert "[train] succeeded" in p.stdout
+    st = state_of(tmp_path)
+    assert [st["stages"][s]["status"] for s in ("prepare", "extract", "vocab", "train")] == \
+        ["succeeded"] * 4
+    assert all(st["stages"][s]["exit_code"] == 0 for s in st["stages"])
+    assert starts(tmp_path) == ["prepare", "extract", "vocab", "train"]
+
+    p = cli("run", "--wait", cwd=tmp_path, check=0)
+    assert "up to date" in p.stdout and "nothing to run" in p.stdout
+    assert len(starts(tmp_path)) == 4
+
+    status = json.loads(cli("status", "--json", cwd=tmp_path, check=0).stdout)
+    assert [r["status"] for r in status["stages"]] == ["succeeded"] * 4
+    assert status["stages"][0]["attempt"] == 1
+
+
+def test_changed_section_invalidates_downstream_only(tmp_path, stagekit):
+    stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    # vocab's section changes: vocab and train (which reads it) re-run.
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(cfg.read_text().replace(
+        '[stages.vocab]\nentry = "tests.stagekit"',
+        '[stages.vocab]\ndraft_vocab_size = 77\nentry = "tests.stagekit"'))
+    p = cli("run", "--wait", cwd=tmp_path, check=0)
+    assert starts(tmp_path)[4:] == ["vocab", "train"], p.stdout
+    assert "config changed" in p.stdout
+    st = state_of(tmp_path)["stages"]
+    assert st["prepare"]["attempt"] == 1 and st["vocab"]["attempt"] == 2
+    # prepare changes: everything after it re-runs.
+    cfg.write_text(cfg.read_text().replace(
+        '[stages.prepare]\nentry', '[stages.prepare]\nseq_length = 99\nentry'))
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    assert starts(tmp_path)[6:] == ["prepare", "extract", "vocab", "train"]
+
+
+def test_failure_stops_pipeline_and_resume_continues(tmp_path, stagekit):
+    stagekit({"extract": "fail_once"})
+    p = cli("run", "--wait", cwd=tmp_path, check=1)
+    assert "first attempt fails on purpose" in p.stdout
+    st = state_of(tmp_path)["stages"]
+    assert st["extract"]["status"] == "failed" and st["extract"]["exit_code"] == 1
+    assert st["vocab"]["status"] == "pending"
+    p = cli("resume", "--wait", cwd=tmp_path, check=0)
+    assert starts(tmp_path) == ["prepare", "extract", "extract", "vocab", "train"]
+    st = state_of(tmp_path)["stages"]
+    assert st["extract"]["attempt"] == 2 and st["extract"]["status"] == "succeeded"
+
+
+def test_stage_killed_by_sigkill_is_failed_with_signal(tmp_path, stagekit):
+    stagekit({"prepare": "sigkill"})
+    p = cli("run", "--wait", cwd=tmp_path, check=1)
+    st = state_of(tmp_path)["stages"]["prepare"]
+    assert st["status"] == "failed" and st["signal"] == "SIGKILL" and st["exit_code"] is None
+    assert "killed by SIGKILL" in p.stdout
+    assert "SIGKILL" in cli("status", cwd=tmp_path, check=0).stdout
+
+
+def test_launcher_killed_stage_still_records_exit(tmp_path, stagekit):
+    stagekit({"prepare": "sleep:2"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    wait_for(lambda: rd.read_state()["stages"]["prepare"].get("pid"), what="prepare pid")
+    driver = rd.read_state()["driver"]["pid"]
+    os.kill(driver, signal.SIGKILL)
+    st = wait_for(lambda: (s := rd.read_state()["stages"]["prepare"])["status"] != "running" and s,
+                  timeout=20, what="prepare to end")
+    assert st["status"] == "succeeded" and st["exit_code"] == 0
+    # The next stage was not started: the driver is gone; resume picks up.
+    assert rd.read_state()["stages"]["extract"]["status"] == "pending"
+    cli("resume", "--wait", cwd=tmp_path, check=0)
+    assert starts(tmp_path) == ["prepare", "extract", "vocab", "train"]
+
+
+def test_relaunch_adopts_a_running_stage_instead_of_starting_it_twice(tmp_path, stagekit):
+    stagekit({"prepare": "sleep:2"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    wait_for(lambda: rd.read_state()["stages"]["prepare"].get("pid"), what="prepare pid")
+    os.kill(rd.read_state()["driver"]["pid"], signal.SIGKILL)
+    wait_for(lambda: rd.lock_holder() is None, what="lock release")
+    cli("resume", "--wait", cwd=tmp_path, check=0)
+    assert starts(tmp_path).count("prepare") == 1
+
+
+def test_cancel_escalates_and_kills_the_whole_tree(tmp_path, stagekit):
+    stagekit({"prepare": "grandchild:60"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    marker = rd.stage_dir("prepare") / "grandchild.pid"
+    wait_for(marker.exists, what="grandchild start")
+    grandchild = int(marker.read_text())
+    st = rd.read_state()["stages"]["prepare"]
+    assert len(stage_processes(st["token"], st["pgid"])) >= 3
+    t0 = time.monotonic()
+    p = cli("cancel", "--grace", "1", cwd=tmp_path, check=0)
+    took = time.monotonic() - t0
+    assert "SIGKILL" in p.stdout, p.stdout  # the session-leader grandchild ignores TERM
+    assert not proc_alive(grandchild, None)
+    assert stage_processes(st["token"], st["pgid"]) == []
+    st = rd.read_state()["stages"]["prepare"]
+    assert st["status"] == "cancelled"
+    assert took < 15
+    wait_for(lambda: not rd.read_state()["driver"], what="driver exit")
+    assert rd.read_state()["stages"]["extract"]["status"] == "pending"
+
+
+def test_cancel_of_a_stage_ignoring_sigterm(tmp_path, stagekit):
+    stagekit({"extract": "ignore_term:60"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    wait_for(lambda: rd.read_state()["stages"]["extract"].get("pid"), what="extract pid")
+    pid = rd.read_state()["stages"]["extract"]["pid"]
+    p = cli("cancel", "--stage", "extract", "--grace", "0.5", cwd=tmp_path, check=0)
+    assert "SIGINT, SIGTERM, SIGKILL" in p.stdout
+    st = rd.read_state()["stages"]["extract"]
+    assert st["status"] == "cancelled" and st["signal"] == "SIGKILL"
+    assert not proc_alive(pid, None)
+
+
+def test_graceful_cancel_lets_the_stage_save(tmp_path, stagekit):
+    stagekit({"prepare": "graceful:60"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    wait_for(lambda: rd.read_state()["stages"]["prepare"].get("pid"), what="prepare pid")
+    time.sleep(0.3)  # let the stage install its handler
+    p = cli("cancel", cwd=tmp_path, check=0)
+    assert "sent SIGINT)" in p.stdout
+    assert (rd.stage_dir("prepare") / "graceful.marker").read_text() == "saved"
+    st = rd.read_state()["stages"]["prepare"]
+    assert st["status"] == "cancelled" and st["exit_code"] == 130
+
+
+def test_concurrent_launchers_start_a_stage_once(tmp_path, stagekit):
+    stagekit({"prepare": "sleep:1.5"})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-m", "app.cli", "run", "--wait"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes.count(0) >= 1, outs
+    assert set(codes) <= {0, 3}, outs
+    assert starts(tmp_path) == ["prepare", "extract", "vocab", "train"]
+
+
+def test_supervisor_cleans_up_leftover_processes(tmp_path, stagekit):
+    stagekit({"prepare": "grandchild:0.2"})
+    cli("run", "--stage", "prepare", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    grandchild = int((rd.stage_dir("prepare") / "grandchild.pid").read_text())
+    assert not proc_alive(grandchild, None)
+    st = rd.read_state()["stages"]["prepare"]
+    assert stage_processes(st["token"], None) == []
+
+
+def test_single_stage_needs_its_inputs(tmp_path, stagekit):
+    stagekit()
+    p = cli("run", "--stage", "train", cwd=tmp_path, check=2)
+    assert "prepare" in p.stderr and "has not succeeded" in p.stderr
+    assert starts(tmp_path) == []
+
+
+def test_force_rerun_clears_outputs(tmp_path, stagekit):
+    stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    (rd.out_dir("vocab") / "old.bin").write_text("stale")
+    cli("run", "--stage", "vocab", "--force", "--wait", cwd=tmp_path, check=0)
+    assert not (rd.out_dir("vocab") / "old.bin").exists()
+    assert starts(tmp_path)[-1] == "vocab"
+
+
+def test_logs_and_runs(tmp_path, stagekit):
+    stagekit({"prepare": "fail:3"})
+    cli("run", "--wait", cwd=tmp_path, check=1)
+    p = cli("logs", "prepare", cwd=tmp_path, check=0)
+    assert "failing on purpose" in p.stdout
+    p = cli("runs", cwd=tmp_path, check=0)
+    assert p.stdout.startswith("t ") and "prepare:failed" in p.stdout
+    assert "3" in cli("status", cwd=tmp_path, check=0).stdout
+
+
+def test_state_survives_writers_killed_mid_write(tmp_path):
+    rd = RunDir(tmp_path / "r")
+    rd.create("", tmp_path)
+    code = ("import sys; from pipeline.rundir import RunDir\n"
+            "rd = RunDir(sys.argv[1]); i = 0\n"
+            "while True:\n"
+            "    i += 1; rd.update_stage('train', attempt=i, reason='x' * (i % 5000))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for i in range(15):
+        writers = [subprocess.Popen([sys.executable, "-c", code, str(rd.path)], env=env)
+                   for _ in range(2)]
+        time.sleep(0.25 + (i % 5) * 0.03)
+        for w in writers:
+            w.send_signal(signal.SIGKILL)
+            w.wait()
+        state = rd.read_state()  # raises if the file were torn
+        assert state["stages"]["train"]["attempt"] >= 0
+    leftovers = [p for p in rd.path.iterdir() if p.name.endswith(".tmp")]
+    # A killed writer may leave its temp file; it is never the state itself.
+    assert all(p.name.startswith(".state.json.") for p in leftovers)
+
+
+def test_stage_log_gets_stdout_and_stderr(tmp_path, stagekit):
+    stagekit({"prepare": "fail:1"})
+    cli("run", "--wait", cwd=tmp_path, check=1)
+    log = (tmp_path / "runs/t/prepare/stage.log").read_text()
+    assert "stagekit prepare: fail" in log and "failing on purpose" in log
+
+
+@pytest.mark.parametrize("bad", ["not json", '{"stages": 5}', ""])
+def test_corrupt_state_is_reported_not_reset(tmp_path, stagekit, bad):
+    stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    state_path = tmp_path / "runs/t/state.json"
+    state_path.write_text(bad)
+    for args in (("status",), ("status", "t"), ("run",), ("resume", "t")):
+        p = cli(*args, cwd=tmp_path, check=2)
+        assert "corrupt state file" in p.stderr, (args, p.stderr)
+    assert state_path.read_text() == bad
+    assert len(starts(tmp_path)) == 4
