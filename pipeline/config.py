@@ -96,6 +96,7 @@ class ExtractSection(StageCommon):
     layer_ids: list[int] = field(default_factory=list)
     batch_tokens: int = 8192
     min_free_gb: float = 2.0
+    workers: int = 0
 
 
 @dataclass

@@ -1,0 +1,176 @@
+"""What every stage shares: arguments, config, events, stop requests, errors.
+
+A stage is `python -m pipeline.stages.NAME --run-dir R --config C`; it runs
+the same under the runner or by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import config as config_mod
+from pipeline.config import BUILTIN_DATA, BUILTIN_MODEL, Config
+from pipeline.events import EventWriter
+from pipeline.rundir import RunDir, atomic_write_bytes
+
+EXIT_INTERRUPTED = 130
+
+
+class StageError(Exception):
+    """A problem the user can fix: reported as an `error` event with a hint."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+class Interrupted(Exception):
+    """A stop was requested (SIGINT/SIGTERM) and the stage stopped cleanly."""
+
+
+@dataclass
+class StageContext:
+    name: str
+    cfg: Config
+    run: RunDir
+    events: EventWriter
+    started: float = field(default_factory=time.time)
+    stop_requested: bool = False
+
+    @property
+    def section(self):
+        return self.cfg.stage(self.name)
+
+    @property
+    def devices(self) -> list[str]:
+        """Torch devices for this stage: the GPUs it was given, else the CPU."""
+        n = len(self.cfg.stage_devices(self.name))
+        return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+
+    @property
+    def out(self) -> Path:
+        return self.run.out_dir(self.name)
+
+    def out_of(self, stage: str) -> Path:
+        return self.run.out_dir(stage)
+
+    def check_stop(self) -> None:
+        """Call between units of work: raises Interrupted once a stop is asked."""
+        if self.stop_requested:
+            raise Interrupted()
+
+    def target_path(self) -> Path:
+        if self.cfg.model.target == BUILTIN_MODEL:
+            from pipeline.builtin.tiny_model import ensure_built
+            return ensure_built()
+        return self.cfg.resolve(self.cfg.model.target)
+
+    def data_path(self) -> Path:
+        if self.cfg.data.path == BUILTIN_DATA:
+            from pipeline.builtin import conversations_path
+            return conversations_path()
+        return self.cfg.resolve(self.cfg.data.path)
+
+    def progress(self, done: int, total: int | None, unit: str, **extra) -> None:
+        elapsed = max(time.time() - self.started, 1e-9)
+        rate = extra.pop("rate", None) or (done - extra.pop("done_before", 0)) / elapsed
+        eta = (total - done) / rate if total and rate > 0 else None
+        self.events.emit("progress", done=done, total=total, unit=unit, rate=rate,
+                         eta_s=eta, **extra)
+
+    def write_json(self, path: Path, obj) -> None:
+        atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def torch_dtype(cfg: Config, device_type: str):
+    import torch
+    name = cfg.model.dtype
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def parse_args(name: str, argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"python -m pipeline.stages.{name}")
+    ap.add_argument("--run-dir", required=True, help="the run directory (created if missing)")
+    ap.add_argument("--config", help="config file (default: the run's frozen config.toml)")
+    return ap.parse_args(argv)
+
+
+def load_context(name: str, argv=None) -> StageContext:
+    args = parse_args(name, argv)
+    run = RunDir(args.run_dir)
+    if run.is_run():
+        state = run.read_state()
+        base = Path(state["base_dir"]) if state.get("base_dir") else None
+        cfg_path = Path(args.config) if args.config else run.config_path
+        cfg = config_mod.load(cfg_path, gpu_count=None,
+                              base_dir=base if cfg_path.resolve() == run.config_path else None)
+    else:
+        # Run by hand on a fresh folder: make it a run directory.
+        if not args.config:
+            raise config_mod.ConfigError(f"{run.path} is not a run directory yet; pass --config.")
+        cfg = config_mod.load(args.config, gpu_count=None)
+        run.create(Path(args.config).read_text(), cfg.base_dir)
+    run.out_dir(name).mkdir(parents=True, exist_ok=True)
+    if "EAGLE_PANEL_STAGE" not in os.environ:
+        # Run by hand: give the stage its configured GPUs, as the runner would.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.stage_devices(name)))
+    return StageContext(name, cfg, run, EventWriter(run.events_path(name)))
+
+
+def run_stage(name: str, body, argv=None) -> int:
+    """Run `body(ctx) -> summary` with the protocol around it: stop requests,
+    a `stage_finished` event, errors as events with hints, exit codes."""
+    try:
+        ctx = load_context(name, argv)
+    except config_mod.ConfigError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+
+    def request_stop(signum, _frame):
+        if ctx.stop_requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        ctx.stop_requested = True
+        print(f"{name}: {signal.Signals(signum).name} received, stopping after the current unit",
+              flush=True)
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    status, summary, code = "failed", {}, 1
+    try:
+        summary = body(ctx) or {}
+        status, code = "succeeded", 0
+    except Interrupted:
+        status, code = "cancelled", EXIT_INTERRUPTED
+        summary = {"stopped": "on request; resume continues from here"}
+    except KeyboardInterrupt:
+        status, code = "cancelled", EXIT_INTERRUPTED
+    except StageError as e:
+        print(f"{name}: error: {e}", file=sys.stderr, flush=True)
+        if e.hint:
+            print(f"{name}: hint: {e.hint}", file=sys.stderr, flush=True)
+        ctx.events.error(str(e), hint=e.hint)
+        summary = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 - a crash must still end with events
+        traceback.print_exc()
+        ctx.events.error(f"{type(e).__name__}: {e}",
+                         hint=f"see {ctx.run.log_path(name)} for the traceback")
+        summary = {"error": f"{type(e).__name__}: {e}"}
+    ctx.events.emit("stage_finished", status=status,
+                    duration_s=round(time.time() - ctx.started, 3), summary=summary)
+    ctx.events.close()
+    return code
+
+
+def main_for(name: str, body) -> None:
+    sys.exit(run_stage(name, body))
+

@@ -1,0 +1,114 @@
+"""The `hf` extract backend: a transformers forward that captures the
+residual stream at the requested layers.
+
+Layer ids follow vLLM: id k is the residual stream after k decoder layers
+(0 = the embeddings, num_layers = the last layer's output *before* the final
+norm), so files from this backend and from vLLM are interchangeable. HF's
+`output_hidden_states` puts the final norm on its last entry, so the layers
+are captured with hooks instead, which also keeps only the layers asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def text_config(config):
+    """Multimodal wrappers (Kimi-K2.5, Qwen-VL) keep the decoder in text_config."""
+    return getattr(config, "text_config", None) or config
+
+
+def decoder_layers(model, num_layers: int):
+    """The ModuleList of decoder layers, wherever the architecture keeps it."""
+    import torch.nn as nn
+    for name in ("model.layers", "model.language_model.layers", "language_model.model.layers",
+                 "transformer.h", "model.decoder.layers"):
+        obj = model
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) == num_layers:
+            return obj
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+
+
+def validate_layer_ids(aux: list[int], num_layers: int) -> list[int]:
+    """Aux ids plus the last layer; errors say which id and the valid range."""
+    if not aux:
+        if num_layers < 6:
+            raise ValueError(
+                f"the target has {num_layers} layers, too few for the default aux layers "
+                f"[2, n/2, n-3]; set [stages.extract] layer_ids (0..{num_layers - 1})")
+        aux = [2, num_layers // 2, num_layers - 3]
+    for k in aux:
+        if k == num_layers:
+            raise ValueError(f"layer id {k} is the last layer, which is always captured; "
+                             f"aux layer ids must be in 0..{num_layers - 1}")
+        if not 0 <= k < num_layers:
+            raise ValueError(f"layer id {k} is out of range for a target with {num_layers} "
+                             f"layers; aux layer ids must be in 0..{num_layers - 1}")
+    if len(set(aux)) != len(aux):
+        raise ValueError(f"layer_ids {aux} lists a layer twice")
+    return sorted(aux) + [num_layers]
+
+
+class HFBackend:
+    """Forward batches of token ids; returns [batch, seq, n_layers, hidden]."""
+
+    kv_cache = False  # no paged KV cache to report for this backend
+
+    def __init__(self, model_path: Path, layer_ids: list[int], device: str, dtype,
+                 trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch = torch
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model.to(self.device).eval()
+        self.dtype = dtype
+        cfg = text_config(self.model.config)
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.layer_ids = layer_ids
+        self._layers = decoder_layers(self.model, self.num_layers)
+        self._captured: dict[int, object] = {}
+        self._hooks = []
+        for k in layer_ids:
+            if k == 0:
+                self._hooks.append(self._layers[0].register_forward_pre_hook(self._pre_hook))
+            else:
+                self._hooks.append(self._layers[k - 1].register_forward_hook(self._hook(k)))
+        # Run the decoder only: the LM head's logits are not needed.
+        self._body = getattr(self.model, "model", None) or self.model
+
+    def _pre_hook(self, _module, args, kwargs=None):
+        self._captured[0] = args[0] if args else kwargs["hidden_states"]
+
+    def _hook(self, k):
+        def hook(_module, _args, output):
+            self._captured[k] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def forward(self, batch: list[list[int]]):
+        """Right-padded batch -> hidden states [B, T, L, H] on the device."""
+        torch = self.torch
+        longest = max(len(r) for r in batch)
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        self._captured.clear()
+        with torch.inference_mode():
+            self._body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                       use_cache=False)
+            return torch.stack([self._captured[k] for k in self.layer_ids], dim=2)
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()

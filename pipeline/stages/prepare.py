@@ -1,0 +1,225 @@
+"""Stage 1, prepare: conversations -> the target's chat template -> token ids
+with assistant-only loss masks, in speculators' layout:
+
+    prepare/out/data/            datasets Arrow dir: input_ids, loss_mask, seq_len (torch format)
+    prepare/out/token_freq.pt    {token_id: count} over loss-masked tokens (a pickled dict)
+
+Input rows are processed in chunks, each saved atomically under out/.chunks,
+so a killed stage resumes at the first unfinished chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+from pipeline.stages.chat_mask import EndpointRenderer, LocalRenderer, RowError, normalize
+from pipeline.stages.common import StageContext, StageError, main_for
+
+CHUNK_ROWS = 200
+MAX_LISTED = 50
+
+
+def iter_raw(path: Path):
+    """(row number, parsed object or RowError): JSONL line numbers from 1, or
+    row indices of a datasets folder."""
+    if path.is_dir():
+        try:
+            from datasets import load_from_disk
+            ds = load_from_disk(str(path))
+        except Exception as e:  # noqa: BLE001
+            raise StageError(f"{path}: not a readable datasets folder ({e})",
+                             hint="give a JSONL file or a folder saved with save_to_disk") from None
+        if hasattr(ds, "keys"):  # a DatasetDict: take the train split
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds.keys()))]
+        for i, row in enumerate(ds):
+            yield i, row
+        return
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield n, RowError(f"invalid UTF-8 at byte {e.start}")
+                continue
+            if not text.strip():
+                yield n, RowError("empty line")
+                continue
+            try:
+                yield n, json.loads(text)
+            except ValueError as e:
+                yield n, RowError(f"bad JSON ({e.msg} at column {e.colno})")
+
+
+def count_rows(path: Path) -> int:
+    if path.is_dir():
+        return sum(1 for _ in iter_raw(path))
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def load_tokenizer(ctx: StageContext):
+    from transformers import AutoTokenizer
+    target = ctx.target_path()
+    try:
+        return AutoTokenizer.from_pretrained(str(target),
+                                             trust_remote_code=ctx.cfg.model.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        if "trust_remote_code" in msg:
+            raise StageError(f"the tokenizer of {target} runs custom code",
+                             hint="set [model] trust_remote_code = true in config.toml "
+                                  "if you trust this model") from None
+        raise StageError(f"cannot load the tokenizer of {target}: {msg.splitlines()[0]}",
+                         hint="[model] target must be a local HF model folder") from None
+
+
+def process_chunk(rows, renderer, seq_length: int, fmt: str):
+    ids_out, mask_out, skipped = [], [], []
+    for n, obj in rows:
+        try:
+            if isinstance(obj, RowError):
+                raise obj
+            kind, *rest = normalize(obj, fmt)
+            if kind == "tokenized":
+                made = [rest]
+            else:
+                made = [(r.input_ids, r.loss_mask) for r in renderer.rows(rest[0])]
+            kept = 0
+            for ids, mask in made:
+                ids, mask = ids[:seq_length], mask[:seq_length]
+                if sum(mask):
+                    ids_out.append(ids)
+                    mask_out.append(mask)
+                    kept += 1
+            if not kept:
+                raise RowError(f"no assistant tokens within seq_length={seq_length}")
+        except RowError as e:
+            skipped.append((n, str(e)))
+    return {"input_ids": ids_out, "loss_mask": mask_out, "skipped": skipped}
+
+
+def body(ctx: StageContext) -> dict:
+    import torch
+    sec = ctx.section
+    src = ctx.data_path()
+    fmt = ctx.cfg.data.format
+    limit = ctx.cfg.data.max_samples or None
+    if sec.render_endpoint:
+        renderer = EndpointRenderer(sec.render_endpoint, sec.render_timeout_s)
+        try:
+            renderer.ids([{"role": "user", "content": "ping"}], True)
+        except ConnectionError as e:
+            raise StageError(f"render endpoint unusable: {e}",
+                             hint="start the vLLM server, or set [stages.prepare] "
+                                  "render_endpoint = \"\" to use the local chat template") from None
+    else:
+        try:
+            renderer = LocalRenderer(load_tokenizer(ctx))
+        except ValueError as e:
+            raise StageError(f"{ctx.target_path()}: {e}",
+                             hint="add a chat_template to the tokenizer, or use "
+                                  "render_endpoint with a vLLM server") from None
+
+    total = count_rows(src)
+    if limit:
+        total = min(total, limit)
+    chunk_dir = ctx.out / ".chunks"
+    chunk_dir.mkdir(exist_ok=True)
+    n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
+    done_before = sum(1 for k in range(n_chunks) if (chunk_dir / f"chunk_{k:06d}.pt").exists())
+    if done_before:
+        print(f"prepare: resuming, {done_before}/{n_chunks} chunks already done", flush=True)
+
+    buf, k, seen = [], 0, 0
+    for n, obj in iter_raw(src):
+        if seen >= total:
+            break
+        seen += 1
+        buf.append((n, obj))
+        if len(buf) == CHUNK_ROWS or seen == total:
+            path = chunk_dir / f"chunk_{k:06d}.pt"
+            if not path.exists():
+                ctx.check_stop()
+                try:
+                    result = process_chunk(buf, renderer, sec.seq_length, fmt)
+                except ConnectionError as e:
+                    raise StageError(f"render endpoint failed: {e}",
+                                     hint="check the vLLM server; resume continues here") from None
+                tmp = path.with_suffix(".tmp")
+                torch.save(result, tmp)
+                os.replace(tmp, path)
+            ctx.progress(seen, total, "rows", done_before=done_before * CHUNK_ROWS)
+            buf, k = [], k + 1
+
+    ids, masks, skipped = [], [], []
+    for j in range(k):
+        part = torch.load(chunk_dir / f"chunk_{j:06d}.pt", weights_only=True)
+        ids += part["input_ids"]
+        masks += part["loss_mask"]
+        skipped += part["skipped"]
+    if skipped:
+        reasons = Counter(reason.split(" (")[0] for _, reason in skipped)
+        where = "line" if src.is_file() else "row"
+        listed = "; ".join(f"{where} {n}: {r}" for n, r in skipped[:10])
+        ctx.events.warning(
+            f"skipped {len(skipped)} of {seen} rows in {src.name}: {listed}"
+            + (" ..." if len(skipped) > 10 else ""),
+            hint="fix or drop those rows; the rest were used",
+            rows=[{where: n, "reason": r} for n, r in skipped[:MAX_LISTED]],
+            counts=dict(reasons))
+    if not ids:
+        raise StageError(
+            f"no usable rows in {src}: all {seen} rows were skipped "
+            f"({', '.join(f'{v}x {r}' for r, v in Counter(r for _, r in skipped).most_common(3))})",
+            hint="check [data] path and format: JSONL with `messages` (OpenAI) or "
+                 "`conversations` (ShareGPT), each with at least one assistant turn")
+
+    write_dataset(ctx.out / "data", ids, masks)
+    freq = Counter()
+    for row, mask in zip(ids, masks):
+        freq.update(t for t, m in zip(row, mask) if m)
+    tmp = ctx.out / ".token_freq.pt.tmp"
+    torch.save(dict(freq), tmp)
+    os.replace(tmp, ctx.out / "token_freq.pt")
+    n_tokens = sum(len(r) for r in ids)
+    n_masked = sum(sum(m) for m in masks)
+    summary = {"rows_in": seen, "samples": len(ids), "skipped": len(skipped),
+               "tokens": n_tokens, "supervised_tokens": n_masked,
+               "distinct_tokens": len(freq), "max_seq_len": max(len(r) for r in ids),
+               "data": str(ctx.out / "data")}
+    ctx.write_json(ctx.out / "summary.json", summary)
+    ctx.events.emit("artifact", path=str(ctx.out / "data"), kind="dataset",
+                    bytes=sum(p.stat().st_size for p in (ctx.out / "data").rglob("*") if p.is_file()))
+    return summary
+
+
+def write_dataset(final: Path, ids, masks, seed: int = 0) -> None:
+    """Save the Arrow dataset atomically: build beside it, then rename."""
+    import shutil
+
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": ids, "loss_mask": masks,
+                            "seq_len": [len(r) for r in ids]})
+    ds = ds.shuffle(seed=seed).flatten_indices()
+    ds.set_format(type="torch")
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def main() -> None:
+    main_for("prepare", body)
+
+
+if __name__ == "__main__":
+    main()

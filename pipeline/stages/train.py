@@ -1,0 +1,265 @@
+"""Stage 4, train: an EAGLE-3 draft with speculators' own trainer.
+
+    train/out/checkpoints/<epoch>/   speculators checkpoint folders
+    train/out/checkpoints/checkpoint_best -> best epoch by validation loss
+
+The trainer is speculators 0.9's (`speculators.train.cli.main`, resolved
+from the same flags as `speculators train`), with its metrics logger turned
+into `metric` events. On CPU it runs in this process with the shims of
+train_shims.py; with several GPUs this stage re-launches itself under
+torchrun, one process per GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
+from pipeline.stages.train_shims import latest_checkpoint, set_aside_incomplete
+
+# torch versions whose compile of speculators' fused loss is known to fail
+# (FACTS.md: torch 2.11, "ListVariable(...) is already tracked for mutation").
+FUSED_LOSS_BROKEN = ("2.11",)
+
+
+def choose_loss(requested: str, device_type: str, torch_version: str) -> tuple[str, str | None]:
+    """(loss implementation, warning or None)."""
+    if requested == "eager":
+        return "eager", None
+    if device_type != "cuda":
+        if requested == "fused":
+            return "eager", "the fused loss needs a GPU and triton; using the eager loss on CPU"
+        return "eager", None
+    broken = any(torch_version.startswith(v) for v in FUSED_LOSS_BROKEN)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "eager", "triton is not installed, so the fused loss cannot compile; using eager"
+    if broken:
+        return "eager", (f"speculators' fused loss fails inside torch.compile on torch "
+                         f"{torch_version} (after minutes of compiling); using the eager loss")
+    return "fused", None
+
+
+def choose_attention(requested: str, device_type: str) -> str:
+    if requested == "auto":
+        return "simple_flex_attention" if device_type == "cuda" else "sdpa"
+    if requested == "flex":
+        if device_type != "cuda":
+            raise StageError("flex attention has no CPU backward",
+                             hint='set [stages.train] attention = "sdpa" (or "auto")')
+        return "simple_flex_attention"
+    return requested
+
+
+def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str) -> list[str]:
+    """The `speculators train` flags for this run: a user can replay them."""
+    sec = ctx.section
+    n = ctx.cfg.stages.vocab.draft_vocab_size
+    vocab = ctx.out_of("vocab")
+    argv = [
+        "--verifier-name-or-path", str(ctx.target_path()),
+        "--data-path", str(ctx.out_of("prepare") / "data"),
+        "--hidden-states-path", str(ctx.out_of("extract") / "hidden_states"),
+        "--d2t-path", str(vocab / f"d2t-{n}.npy"), "--t2d-path", str(vocab / f"t2d-{n}.npy"),
+        "--draft-vocab-size", str(n),
+        "--target-layer-ids", *map(str, meta["aux_layer_ids"]),
+        "--save-path", str(ctx.out / "checkpoints"), "--log-dir", str(ctx.out / "logs"),
+        "--logger", "", "--epochs", str(sec.epochs), "--lr", str(sec.lr),
+        "--num-layers", str(sec.num_layers), "--total-seq-len", str(sec.total_seq_len),
+        "--ttt-steps", str(sec.ttt_steps), "--train-data-ratio", str(sec.train_ratio),
+        "--checkpoint-freq", str(sec.checkpoint_freq), "--log-freq", str(sec.log_freq),
+        "--hidden-states-dtype", meta["dtype"], "--seed", str(sec.seed),
+        "--loss-implementation", loss, "--draft-attn-impl", attn,
+        "--on-missing", "raise", "--num-workers", "0" if ctx.devices == ["cpu"] else "4",
+    ]
+    if sec.max_steps:
+        argv += ["--max-steps", str(sec.max_steps)]
+    if ctx.cfg.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return argv
+
+
+class MetricEvents(logging.Handler):
+    """speculators.metrics records -> `metric` and `progress` events."""
+
+    def __init__(self, ctx: StageContext):
+        super().__init__()
+        self.ctx = ctx
+        self.total_steps = None
+        self.steps_per_epoch = None
+        self.first_step = None
+        self.last_val: dict = {}
+        self.first_loss = self.last_loss = None
+
+    def emit(self, record):
+        msg = record.msg
+        if not isinstance(msg, dict):
+            return
+        try:
+            if "train" in msg:
+                self._train(msg)
+            elif "val" in msg:
+                self._val(msg, getattr(record, "step", None))
+        except Exception:  # noqa: BLE001 - metrics must never stop training
+            self.handleError(record)
+
+    def _train(self, msg):
+        step = int(msg.get("global_step", 0))
+        values = {k: v for k, v in msg["train"].items() if isinstance(v, (int, float))}
+        lr = msg.get("lr")
+        if isinstance(lr, dict):
+            values.update({f"lr_{k}": v for k, v in lr.items()})
+        elif lr is not None:
+            values["lr"] = lr
+        prof = msg.get("profile") or {}
+        for k in ("tokens_per_s", "step_ms"):
+            if k in prof:
+                values[k] = prof[k]
+        self.ctx.events.emit("metric", step=step, epoch=msg.get("epoch"), split="train",
+                             values=values)
+        if "loss" in values:
+            self.first_loss = values["loss"] if self.first_loss is None else self.first_loss
+            self.last_loss = values["loss"]
+        if self.first_step is None:
+            self.first_step = step
+        self.ctx.progress(step + 1, self.total_steps, "steps",
+                          done_before=self.first_step, epoch=msg.get("epoch"),
+                          steps_per_epoch=self.steps_per_epoch)
+
+    def _val(self, msg, step):
+        values = {(k[:-6] if k.endswith("_epoch") else k): v for k, v in msg["val"].items()
+                  if isinstance(v, (int, float))}
+        self.last_val = values
+        self.ctx.events.emit("metric", step=step, epoch=msg.get("epoch"), split="val",
+                             values=values)
+
+
+def acceptance_length(val: dict, ttt_steps: int) -> float | None:
+    """Greedy-chain estimate: 1 + sum over draft positions of full accuracy."""
+    accs = [val.get(f"full_acc_{i}") for i in range(ttt_steps)]
+    if not accs or any(a is None for a in accs):
+        return None
+    return 1.0 + sum(accs)
+
+
+class Hooks:
+    def __init__(self, ctx: StageContext, metrics: MetricEvents):
+        self.ctx, self.metrics = ctx, metrics
+        self.interrupted_at = None
+
+    def on_total_steps(self, n: int, per_epoch: int) -> None:
+        self.metrics.total_steps, self.metrics.steps_per_epoch = n, per_epoch
+
+    def should_stop(self) -> bool:
+        return self.ctx.stop_requested
+
+    def on_interrupted(self, epoch, local_step, global_step) -> None:
+        self.interrupted_at = {"epoch": epoch, "local_step": local_step, "global_step": global_step}
+
+
+def body(ctx: StageContext) -> dict:
+    import torch
+
+    meta_path = ctx.out_of("extract") / "meta.json"
+    if not meta_path.exists():
+        raise StageError(f"{meta_path} is missing", hint="run the extract stage first")
+    meta = json.loads(meta_path.read_text())
+    device_type = "cuda" if ctx.devices[0].startswith("cuda") else "cpu"
+    loss, why = choose_loss(ctx.section.loss, device_type, torch.__version__)
+    if why:
+        ctx.events.warning(why, hint='set [stages.train] loss = "eager" to silence this')
+    attn = choose_attention(ctx.section.attention, device_type)
+    argv = trainer_argv(ctx, meta, loss, attn)
+    save_path = ctx.out / "checkpoints"
+    moved = set_aside_incomplete(save_path)
+    if moved:
+        ctx.events.warning(f"set aside incomplete checkpoint(s) {moved} (cut short by a kill); "
+                           "resuming from the last complete one")
+    if len(ctx.devices) > 1:
+        run_torchrun(ctx, argv)
+        metrics = None
+    else:
+        metrics = run_in_process(ctx, argv, device_type)
+    final = latest_checkpoint(save_path)
+    if final is None:
+        raise StageError(f"training ended without a checkpoint in {save_path}",
+                         hint=f"see {ctx.run.log_path('train')}")
+    val = dict(metrics.last_val) if metrics and metrics.last_val else read_val_metrics(final)
+    accept = acceptance_length(val, ctx.section.ttt_steps)
+    size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+    ctx.events.emit("artifact", path=str(final), kind="checkpoint", bytes=size)
+    summary = {"checkpoint": str(final), "acceptance_length": accept,
+               "val_loss": val.get("loss"), "train_argv": "speculators train " + " ".join(argv)}
+    if metrics and metrics.first_loss is not None:
+        summary.update(first_train_loss=metrics.first_loss, last_train_loss=metrics.last_loss)
+    return summary
+
+
+def read_val_metrics(folder: Path) -> dict:
+    try:
+        raw = json.loads((folder / "val_metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {(k[:-6] if k.endswith("_epoch") else k): v for k, v in raw.items()}
+
+
+def run_in_process(ctx: StageContext, argv: list[str], device_type: str) -> MetricEvents:
+    from speculators.train import cli as cli_mod
+    from speculators.train.config import TrainConfig
+
+    from pipeline.stages import train_shims
+
+    metrics = MetricEvents(ctx)
+    hooks = Hooks(ctx, metrics)
+    train_shims.install(cpu=device_type == "cpu", hooks=hooks)
+    real_setup = cli_mod.setup_metric_logger
+
+    def setup_metric_logger(*a, **kw):
+        # speculators' setup replaces the metric logger's handlers: add ours after it.
+        real_setup(*a, **kw)
+        logging.getLogger("speculators.metrics").addHandler(metrics)
+
+    cli_mod.setup_metric_logger = setup_metric_logger
+    try:
+        cfg = TrainConfig.resolve(argv)
+    except SystemExit:
+        raise StageError("speculators rejected the training flags (see the log above)",
+                         hint="check [stages.train] in config.toml") from None
+    cli_mod.main(cfg)
+    if hooks.interrupted_at is not None:
+        at = hooks.interrupted_at
+        print(f"train: stopped at epoch {at['epoch']} step {at['global_step']}; "
+              "checkpoint saved, resume continues from it", flush=True)
+        raise Interrupted()
+    return metrics
+
+
+def run_torchrun(ctx: StageContext, argv: list[str]) -> None:
+    """One process per GPU under torchrun; rank 0 writes the events."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={len(ctx.devices)}", "-m", "pipeline.stages.train_worker",
+           "--run-dir", str(ctx.run.path), "--", *argv]
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        code = proc.wait()
+    if ctx.stop_requested:
+        raise Interrupted()
+    if code != 0:
+        raise StageError(f"torchrun exited with code {code}",
+                         hint=f"see {ctx.run.log_path('train')}")
+
+
+def main() -> None:
+    main_for("train", body)
+
+
+if __name__ == "__main__":
+    main()
