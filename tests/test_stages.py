@@ -1,0 +1,353 @@
+"""Each real stage on its own: formats, bad input, resumability details."""
+
+import http.server
+import json
+import shutil
+import signal
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from pipeline.builtin import broken_conversations_path, conversations_path
+from pipeline.builtin.make_conversations import BROKEN
+from pipeline.builtin.tiny_model import ensure_built
+from pipeline.events import read_events
+from pipeline.rundir import RunDir
+from pipeline.stages import extract, prepare, train, vocab
+from pipeline.stages.chat_mask import LocalRenderer, RowError, normalize
+from pipeline.stages.common import run_stage
+from pipeline.stages.extract_hf import validate_layer_ids
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(ensure_built()))
+
+
+def run_body(tmp_path, stage, body, config: str, run="r"):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(textwrap.dedent(config))
+    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        code = run_stage(stage, body, ["--run-dir", str(tmp_path / run), "--config", str(cfg)])
+    finally:
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+    rd = RunDir(tmp_path / run)
+    return code, rd, read_events(rd.events_path(stage))
+
+
+def finished(events):
+    return [e for e in events if e["type"] == "stage_finished"][-1]
+
+
+# -- prepare ------------------------------------------------------------------
+
+def test_prepare_skips_malformed_rows_with_line_numbers(tmp_path):
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
+                             f'[data]\npath = "{broken_conversations_path()}"\n')
+    assert code == 0
+    summary = finished(evs)["summary"]
+    assert summary["samples"] == 20 and summary["skipped"] == len(BROKEN) + 1
+    warn = [e for e in evs if e["type"] == "warning"][0]
+    lines = broken_conversations_path().read_bytes().split(b"\n")
+    listed = {r["line"]: r["reason"] for r in warn["rows"]}
+    assert len(listed) == len(BROKEN) + 1
+    for n, reason in listed.items():
+        raw = lines[n - 1]
+        assert raw in [b.encode() for b in BROKEN] or b"\xff" in raw, (n, reason)
+    reasons = " | ".join(listed.values())
+    for needle in ("bad JSON", "no assistant turn", "has no `role`", "empty conversation",
+                   "empty line", "unknown role 'wizard'", "no `messages`", "invalid UTF-8"):
+        assert needle in reasons
+    assert "line " in warn["message"]
+    freq = torch.load(rd.out_dir("prepare") / "token_freq.pt", weights_only=True)
+    assert isinstance(freq, dict) and sum(freq.values()) == summary["supervised_tokens"]
+
+
+def test_prepare_zero_usable_rows_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(BROKEN) + "\n")
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body, f'[data]\npath = "{bad}"\n')
+    assert code == 1
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert "no usable rows" in err["message"] and "messages" in err["hint"]
+    assert not (rd.out_dir("prepare") / "data").exists()
+
+
+def test_prepare_masks_only_assistant_text(tmp_path, tok):
+    code, rd, _ = run_body(tmp_path, "prepare", prepare.body, "[data]\nmax_samples = 30\n")
+    assert code == 0
+    from datasets import load_from_disk
+    ds = load_from_disk(str(rd.out_dir("prepare") / "data"))
+    assert len(ds) == 30 and set(ds.column_names) == {"input_ids", "loss_mask", "seq_len"}
+    answers = {m["content"] for line in conversations_path().read_text().splitlines()[:30]
+               for m in json.loads(line)["messages"] if m["role"] == "assistant"}
+    for row in ds:
+        ids, mask = row["input_ids"], row["loss_mask"].bool()
+        assert int(row["seq_len"]) == len(ids)
+        supervised = tok.decode(ids[mask]).split("<|eot_id|>")
+        assert supervised[-1] == ""
+        assert all(s in answers for s in supervised[:-1])
+        assert "<|start_header_id|>" not in tok.decode(ids[mask])
+
+
+def test_prepare_reads_sharegpt_tokenized_and_datasets_folders(tmp_path, tok):
+    from datasets import Dataset
+    rows = [json.loads(x) for x in conversations_path().read_text().splitlines()[:12]]
+    ds_dir = tmp_path / "ds"
+    Dataset.from_list([{"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(
+        m["role"], m["role"]), "value": m["content"]} for m in r["messages"]]} for r in rows]
+    ).save_to_disk(str(ds_dir))
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body, f'[data]\npath = "{ds_dir}"\n')
+    assert code == 0 and finished(evs)["summary"]["samples"] == 12
+    tokd = tmp_path / "tok.jsonl"
+    tokd.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}) + "\n")
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
+                             f'[data]\npath = "{tokd}"\nformat = "tokenized"\n', run="r2")
+    assert code == 0 and finished(evs)["summary"]["supervised_tokens"] == 2
+
+
+def test_prepare_resumes_at_the_first_unfinished_chunk(tmp_path):
+    code, rd, _ = run_body(tmp_path, "prepare", prepare.body, "")
+    chunks = sorted((rd.out_dir("prepare") / ".chunks").glob("chunk_*.pt"))
+    assert len(chunks) == 2
+    mtime = chunks[0].stat().st_mtime_ns
+    chunks[1].unlink()
+    shutil.rmtree(rd.out_dir("prepare") / "data")
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body, "")
+    assert code == 0 and chunks[0].stat().st_mtime_ns == mtime and chunks[1].exists()
+    assert finished(evs)["summary"]["samples"] == 400
+
+
+def test_boundary_method_on_a_template_that_rewrites_history(tok):
+    import copy
+    t = copy.copy(tok)
+    # Like reasoning templates: earlier assistant turns are shortened when a
+    # later turn exists, so renders are not prefixes of each other.
+    t.chat_template = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+        "{% if m['role'] == 'assistant' and not loop.last %}(earlier){% else %}{{ m['content'] }}"
+        "{% endif %}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "first answer"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "second one"}]
+    rows = LocalRenderer(t).rows(msgs)
+    assert len(rows) == 2  # one row per assistant turn
+    texts = [t.decode([i for i, m in zip(r.input_ids, r.loss_mask) if m]) for r in rows]
+    assert texts == ["first answer<|eot_id|>", "second one<|eot_id|>"]
+    stable = LocalRenderer(tok).rows(msgs)
+    assert len(stable) == 1
+
+
+def test_normalize_rejects_and_accepts():
+    assert normalize({"messages": [{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
+                     )[1][1]["content"] == "a"
+    with pytest.raises(RowError, match="no `conversations`"):
+        normalize({"messages": []}, "sharegpt")
+    with pytest.raises(RowError, match="same length"):
+        normalize({"input_ids": [1, 2], "loss_mask": [1]})
+
+
+class RenderStandIn(http.server.BaseHTTPRequestHandler):
+    """STAND-IN for vLLM's /v1/chat/completions/render (no vLLM here): renders
+    with the same tokenizer's chat template and answers token ids."""
+    tokenizer = None
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/chat/completions/render":
+            self.send_response(404)
+            self.end_headers()
+            return
+        text = self.tokenizer.apply_chat_template(body["messages"], tokenize=False,
+                                                  add_generation_prompt=body["add_generation_prompt"])
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        out = json.dumps({"token_ids": ids}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_prepare_through_a_render_endpoint_matches_the_local_template(tmp_path, tok):
+    RenderStandIn.tokenizer = tok
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RenderStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        base = "[data]\nmax_samples = 40\n"
+        code, rd_local, _ = run_body(tmp_path, "prepare", prepare.body, base, run="local")
+        code2, rd_ep, _ = run_body(tmp_path, "prepare", prepare.body,
+                                   base + f'[stages.prepare]\nrender_endpoint = "{url}"\n', run="ep")
+    finally:
+        server.shutdown()
+    assert code == code2 == 0
+    from datasets import load_from_disk
+    a = load_from_disk(str(rd_local.out_dir("prepare") / "data")).with_format(None)
+    b = load_from_disk(str(rd_ep.out_dir("prepare") / "data")).with_format(None)
+    assert len(a) == 40
+    assert list(a["input_ids"]) == list(b["input_ids"])
+    assert list(a["loss_mask"]) == list(b["loss_mask"])
+
+
+def test_prepare_unreachable_endpoint_says_what_to_do(tmp_path):
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body,
+                            '[stages.prepare]\nrender_endpoint = "http://127.0.0.1:9"\n'
+                            "render_timeout_s = 2.0\n")
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "render endpoint unusable" in err["message"]
+    assert 'render_endpoint = ""' in err["hint"]
+
+
+def test_prepare_needs_trust_remote_code_for_custom_tokenizers(tmp_path):
+    src, model = ensure_built(), tmp_path / "custom-model"
+    model.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        shutil.copy(src / f, model / f)
+    tc = json.loads((model / "tokenizer_config.json").read_text())
+    tc.update(auto_map={"AutoTokenizer": ["custom_tok.CustomTokenizer", None]},
+              tokenizer_class="CustomTokenizer")
+    (model / "tokenizer_config.json").write_text(json.dumps(tc))
+    (model / "custom_tok.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body,
+                            f'[model]\ntarget = "{model}"\n[data]\nmax_samples = 5\n')
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "trust_remote_code = true" in err["hint"]
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body,
+                            f'[model]\ntarget = "{model}"\ntrust_remote_code = true\n'
+                            "[data]\nmax_samples = 5\n", run="r2")
+    assert code == 0 and finished(evs)["summary"]["samples"] == 5
+
+
+# -- extract --------------------------------------------------------------------
+
+def test_layer_ids_are_validated():
+    assert validate_layer_ids([3, 1, 2], 4) == [1, 2, 3, 4]
+    assert validate_layer_ids([], 61) == [2, 30, 58, 61]
+    with pytest.raises(ValueError, match="is the last layer"):
+        validate_layer_ids([1, 4], 4)
+    with pytest.raises(ValueError, match=r"out of range .* 0\.\.3"):
+        validate_layer_ids([1, 9], 4)
+    with pytest.raises(ValueError, match="too few"):
+        validate_layer_ids([], 4)
+
+
+def test_length_batches_bound_padded_tokens():
+    lengths = [10, 200, 30, 190, 5, 100]
+    batches = extract.length_batches(list(range(6)), lengths, 400)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert all(lengths[b[0]] * len(b) <= 400 or len(b) == 1 for b in batches)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prepared")
+    code, rd, _ = run_body(tmp, "prepare", prepare.body,
+                           "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\n")
+    assert code == 0
+    return tmp, rd
+
+
+def test_extract_bad_layer_id_and_disk_guard(prepared):
+    tmp, rd = prepared
+    code, _, evs = run_body(tmp, "extract", extract.body,
+                            "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 9]\n")
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "layer id 9 is out of range" in err["message"]
+    code, _, evs = run_body(tmp, "extract", extract.body,
+                            "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\n"
+                            "min_free_gb = 100000.0\n")
+    warn = [e for e in evs if e["type"] == "warning"]
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "disk forecast" in warn[0]["message"]
+    assert "stopped before the disk fills" in err["message"] and "resume" in err["hint"]
+    assert not list((rd.out_dir("extract") / "hidden_states").glob("*"))
+
+
+def test_extract_validation_detects_damage_and_workers_agree(prepared):
+    from safetensors.torch import load_file, save_file
+    tmp, rd = prepared
+    cfg = "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\nbatch_tokens = 600\n"
+    code, _, _ = run_body(tmp, "extract", extract.body, cfg)
+    assert code == 0
+    hs = rd.out_dir("extract") / "hidden_states"
+    # Copies: safetensors maps files, and this test rewrites some in place.
+    ref = {i: {k: v.clone() for k, v in load_file(str(hs / f"hs_{i}.safetensors")).items()}
+           for i in range(24)}
+    from datasets import load_from_disk
+    ids = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)[0]["input_ids"]
+    ok = extract.validate_file(hs / "hs_0.safetensors", ids, 4, 128, torch.float32)
+    assert ok is None
+    # Damage three files three ways; a resume must find and redo exactly those.
+    (hs / "hs_1.safetensors").write_bytes((hs / "hs_1.safetensors").read_bytes()[:500])
+    bad = dict(ref[2])
+    bad["hidden_states"] = bad["hidden_states"].clone()
+    bad["hidden_states"][0, 0, 0] = float("nan")
+    save_file(bad, str(hs / "hs_2.safetensors"))
+    wrong = dict(ref[3])
+    wrong["token_ids"] = wrong["token_ids"] + 1
+    save_file(wrong, str(hs / "hs_3.safetensors"))
+    assert "non-finite" in extract.validate_file(hs / "hs_2.safetensors",
+                                                 ref[2]["token_ids"].tolist(), 4, 128, torch.float32)
+    code, _, evs = run_body(tmp, "extract", extract.body, cfg)
+    summary = finished(evs)["summary"]
+    assert code == 0 and summary["computed"] == 3 and summary["reused"] == 21
+    # Two CPU worker processes write the same files as one process.
+    shutil.rmtree(hs)
+    code, _, _ = run_body(tmp, "extract", extract.body, cfg + "workers = 2\n")
+    assert code == 0
+    for i in range(24):
+        got = load_file(str(hs / f"hs_{i}.safetensors"))
+        assert torch.equal(got["token_ids"], ref[i]["token_ids"])
+        torch.testing.assert_close(got["hidden_states"], ref[i]["hidden_states"],
+                                   atol=1e-5, rtol=1e-4)
+
+
+# -- vocab and train choices ----------------------------------------------------
+
+def test_vocab_rejects_a_draft_vocab_larger_than_the_target(prepared):
+    tmp, _ = prepared
+    code, _, evs = run_body(tmp, "vocab", vocab.body,
+                            "[data]\nmax_samples = 24\n[stages.vocab]\ndraft_vocab_size = 5000\n")
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "larger than the target's vocabulary (1024)" in err["message"]
+
+
+def test_loss_and_attention_choices():
+    assert train.choose_loss("auto", "cpu", "2.13.0") == ("eager", None)
+    loss, why = train.choose_loss("fused", "cpu", "2.13.0")
+    assert loss == "eager" and "GPU" in why
+    loss, why = train.choose_loss("auto", "cuda", "2.11.0+cu130")
+    assert loss == "eager" and ("2.11" in why or "triton" in why)
+    assert train.choose_attention("auto", "cpu") == "sdpa"
+    assert train.choose_attention("auto", "cuda") == "simple_flex_attention"
+    with pytest.raises(Exception, match="no CPU backward"):
+        train.choose_attention("flex", "cpu")
+
+
+def test_acceptance_length_estimate():
+    val = {"full_acc_0": 0.8, "full_acc_1": 0.6, "full_acc_2": 0.4}
+    assert train.acceptance_length(val, 3) == pytest.approx(2.8)
+    assert train.acceptance_length({"full_acc_0": 0.5}, 3) is None
+
+
+def test_tiny_model_is_deterministic(tmp_path, monkeypatch):
+    from pipeline.builtin import tiny_model
+    monkeypatch.setenv("EAGLE_PANEL_CACHE", str(tmp_path))
+    again = tiny_model.ensure_built()
+    assert again.parent.parent == tmp_path
+    monkeypatch.delenv("EAGLE_PANEL_CACHE")
+    ref = tiny_model.ensure_built()
+    for name in ("tokenizer.json", "model.safetensors", "config.json"):
+        assert (again / name).read_bytes() == (ref / name).read_bytes(), name
