@@ -63,7 +63,18 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
 
     rd.update_stage(stage, pid=child.pid, pgid=child.pid,
                     create_time=proc_start_ticks(child.pid))
-    code = child.wait()
+    # wait4 also gives the stage's peak RSS, recorded for the panel and benchmarks.
+    while True:
+        try:
+            _, status, usage = os.wait4(child.pid, 0)
+            break
+        except ChildProcessError:
+            status, usage = None, None
+            break
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status) if status is not None else (child.returncode or 0)
+    child.returncode = code
 
     # Anything the stage left behind (workers in sessions of their own,
     # grandchildren) must not keep GPU memory or files busy.
@@ -83,7 +94,8 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
                     summary={"exit_code": exit_code, "signal": sig}, source="supervisor")
     events.close()
     rd.update_stage(stage, status=status, exit_code=exit_code, signal=sig,
-                    ended_at=time.time(), reason=reason)
+                    ended_at=time.time(), reason=reason,
+                    max_rss_kb=usage.ru_maxrss if usage is not None else None)
     return 0
 
 

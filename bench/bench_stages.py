@@ -1,0 +1,157 @@
+"""Benchmark the real stages on the built-in tiny model (CPU).
+
+    python bench/bench_stages.py [--epochs 1]
+
+1. extract overhead: the stage's tokens/s against a bare transformers forward
+   over the same length-batches in the same process (target >= 0.9x; on the
+   CPU the forward is the bound).
+2. train overhead: the train stage (events, metric handler, resume logic)
+   against speculators' trainer called directly with the same flags and the
+   same CPU shims, both as subprocesses (target >= 0.95x).
+3. peak RSS of each stage, recorded by the supervisor of a full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIG = """
+[run]
+name = "bench"
+runs_dir = "runs"
+[stages.extract]
+layer_ids = [1, 2, 3]
+batch_tokens = {batch_tokens}
+[stages.vocab]
+draft_vocab_size = 256
+[stages.train]
+epochs = {epochs}
+total_seq_len = 1024
+"""
+
+DIRECT = """
+import json, sys, time
+from speculators.train import cli
+from speculators.train.config import TrainConfig
+from pipeline.stages import train_shims
+
+class NoHooks:
+    def on_total_steps(self, n, per_epoch): pass
+    def should_stop(self): return False
+    def on_interrupted(self, *a): pass
+
+train_shims.install(cpu=True, hooks=NoHooks())
+argv = json.loads(sys.argv[1])
+t0 = time.perf_counter()
+cli.main(TrainConfig.resolve(argv))
+print("DIRECT_SECONDS", time.perf_counter() - t0)
+"""
+
+
+def sh(args, cwd, env=None):
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run(args, cwd=cwd, env=e, capture_output=True, text=True, check=True)
+
+
+def extract_vs_bare(run: Path, batch_tokens: int, rounds: int = 3):
+    """Alternate the stage's extraction loop (forward + validated atomic
+    writes) with a bare forward over the same batches, in one process."""
+    import statistics
+
+    import torch
+    from datasets import load_from_disk
+
+    from pipeline.builtin.tiny_model import ensure_built
+    from pipeline.stages.extract import RowIds, extract_shard, length_batches
+    from pipeline.stages.extract_hf import HFBackend
+    ds = load_from_disk(str(run / "prepare/out/data")).with_format(None)
+    ids, lengths = RowIds(ds), list(ds["seq_len"])
+    backend = HFBackend(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)
+    todo = list(range(len(lengths)))
+    batches = length_batches(todo, lengths, batch_tokens)
+    bare, stage = [], []
+    for _ in range(rounds):
+        t0, tokens = time.perf_counter(), 0
+        for b in batches:
+            backend.forward([ids[i] for i in b])
+            tokens += sum(lengths[i] for i in b)
+        bare.append(tokens / (time.perf_counter() - t0))
+        out = run / "bench_hs"
+        out.mkdir()
+        t0 = time.perf_counter()
+        done = extract_shard(backend, ids, todo, lengths, out, batch_tokens, 2056, 0,
+                             lambda c: None, lambda: False)
+        stage.append(done.tokens / (time.perf_counter() - t0))
+        mb = done.bytes / 1e6 / (time.perf_counter() - t0)
+        shutil.rmtree(out)
+    return statistics.median(stage), statistics.median(bare), mb
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
+            epochs=a.epochs, batch_tokens=a.batch_tokens)))
+        t0 = time.time()
+        sh([sys.executable, "-m", "app.cli", "run", "--wait"], tmp)
+        print(f"full pipeline on the tiny model: {time.time() - t0:.0f} s")
+        run = tmp / "runs" / "bench"
+        state = json.loads((run / "state.json").read_text())
+        for s in ("prepare", "extract", "vocab", "train"):
+            st = state["stages"][s]
+            print(f"  {s:8} {st['ended_at'] - st['started_at']:6.1f} s   "
+                  f"peak RSS {st['max_rss_kb'] / 1024:7.1f} MiB")
+
+        # 1. extract: the stage's loop vs a bare forward, same batches, same process.
+        fin = [json.loads(x) for x in (run / "extract/events.jsonl").read_text().splitlines()]
+        summary = [e for e in fin if e["type"] == "stage_finished"][-1]["summary"]
+        stage_tps, bare_tps, mbps = extract_vs_bare(run, a.batch_tokens)
+        print(f"extract: stage loop {stage_tps:,.0f} tokens/s ({mbps:.0f} MB/s written) vs bare "
+              f"forward {bare_tps:,.0f} tokens/s: {stage_tps / bare_tps:.2f}x (target >= 0.9x); "
+              f"the stage process end to end (cold): {summary['tokens_per_s']:,.0f} tokens/s")
+
+        # 2. train: the stage vs speculators' trainer directly, same flags.
+        end = [e for e in (json.loads(x) for x in (run / "train/events.jsonl").read_text()
+                           .splitlines()) if e["type"] == "stage_finished"][-1]["summary"]
+        argv = end["train_argv"].split()[2:]
+        fixed = []
+        for i, tok in enumerate(argv):  # `--logger ""` was split away: restore it
+            fixed.append(tok)
+            if tok == "--logger":
+                fixed.append("")
+        direct_dir = tmp / "direct"
+        fixed[fixed.index("--save-path") + 1] = str(direct_dir / "ckpt")
+        fixed[fixed.index("--log-dir") + 1] = str(direct_dir / "logs")
+        t0 = time.perf_counter()
+        out = sh([sys.executable, "-c", DIRECT, json.dumps(fixed)], tmp)
+        direct_wall = time.perf_counter() - t0
+        direct_s = float(out.stdout.split("DIRECT_SECONDS")[1].split()[0])
+        shutil.rmtree(run / "train/out")
+        (run / "train/out").mkdir()
+        t0 = time.perf_counter()
+        sh([sys.executable, "-m", "pipeline.stages.train", "--run-dir", str(run)], tmp)
+        stage_wall = time.perf_counter() - t0
+        print(f"train: stage {stage_wall:.1f} s vs speculators directly {direct_wall:.1f} s "
+              f"(trainer alone {direct_s:.1f} s): {direct_wall / stage_wall:.2f}x (target >= 0.95x)")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main()
