@@ -331,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?")
     p.add_argument("--simulate-gpus", type=int, default=0, metavar="N",
                    help="show N simulated GPUs (demo / machines without GPUs)")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="GPU sampling interval in seconds (at least 0.5)")
     p.set_defaults(func=cmd_ui)
     return ap
 
@@ -346,7 +348,7 @@ def main(argv=None) -> int:
             argv = argv[:i + 1] + ["", *argv[i + 1:]]
     args = ap.parse_args(argv)
     if not args.command:
-        args.run, args.simulate_gpus, args.func = None, 0, cmd_ui
+        args.run, args.simulate_gpus, args.interval, args.func = None, 0, 1.0, cmd_ui
     try:
         return args.func(args)
     except (ConfigError, RunDirError, UsageError) as e:

@@ -49,14 +49,20 @@ def refresh(rd: RunDir) -> dict:
     """Read state, marking `running` stages whose processes are all gone as
     failed (the machine rebooted, or someone killed the supervisor)."""
     state = rd.read_state()
+    # A stage marked running whose supervisor pid is not written yet is being
+    # launched right now, as long as the launcher doing it is alive.
+    launching = driver_alive(state)
     dead = [s for s, st in state["stages"].items()
-            if st["status"] == "running" and not stage_alive(st)]
+            if st["status"] == "running" and not stage_alive(st)
+            and not (st.get("supervisor_pid") is None and launching)]
     if not dead:
         return state
     with rd.mutate_state() as state:
+        launching = driver_alive(state)
         for s in dead:
             st = state["stages"][s]
-            if st["status"] == "running" and not stage_alive(st):
+            if st["status"] == "running" and not stage_alive(st) and not (
+                    st.get("supervisor_pid") is None and launching):
                 st.update(status="cancelled" if st.get("cancel_requested") else "failed",
                           ended_at=st.get("ended_at") or time.time(),
                           reason="the stage and its supervisor are gone without recording an "

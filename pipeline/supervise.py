@@ -87,7 +87,8 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     finished = last_event(rd.events_path(stage), ("stage_started", "stage_finished"))
     if not finished or finished.get("type") != "stage_finished":
         detail = f"exit code {exit_code}" if sig is None else f"killed by {sig}"
-        if status == "failed":
+        own_error = last_event(rd.events_path(stage), ("stage_started", "error"))
+        if status == "failed" and not (own_error and own_error["type"] == "error"):
             events.error(f"stage {stage} {detail}",
                          hint=f"see {rd.log_path(stage)}; `eagle-panel resume` continues from here")
         events.emit("stage_finished", status=status, duration_s=round(time.time() - t0, 3),

@@ -1,0 +1,420 @@
+"""The Textual panel: stages, logs, GPUs, KV cache and training curves.
+
+It reads only the run directory and NVML. Files are polled in a worker
+thread (woken by inotify when a file changes), telemetry is sampled in
+another, and the UI thread only draws — so the panel can be closed, lose its
+SSH connection or be opened twice without touching a running stage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
+
+from app import fmt
+from app.run_model import RunModel
+from app.screens.confirm import ConfirmScreen
+from app.screens.help import HelpScreen
+from pipeline import config as config_mod
+from pipeline import runner
+from pipeline.config import STAGE_NAMES
+from pipeline.events import ChangeWaiter
+from pipeline.rundir import RunDir, RunDirError, list_runs
+from pipeline.telemetry import Telemetry
+from widgets.gpu_table import GpuTable
+from widgets.kv_panel import KVCachePanel
+from widgets.log_view import LogView
+from widgets.loss_chart import LossChart
+from widgets.stage_table import StageTable
+
+
+class PanelApp(App):
+    CSS_PATH = Path(__file__).with_name("panel.tcss")
+    TITLE = "eagle-panel"
+    BINDINGS = [
+        Binding("r", "run", "Run/resume"),
+        Binding("c", "cancel", "Cancel"),
+        Binding("F", "force", "Force re-run"),
+        Binding("1", "tab('logs')", "Logs", show=False),
+        Binding("2", "tab('gpus')", "GPUs", show=False),
+        Binding("3", "tab('kv')", "KV", show=False),
+        Binding("4", "tab('training')", "Train", show=False),
+        Binding("z", "fullscreen", "Full log"),
+        Binding("f", "follow", "Follow", show=False),
+        Binding("slash", "search", "Search", show=False),
+        Binding("n", "next_match", "Next", show=False),
+        Binding("e", "chart('smooth')", "EMA", show=False),
+        Binding("o", "chart('log')", "Log scale", show=False),
+        Binding("a", "chart('metric')", "Loss/acc", show=False),
+        Binding("v", "chart('split')", "Train/val", show=False),
+        Binding("question_mark", "help", "Help"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(self, run: RunDir | None, config_path: Path | None = None,
+                 simulate_gpus: int = 0, interval: float = 1.0, runs_dir: Path | None = None,
+                 telemetry: Telemetry | None = None, clock=time.time):
+        super().__init__()
+        self.rundir = run
+        self.config_path = config_path
+        self.runs_dir = runs_dir
+        self.interval = max(Telemetry.MIN_INTERVAL, interval)
+        self.model = RunModel(run) if run else None
+        self.lock = threading.Lock()
+        self.telemetry = telemetry or Telemetry(simulate_gpus, disk_path=(run.path if run else runs_dir))
+        self.clock = clock
+        self.snapshot = None
+        self._statuses: dict[str, str] = {}
+        self._was_driving = False
+        self._log_stage = None
+        self._stop = threading.Event()
+
+    # -- layout -----------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="title")
+        yield StageTable(id="stages")
+        yield Static(id="detail")
+        with TabbedContent(initial="logs", id="tabs"):
+            with TabPane("1 Logs", id="logs"):
+                yield LogView(id="log")
+                yield Input(placeholder="search the log (Enter: find, Esc: close)", id="search")
+            with TabPane("2 GPUs", id="gpus"):
+                yield GpuTable(id="gpu")
+            with TabPane("3 KV cache", id="kv"):
+                yield KVCachePanel(id="kvpanel")
+            with TabPane("4 Training", id="training"):
+                with Vertical():
+                    yield Static(id="train-info")
+                    yield LossChart(id="chart")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#search").display = False
+        self.query_one(StageTable).focus()
+        self._draw_title()
+        if self.model is not None:
+            with self.lock:
+                self.model.poll()
+            self._apply_model()
+            self._select_log(self.query_one(StageTable).selected_stage)
+        else:
+            self.query_one("#detail", Static).update(Text(
+                f"No runs yet in {self.runs_dir}. Press r to start one from "
+                f"{self.config_path}.", style="bold"))
+        self._watch_files()
+        self._sample_telemetry()
+        self.set_interval(0.25, self._poll_log)
+        self.set_interval(1.0, self._tick)
+
+    # -- workers ------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="files")
+    def _watch_files(self) -> None:
+        """Poll the run's files; wake at once when inotify sees a change."""
+        waiter = None
+        while not self._stop.is_set():
+            if self.model is None:
+                self._stop.wait(0.5)
+                continue
+            if waiter is None:
+                waiter = ChangeWaiter([self.rundir.path] + [self.rundir.stage_dir(s) for s in STAGE_NAMES])
+            with self.lock:
+                changed = self.model.poll()
+            if changed:
+                self.call_from_thread(self._apply_model)
+            waiter.wait(0.5)
+        if waiter:
+            waiter.close()
+
+    @work(thread=True, exclusive=True, group="telemetry")
+    def _sample_telemetry(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            snap = self.telemetry.sample()
+            self.call_from_thread(self._apply_snapshot, snap)
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+
+    def on_unmount(self) -> None:
+        self._stop.set()
+        self.telemetry.close()
+
+    # -- drawing -------------------------------------------------------------------
+    def _draw_title(self) -> None:
+        t = Text("eagle-panel ", style="bold")
+        if self.rundir is None:
+            t.append("no run", style="dim")
+        else:
+            t.append(f"run {self.rundir.id}")
+            pid = self.model.driver_pid() if self.model else None
+            t.append(f"  launcher pid {pid}" if pid else "  idle (r runs/resumes)",
+                     style="green" if pid else "dim")
+        kind = self.telemetry.kind
+        t.append(f"  GPUs: {'SIMULATED' if kind == 'simulated' else kind}",
+                 style="magenta" if kind == "simulated" else "dim")
+        self.query_one("#title", Static).update(t)
+
+    def _apply_model(self) -> None:
+        if self.model is None:
+            return
+        with self.lock:
+            table = self.query_one(StageTable)
+            table.refresh_from(self.model, self.clock())
+            self._notify_transitions()
+            self._draw_detail()
+            self._draw_title()
+            self._draw_training()
+            self.query_one(KVCachePanel).update_from(self.model, self._backend())
+            if self.snapshot is not None:
+                self._draw_gpus()
+
+    def _apply_snapshot(self, snap) -> None:
+        self.snapshot = snap
+        with self.lock:
+            self._draw_gpus()
+
+    def _draw_gpus(self) -> None:
+        holders = self.model.devices_by_gpu() if self.model else {}
+        forecast = self.model.stages["extract"].progress if self.model else None
+        self.query_one(GpuTable).update_from(self.snapshot, holders, forecast)
+
+    def _draw_detail(self) -> None:
+        stage = self.query_one(StageTable).selected_stage
+        info = self.model.stages[stage]
+        st = info.state
+        t = Text(f"{stage}: ", style="bold")
+        if self.model.state_error:
+            t.append(self.model.state_error, style="bold red")
+        elif st.get("status") == "failed":
+            err = info.last_error or {}
+            t.append(err.get("message") or f"failed ({fmt.exit_text(st)})", style="bold red")
+            if err.get("hint"):
+                t.append(f"\n  hint: {err['hint']}", style="yellow")
+            if st.get("reason"):
+                t.append(f"\n  {st['reason']}", style="dim")
+        elif info.warnings:
+            t.append(info.warnings[-1].get("message", ""), style="yellow")
+        elif info.finished:
+            summary = info.finished.get("summary") or {}
+            t.append(", ".join(f"{k}={v}" for k, v in summary.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)) or
+                     info.finished.get("status", ""), style="dim")
+        else:
+            t.append(st.get("status", "pending"), style="dim")
+        self.query_one("#detail", Static).update(t)
+
+    def _draw_training(self) -> None:
+        m = self.model
+        prog = m.stages["train"].progress
+        t = Text()
+        if prog:
+            t.append(f"step {prog.get('done')}/{prog.get('total')}  epoch {prog.get('epoch')}  ")
+            if prog.get("eta_s") is not None and m.stages["train"].state.get("status") == "running":
+                t.append(f"ETA {fmt.duration(prog['eta_s'])}  ")
+        lr = m.metrics.get(("train", "lr")) or m.metrics.get(("train", "lr_AdamW"))
+        if lr is not None and len(lr):
+            t.append(f"lr {lr.y[-1]:.2e}  ")
+        acc = m.acceptance_estimate()
+        if acc is not None:
+            t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
+        if not t.plain:
+            t.append("no training yet", style="dim")
+        self.query_one("#train-info", Static).update(t)
+        self.query_one(LossChart).update_from(m)
+
+    def _backend(self) -> str | None:
+        try:
+            return runner.load_run_config(self.rundir).stages.extract.backend
+        except Exception:  # noqa: BLE001 - shown as "no report yet"
+            return None
+
+    def _notify_transitions(self) -> None:
+        for s, info in self.model.stages.items():
+            status = info.state.get("status")
+            before = self._statuses.get(s)
+            self._statuses[s] = status
+            if before is None or before == status:
+                continue
+            if status == "failed":
+                self.bell()
+                self.notify(f"{s} failed ({fmt.exit_text(info.state)})", severity="error",
+                            timeout=10)
+        driving = self.model.driver_pid() is not None
+        if self._was_driving and not driving:
+            states = [self.model.stages[s].state.get("status") for s in STAGE_NAMES]
+            if all(x == "succeeded" for x in states):
+                self.bell()
+                self.notify("pipeline finished: all stages succeeded", timeout=10)
+        self._was_driving = driving
+
+    def _tick(self) -> None:
+        """Durations advance even when no file changes."""
+        if self.model is not None:
+            with self.lock:
+                self.query_one(StageTable).refresh_from(self.model, self.clock())
+
+    def _select_log(self, stage: str) -> None:
+        if self.rundir is None or stage == self._log_stage:
+            return
+        self._log_stage = stage
+        self.query_one(LogView).watch_file(self.rundir.log_path(stage))
+
+    def _poll_log(self) -> None:
+        self.query_one(LogView).poll()
+
+    def on_data_table_row_highlighted(self, event) -> None:
+        if self.model is None:
+            return
+        stage = STAGE_NAMES[event.cursor_row]
+        self._select_log(stage)
+        with self.lock:
+            self._draw_detail()
+
+    # -- actions -------------------------------------------------------------------
+    def action_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    def action_fullscreen(self) -> None:
+        self.screen.toggle_class("fullscreen")
+        self.query_one(TabbedContent).active = "logs"
+
+    def action_follow(self) -> None:
+        log = self.query_one(LogView)
+        log.set_follow(not log.follow)
+        self.notify(f"follow {'on' if log.follow else 'off'}", timeout=2)
+
+    def action_search(self) -> None:
+        self.query_one(TabbedContent).active = "logs"
+        box = self.query_one("#search", Input)
+        box.display = True
+        box.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        found = self.query_one(LogView).find(event.value)
+        if not found and event.value:
+            self.notify(f"not found: {event.value}", severity="warning", timeout=3)
+        event.input.display = False
+        self.query_one(LogView).focus()
+
+    def on_key(self, event) -> None:
+        box = self.query_one("#search", Input)
+        if event.key == "escape" and box.display:
+            box.display = False
+            self.query_one(StageTable).focus()
+
+    def action_next_match(self) -> None:
+        log = self.query_one(LogView)
+        if log.search:
+            log.find(log.search)
+
+    def action_chart(self, what: str) -> None:
+        chart = self.query_one(LossChart)
+        if what == "smooth":
+            chart.smooth = not chart.smooth
+        elif what == "log":
+            chart.log = not chart.log
+        elif what == "metric":
+            chart.metric = "full_acc" if chart.metric == "loss" else "loss"
+        elif what == "split":
+            chart.split = "val" if chart.split == "train" else "train"
+        self.query_one(TabbedContent).active = "training"
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_run(self) -> None:
+        try:
+            if self.rundir is None:
+                cfg = config_mod.load(self.config_path)
+                self._attach(runner.prepare_run(cfg))
+            if self.rundir.lock_holder() is not None:
+                self.notify("the pipeline is already running", timeout=3)
+                return
+            runner.start_driver(self.rundir)
+            self.notify(f"started {self.rundir.id}: stages that are not done run now", timeout=4)
+        except (config_mod.ConfigError, RunDirError) as e:
+            self.notify(str(e), severity="error", timeout=15)
+
+    def _attach(self, run: RunDir) -> None:
+        self.rundir = run
+        self.model = RunModel(run)
+        self.telemetry.disk_path = run.path
+        with self.lock:
+            self.model.poll()
+        self._apply_model()
+        self._select_log(self.query_one(StageTable).selected_stage)
+
+    def action_force(self) -> None:
+        if self.rundir is None:
+            return
+        stage = self.query_one(StageTable).selected_stage
+
+        def go(yes: bool | None) -> None:
+            if not yes:
+                return
+            if self.rundir.lock_holder() is not None:
+                self.notify("cancel the running pipeline first", severity="warning", timeout=4)
+                return
+            st = runner.plan(runner.load_run_config(self.rundir), self.rundir.read_state(), stage)
+            blocked = [s for s in st if s.action == "blocked"]
+            if blocked:
+                self.notify(blocked[0].why, severity="warning", timeout=6)
+                return
+            runner.start_driver(self.rundir, only=stage, force=True)
+            self.notify(f"re-running {stage} from scratch", timeout=4)
+
+        self.push_screen(ConfirmScreen(f"Re-run {stage} from scratch? Its outputs are deleted."), go)
+
+    def action_cancel(self) -> None:
+        if self.model is None:
+            return
+        running = self.model.running_stage()
+        if running is None and self.model.driver_pid() is None:
+            self.notify("nothing is running", timeout=3)
+            return
+
+        def go(yes: bool | None) -> None:
+            if yes:
+                self._cancel_worker()
+
+        self.push_screen(ConfirmScreen(
+            f"Cancel the pipeline{f' (running: {running})' if running else ''}? "
+            "SIGINT first (training saves a checkpoint), then SIGTERM, then SIGKILL."), go)
+
+    @work(thread=True, exclusive=True, group="cancel")
+    def _cancel_worker(self) -> None:
+        try:
+            cfg = runner.load_run_config(self.rundir)
+            grace, term = cfg.runtime.cancel_grace_s, cfg.runtime.term_grace_s
+        except Exception:  # noqa: BLE001
+            grace, term = 30.0, 10.0
+        self.call_from_thread(self.notify, "cancelling...", timeout=3)
+        results = runner.cancel_run(self.rundir, None, grace, term)
+        left = [f"{pid} {name}" for r in results for pid, name in r.survivors]
+        if left:
+            self.call_from_thread(self.notify, "could not stop: " + "; ".join(left),
+                                  severity="error", timeout=20)
+        else:
+            sent = ", ".join(s for r in results for s in r.signals) or "nothing needed"
+            self.call_from_thread(self.notify, f"cancelled ({sent})", timeout=5)
+
+
+def run_panel(args) -> int:
+    from app.cli import _runs_dir, resolve_run
+    runs_dir = _runs_dir(args)
+    try:
+        run = resolve_run(args, args.run) if args.run else (list_runs(runs_dir) or [None])[0]
+    except RunDirError as e:
+        print(f"eagle-panel: {e}")
+        return 2
+    cfg_path = Path(args.config) if args.config else config_mod.default_config_path()
+    app = PanelApp(run, cfg_path, simulate_gpus=args.simulate_gpus,
+                   interval=getattr(args, "interval", 1.0), runs_dir=runs_dir)
+    app.run()
+    return 0

@@ -1,0 +1,163 @@
+"""What the panel knows about a run, read incrementally from the run directory.
+
+Only files: state.json (re-read when it changes) and each stage's
+events.jsonl (tailed by byte offset). Memory stays bounded however long the
+panel is open: metric series thin themselves out past a cap, lists of
+warnings keep their newest entries.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+from pipeline.config import STAGE_NAMES
+from pipeline.events import EventTail
+from pipeline.rundir import RunDir, RunDirError
+
+
+class Series:
+    """(step, value) points, thinned to every other point when over `cap`."""
+
+    def __init__(self, cap: int = 200_000):
+        self.x, self.y, self.cap, self.stride, self._skip = array("d"), array("d"), cap, 1, 0
+
+    def add(self, x: float, y: float) -> None:
+        self._skip += 1
+        if self._skip < self.stride:
+            return
+        self._skip = 0
+        self.x.append(x)
+        self.y.append(y)
+        if len(self.x) > self.cap:
+            self.x, self.y = self.x[::2], self.y[::2]
+            self.stride *= 2
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+@dataclass
+class StageInfo:
+    name: str
+    state: dict = field(default_factory=dict)
+    progress: dict | None = None
+    last_error: dict | None = None
+    warnings: deque = field(default_factory=lambda: deque(maxlen=20))
+    finished: dict | None = None
+    started: dict | None = None
+    kv_cache: dict | None = None
+    kv_usage: dict | None = None
+
+
+class RunModel:
+    def __init__(self, run: RunDir, poll_bytes: int = 8 << 20):
+        self.run = run
+        self.stages = {s: StageInfo(s) for s in STAGE_NAMES}
+        self.tails = {s: EventTail(run.events_path(s)) for s in STAGE_NAMES}
+        self.metrics: dict[tuple[str, str], Series] = {}   # (split, key) -> series
+        self.epochs: dict[str, float] = {}
+        self.state: dict = {}
+        self.state_error: str | None = None
+        self.poll_bytes = poll_bytes
+        self._state_sig = None
+        self._polls = 0
+        self.version = 0  # bumps on every change; widgets redraw on change only
+
+    def poll(self) -> bool:
+        """Read what changed; True if anything did."""
+        changed = self._read_state()
+        for s, tail in self.tails.items():
+            events = tail.poll(self.poll_bytes)
+            for ev in events:
+                self._apply(s, ev)
+            changed |= bool(events)
+        if changed:
+            self.version += 1
+        return changed
+
+    def _read_state(self) -> bool:
+        try:
+            st = os.stat(self.run.state_path)
+        except FileNotFoundError:
+            return False
+        sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+        self._polls += 1
+        # Re-check liveness now and then even without a change: a supervisor
+        # killed with SIGKILL never writes again.
+        if sig == self._state_sig and self._polls % 10:
+            return False
+        self._state_sig = sig
+        try:
+            from pipeline import runner
+            self.state = runner.refresh(self.run)
+            self.state_error = None
+        except RunDirError as e:
+            self.state_error = str(e)
+        for s, info in self.stages.items():
+            info.state = self.state.get("stages", {}).get(s, {})
+        return True
+
+    def _apply(self, stage: str, ev: dict) -> None:
+        info = self.stages[stage]
+        t = ev.get("type")
+        if t == "progress":
+            info.progress = ev
+        elif t == "metric":
+            split = ev.get("split", "train")
+            step = ev.get("step")
+            if step is None:
+                step = len(self.metrics.get((split, "loss"), ()))
+            for k, v in (ev.get("values") or {}).items():
+                if isinstance(v, (int, float)):
+                    self.metrics.setdefault((split, k), Series()).add(step, float(v))
+            if ev.get("epoch") is not None:
+                self.epochs[split] = ev["epoch"]
+        elif t == "error":
+            info.last_error = ev
+        elif t == "warning":
+            info.warnings.append(ev)
+        elif t == "stage_started":
+            info.started, info.finished, info.last_error, info.progress = ev, None, None, None
+        elif t == "stage_finished":
+            info.finished = ev
+        elif t == "kv_cache":
+            info.kv_cache = ev
+        elif t == "kv_usage":
+            info.kv_usage = ev
+
+    # derived views ------------------------------------------------------------
+    def driver_pid(self) -> int | None:
+        from pipeline import runner
+        d = self.state.get("driver") or {}
+        return d.get("pid") if self.state and runner.driver_alive(self.state) else None
+
+    def running_stage(self) -> str | None:
+        for s, info in self.stages.items():
+            if info.state.get("status") == "running":
+                return s
+        return None
+
+    def devices_by_gpu(self) -> dict[int, str]:
+        """GPU index -> the running stage that was given it (NVML's process
+        list is empty in many containers; the assignment is what we know)."""
+        held = {}
+        for s, info in self.stages.items():
+            if info.state.get("status") == "running":
+                for d in info.state.get("devices") or []:
+                    held[d] = s
+        return held
+
+    def metric_keys(self, split: str) -> list[str]:
+        return sorted(k for sp, k in self.metrics if sp == split)
+
+    def acceptance_estimate(self, ttt_steps: int | None = None) -> float | None:
+        fin = self.stages["train"].finished
+        if fin and (fin.get("summary") or {}).get("acceptance_length") is not None:
+            return fin["summary"]["acceptance_length"]
+        accs = sorted(k for sp, k in self.metrics if sp == "val" and k.startswith("full_acc_"))
+        if not accs:
+            return None
+        return 1.0 + sum(self.metrics[("val", k)].y[-1] for k in accs)

@@ -1,0 +1,25 @@
+"""A yes/no question before anything destructive (cancel, force re-run)."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Label
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    BINDINGS = [("y", "answer(True)", "Yes"), ("n", "answer(False)", "No"),
+                ("escape", "answer(False)", "No")]
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm"):
+            yield Label(self.question)
+            yield Label("[b]y[/b] yes    [b]n[/b] / Esc no", classes="dim")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)

@@ -1,0 +1,35 @@
+"""`?`: every key, in one place."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+HELP = """\
+[b]eagle-panel[/b] — closing the panel never stops a stage.
+
+[b]Pipeline[/b]
+  r        run / resume the pipeline from the first stage not done
+  F        force re-run the selected stage from scratch (asks first)
+  c        cancel the running stage: SIGINT, then SIGTERM, then SIGKILL (asks first)
+  ↑ ↓      select a stage (its log, error and details follow the selection)
+
+[b]Views[/b]
+  1 2 3 4  logs · GPUs · KV cache · training
+  z        full-screen log           f  follow the log on/off
+  /        search the log            n  next match
+  e        training: EMA smoothing   o  log scale
+  a        loss / accuracy           v  train / validation
+  ?        this help                 q  quit (stages keep running)
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [("escape", "dismiss", "Close"), ("question_mark", "dismiss", "Close"),
+                ("q", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help"):
+            yield Static(HELP)

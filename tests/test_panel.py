@@ -1,0 +1,236 @@
+"""The panel under Pilot, driven by real runs of test stages (tests.stagekit)."""
+
+import json
+import os
+import time
+
+import pytest
+
+from app.panel import PanelApp
+from pipeline.events import EventWriter
+from pipeline.rundir import RunDir, proc_alive
+from pipeline.telemetry import Telemetry
+from tests.conftest import cli, wait_for
+from widgets.gpu_table import GpuTable
+from widgets.log_view import LogTail, LogView, collapse_cr
+from widgets.loss_chart import LossChart
+from widgets.stage_table import StageTable
+
+
+def cell(app, stage, col):
+    return str(app.query_one(StageTable).get_cell(stage, col))
+
+
+async def until(pilot, pred, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def make_app(rd=None, tmp_path=None, **kw):
+    tel = Telemetry(simulate=kw.pop("gpus", 8), host=kw.pop("host", True))
+    return PanelApp(rd, config_path=(tmp_path / "config.toml") if tmp_path else None,
+                    runs_dir=(tmp_path / "runs") if tmp_path else None, telemetry=tel, **kw)
+
+
+class BellCounter(PanelApp):
+    bells = 0
+
+    def bell(self):
+        self.bells += 1
+
+
+async def test_shows_a_failed_run_and_resumes_it(tmp_path, stagekit):
+    stagekit({"extract": "fail_once"})
+    cli("run", "--wait", cwd=tmp_path, check=1)
+    rd = RunDir(tmp_path / "runs/t")
+    app = BellCounter(rd, tmp_path / "config.toml", runs_dir=tmp_path / "runs",
+                      telemetry=Telemetry(simulate=2))
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert cell(app, "extract", "Status") == "failed"
+        assert cell(app, "prepare", "Status") == "succeeded"
+        await pilot.press("down")  # select extract: its error and hint show
+        await pilot.pause(0.2)
+        detail = str(app.query_one("#detail").render())
+        assert "first attempt fails on purpose" in detail
+        await pilot.press("r")
+        await until(pilot, lambda: cell(app, "train", "Status") == "succeeded", what="resume")
+        assert cell(app, "extract", "Att") == "2"
+        await until(pilot, lambda: app.bells >= 1, what="finish bell")
+
+
+async def test_cancel_from_the_panel_stops_the_tree(tmp_path, stagekit):
+    stagekit({"prepare": "grandchild:60"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    marker = rd.stage_dir("prepare") / "grandchild.pid"
+    wait_for(marker.exists, what="grandchild")
+    app = BellCounter(rd, tmp_path / "config.toml", runs_dir=tmp_path / "runs",
+                      telemetry=Telemetry(simulate=1))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: cell(app, "prepare", "Status") == "running", what="running")
+        await pilot.press("c")
+        await pilot.pause(0.2)
+        await pilot.press("n")  # a "no" changes nothing
+        await pilot.pause(0.5)
+        assert rd.read_state()["stages"]["prepare"]["status"] == "running"
+        await pilot.press("c")
+        await pilot.pause(0.2)
+        await pilot.press("y")
+        await until(pilot, lambda: cell(app, "prepare", "Status") == "cancelled", timeout=40,
+                    what="cancelled")
+    assert not proc_alive(int(marker.read_text()), None)
+
+
+async def test_force_rerun_of_the_selected_stage(tmp_path, stagekit):
+    stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("down", "down")  # vocab
+        await pilot.press("F")
+        await pilot.pause(0.2)
+        await pilot.press("y")
+        await until(pilot, lambda: cell(app, "vocab", "Att") == "2"
+                    and cell(app, "vocab", "Status") == "succeeded", what="vocab re-run")
+        assert cell(app, "train", "Att") == "1"
+
+
+async def test_panel_closed_and_reopened_sees_the_same_live_run(tmp_path, stagekit):
+    stagekit({"prepare": "sleep:6"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    async with make_app(rd, tmp_path).run_test(size=(80, 24)) as pilot:
+        app = pilot.app
+        await until(pilot, lambda: cell(app, "prepare", "Status") == "running", what="running")
+        await until(pilot, lambda: "/" in cell(app, "prepare", "Progress"), what="progress")
+        first = cell(app, "prepare", "Progress")
+    pid = rd.read_state()["stages"]["prepare"]["pid"]
+    assert proc_alive(pid, None)  # closing the panel stopped nothing
+    async with make_app(rd, tmp_path).run_test(size=(80, 24)) as pilot:
+        app = pilot.app
+        assert cell(app, "prepare", "Status") == "running"
+        await until(pilot, lambda: cell(app, "prepare", "Progress") != first, what="advance")
+        await until(pilot, lambda: cell(app, "train", "Status") == "succeeded", timeout=40,
+                    what="pipeline end")
+
+
+async def test_no_runs_offers_to_start_one(tmp_path, stagekit):
+    stagekit()
+    app = make_app(None, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert "Press r to start one" in str(app.query_one("#detail").render())
+        await pilot.press("r")
+        await until(pilot, lambda: app.rundir is not None and
+                    cell(app, "train", "Status") == "succeeded", what="new run")
+    assert (tmp_path / "runs/t/state.json").exists()
+
+
+async def test_tabs_gpus_kv_and_training(tmp_path, stagekit):
+    stagekit({"train": "events:300"})
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    w = EventWriter(rd.events_path("train"))
+    for i in range(3):
+        w.emit("metric", step=i, epoch=0, split="val", values={"loss": 1.0, "full_acc_0": 0.5})
+    w.close()
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("2")
+        await until(pilot, lambda: app.query_one(GpuTable).snapshot is not None, what="sample")
+        await pilot.pause(0.3)
+        from rich.console import Console
+        console = Console(width=100, record=True, file=open(os.devnull, "w"))
+        console.print(app.query_one(GpuTable)._render_table())
+        text = console.export_text()
+        assert "SIMULATED" in text and "7*" in text
+        await pilot.press("3")
+        await pilot.pause(0.2)
+        assert "No KV cache for this backend" in str(app.query_one("#kvpanel").render())
+        await pilot.press("4")
+        await pilot.pause(0.3)
+        chart = app.query_one(LossChart)
+        rendered = str(chart.render())
+        assert "train loss" in rendered and any(0x2800 < ord(ch) <= 0x28FF for ch in rendered)
+        await pilot.press("e", "o", "a", "v")
+        assert chart.smooth and chart.log and chart.metric == "full_acc" and chart.split == "val"
+        assert "acceptance length (est.) 1.50" in str(app.query_one("#train-info").render())
+
+
+async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
+    stagekit({"prepare": "fail:2"})
+    cli("run", "--wait", cwd=tmp_path, check=1)
+    rd = RunDir(tmp_path / "runs/t")
+    with open(rd.log_path("prepare"), "a") as f:
+        for i in range(300):
+            f.write(f"line {i}\n")
+        f.write("progress 10%\rprogress 50%\rprogress 100%\n\x1b[31mred text\x1b[0m\n")
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        log = app.query_one(LogView)
+        await pilot.pause(0.3)
+        plain = [t.plain for t in log.lines]
+        assert "progress 100%" in plain and "progress 10%" not in " ".join(plain)
+        assert any(s.style.color and s.style.color.number == 1 for s in log.lines[-1].spans)
+        await pilot.press("slash")
+        await pilot.press(*"line 42")
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert log.search == "line 42" and not log.follow
+        assert log.scroll_offset.y <= plain.index("line 42") <= log.scroll_offset.y + 20
+        await pilot.press("f")
+        assert log.follow
+        await pilot.press("z")
+        assert app.screen.has_class("fullscreen")
+        await pilot.press("question_mark")
+        await pilot.pause(0.1)
+        assert app.screen.__class__.__name__ == "HelpScreen"
+        await pilot.press("escape")
+
+
+def test_log_tail_reads_only_the_end(tmp_path):
+    p = tmp_path / "big.log"
+    with open(p, "wb") as f:
+        f.write(b"x" * 100 + b"\n")
+        f.write(b"".join(b"line %d\n" % i for i in range(500_000)))
+    t = LogTail(p, initial_lines=10)
+    assert t.initial[-1] == "line 499999" and len(t.initial) == 10
+    with open(p, "ab") as f:
+        f.write(b"more\npart")
+    lines, partial = t.poll()
+    assert lines == ["more"] and partial == "part"
+    assert collapse_cr("a\rb\r") == "b"
+
+
+def test_no_driver_means_banner_not_crash(monkeypatch):
+    import pynvml
+
+    def boom():
+        raise pynvml.NVMLError_LibraryNotFound()
+    monkeypatch.setattr(pynvml, "nvmlInit", boom)
+    tel = Telemetry()
+    snap = tel.sample()
+    assert snap.source == "none" and snap.gpus == [] and "no NVIDIA GPU telemetry" in snap.banner
+    assert snap.host.mem_total > 0
+
+
+@pytest.mark.gpu
+def test_nvml_source_on_a_real_gpu():
+    from pipeline.telemetry import NvmlSource
+    src = NvmlSource()
+    s = src.sample()
+    assert s and s[0].mem_total and s[0].mem_used is not None
+
+
+def test_model_memory_stays_bounded(tmp_path, stagekit):
+    from app.run_model import Series
+    s = Series(cap=1000)
+    for i in range(100_000):
+        s.add(i, 1.0 / (i + 1))
+    assert len(s) <= 1000 and s.x[-1] > 90_000
+    assert json.dumps(list(s.x[:3]))
+    assert os.path.exists(tmp_path)

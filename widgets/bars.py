@@ -1,0 +1,45 @@
+"""Text bars and sparklines: plain characters and the 16 basic colours, so
+they read the same in tmux, screen and a 16-colour terminal."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+EIGHTHS = " ▏▎▍▌▋▊▉█"
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def bar(frac: float | None, width: int, style: str = "") -> Text:
+    """A horizontal bar `width` cells wide for frac in [0, 1]."""
+    if frac is None:
+        return Text("·" * width, style="dim")
+    frac = min(1.0, max(0.0, frac))
+    eighths = int(round(frac * width * 8))
+    full, part = divmod(eighths, 8)
+    s = "█" * full + (EIGHTHS[part] if part else "")
+    style = style or ("red" if frac > 0.9 else "yellow" if frac > 0.7 else "green")
+    t = Text(s, style=style)
+    t.append(" " * (width - len(s)))
+    return t
+
+
+def sparkline(values, width: int, lo: float = 0.0, hi: float = 100.0) -> Text:
+    """The last `width` values on a fixed lo..hi scale (fixed, so that a quiet
+    GPU does not look busy because the scale shrank)."""
+    vals = list(values)[-width:]
+    out = []
+    for v in vals:
+        if v is None:
+            out.append(" ")
+            continue
+        f = (min(hi, max(lo, v)) - lo) / (hi - lo)
+        out.append(SPARK[min(len(SPARK) - 1, int(f * (len(SPARK) - 1) + 0.5))])
+    return Text(" " * (width - len(out)) + "".join(out), style="cyan")
+
+
+def progress_bar(done, total, width: int) -> Text:
+    if not total:
+        return Text("")
+    frac = min(1.0, max(0.0, done / total))
+    t = bar(frac, width, style="blue")
+    return t

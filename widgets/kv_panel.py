@@ -1,0 +1,46 @@
+"""The KV cache as vLLM allocated it (from `kv_cache` events), and its live use."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from app import fmt
+
+
+class KVCachePanel(Static):
+    def update_from(self, model, backend: str | None) -> None:
+        info = model.stages["extract"]
+        kv, usage = info.kv_cache, info.kv_usage
+        if kv is None:
+            if backend == "hf":
+                self.update(Text("No KV cache for this backend: the `hf` extract backend runs a "
+                                 "plain transformers forward. vLLM backends report their "
+                                 "KV-cache allocation here.", style="dim"))
+            else:
+                self.update(Text("No KV-cache report yet (it appears when the vLLM engine "
+                                 "has allocated its cache).", style="dim"))
+            return
+        t = Table(box=None, show_header=False, pad_edge=False)
+        t.add_column(style="bold")
+        t.add_column()
+        rows = [
+            ("blocks", f"{kv.get('num_blocks'):,}" if kv.get("num_blocks") else "-"),
+            ("block size", f"{kv.get('block_size')} tokens"),
+            ("bytes per block", fmt.nbytes(kv.get("bytes_per_block"))),
+            ("total", fmt.nbytes(kv.get("total_bytes"))),
+            ("token capacity", f"{kv.get('tokens_capacity'):,}" if kv.get("tokens_capacity") else "-"),
+            ("max concurrency", f"{kv.get('max_concurrency'):.2f}x at {kv.get('max_model_len')} tokens"
+             if kv.get("max_concurrency") else "-"),
+            ("source", str(kv.get("source", "-"))),
+        ]
+        for k, v in rows:
+            t.add_row(k, v)
+        for g in kv.get("groups") or []:
+            t.add_row("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
+                               f"{fmt.nbytes(g.get('page_size_bytes'))}")
+        if usage:
+            t.add_row("live use", f"{usage.get('usage_perc', 0) * 100:.1f}%  running "
+                                  f"{usage.get('running')}  waiting {usage.get('waiting')}")
+        self.update(t)

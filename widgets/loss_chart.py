@@ -1,0 +1,144 @@
+"""Training curves drawn in braille cells (2x4 dots per character).
+
+Each series is reduced to one value per dot column (the mean of the points
+that fall in it) before drawing, so a 100,000-step run costs about what a
+100-step one does. EMA smoothing and a log scale are toggles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+COLORS = ("cyan", "magenta", "yellow", "green", "blue", "red", "white")
+BRAILLE = 0x2800
+# dot bit for (column 0..1, row 0..3) inside a braille cell
+DOT = ((0x01, 0x02, 0x04, 0x40), (0x08, 0x10, 0x20, 0x80))
+
+
+def ema(y: np.ndarray, alpha: float) -> np.ndarray:
+    out = np.empty_like(y)
+    acc = y[0] if len(y) else 0.0
+    for i, v in enumerate(y):  # on at most a few thousand bucket means
+        acc = alpha * v + (1 - alpha) * acc
+        out[i] = acc
+    return out
+
+
+def bucket_means(x: np.ndarray, y: np.ndarray, x0: float, x1: float, cols: int):
+    """Mean of y per column of the x range; NaN where a column has no point."""
+    if not len(x):
+        return np.full(cols, np.nan)
+    idx = np.clip(((x - x0) / max(x1 - x0, 1e-12) * (cols - 1)).round().astype(int), 0, cols - 1)
+    sums = np.bincount(idx, weights=y, minlength=cols)
+    counts = np.bincount(idx, minlength=cols)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return sums / counts
+
+
+def plot(series: list[tuple[str, np.ndarray, np.ndarray]], width: int, height: int,
+         smooth: bool = False, log: bool = False) -> list[Text]:
+    """Render series [(label, x, y)] into `height` lines of `width` cells."""
+    label_w = 8
+    cols, rows = max(1, (width - label_w)) * 2, max(1, height - 1) * 4
+    series = [(n, x, y) for n, x, y in series if len(x)]
+    if not series:
+        return [Text("no training metrics yet", style="dim")]
+    x0 = min(float(x[0]) for _, x, _ in series)
+    x1 = max(float(x[-1]) for _, x, _ in series)
+    reduced = []
+    for name, x, y in series:
+        y = np.asarray(y, dtype=float)
+        if log:
+            y = np.log10(np.clip(y, 1e-12, None))
+        m = bucket_means(np.asarray(x, dtype=float), y, x0, x1, cols)
+        if smooth:
+            ok = ~np.isnan(m)
+            if ok.any():
+                m[ok] = ema(m[ok], 0.15)
+        reduced.append((name, m))
+    finite = np.concatenate([m[~np.isnan(m)] for _, m in reduced]) if reduced else np.array([])
+    if not len(finite):
+        return [Text("no finite values", style="dim")]
+    lo, hi = float(finite.min()), float(finite.max())
+    if hi - lo < 1e-12:
+        hi = lo + 1.0
+    grid = np.zeros((rows // 4, cols // 2), dtype=np.int32)
+    color = np.full(grid.shape, -1)
+    for k, (_, m) in enumerate(reduced):
+        prev = None
+        for c in range(cols):
+            v = m[c]
+            if math.isnan(v):
+                prev = None
+                continue
+            r = int(round((hi - v) / (hi - lo) * (rows - 1)))
+            # join to the previous column so steep curves stay connected
+            span = range(min(r, prev), max(r, prev) + 1) if prev is not None else (r,)
+            for rr in span:
+                grid[rr // 4, c // 2] |= DOT[c % 2][rr % 4]
+                color[rr // 4, c // 2] = k
+            prev = r
+    fmt_v = (lambda v: f"{10 ** v:.3g}") if log else (lambda v: f"{v:.3g}")
+    lines = []
+    for i in range(grid.shape[0]):
+        label = fmt_v(hi) if i == 0 else fmt_v(lo) if i == grid.shape[0] - 1 else ""
+        line = Text(f"{label:>{label_w - 1}} ", style="dim")
+        for j in range(grid.shape[1]):
+            bits = grid[i, j]
+            line.append(chr(BRAILLE + bits) if bits else " ",
+                        style=COLORS[color[i, j] % len(COLORS)] if bits else "")
+        lines.append(line)
+    legend = Text(f"{'step':>{label_w - 1}} {int(x0)}..{int(x1)}  ", style="dim")
+    for k, (name, _) in enumerate(reduced):
+        legend.append(f"■ {name} ", style=COLORS[k % len(COLORS)])
+    lines.append(legend)
+    return lines
+
+
+class LossChart(Widget):
+    """Loss or accuracy per TTT step (train, and validation when shown)."""
+
+    DEFAULT_CSS = "LossChart { height: 1fr; min-height: 6; }"
+    smooth = reactive(False)
+    log = reactive(False)
+    metric = reactive("loss")   # "loss" | "full_acc"
+    split = reactive("train")
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.model = None
+        self._seen_version = -1
+
+    def update_from(self, model) -> None:
+        self.model = model
+        if model.version != self._seen_version:
+            self._seen_version = model.version
+            self.refresh()
+
+    def series(self):
+        m = self.model
+        if m is None:
+            return []
+        keys = [k for k in m.metric_keys(self.split)
+                if k.startswith(self.metric + "_") and k[len(self.metric) + 1:].isdigit()]
+        keys.sort(key=lambda k: int(k.rsplit("_", 1)[1]))
+        if self.metric == "loss" and (self.split, "loss") in m.metrics:
+            keys = ["loss", *keys]
+        out = []
+        for k in keys:
+            s = m.metrics[(self.split, k)]
+            out.append((k, np.frombuffer(s.x, dtype=float), np.frombuffer(s.y, dtype=float)))
+        return out
+
+    def render(self):
+        w, h = self.size.width, self.size.height
+        title = Text(f"{self.split} {self.metric}", style="bold")
+        title.append(f"   [e] EMA {'on' if self.smooth else 'off'}  [o] log {'on' if self.log else 'off'}"
+                     f"  [a] loss/accuracy  [v] train/val", style="dim")
+        lines = [title, *plot(self.series(), w, max(2, h - 1), self.smooth, self.log)]
+        return Text("\n").join(lines[:h])
