@@ -59,7 +59,7 @@ def resolve_run(args, name: str | None) -> RunDir:
 def cmd_run(args) -> int:
     cfg = _load_config(args.config)
     rd = runner.prepare_run(cfg, args.run)
-    holder = rd.lock_holder()
+    holder = runner.busy_launcher(rd)
     if holder is not None:
         print(f"{rd.id}: a launcher (pid {holder}) is already driving this run; "
               "nothing new was started.", file=sys.stderr)
@@ -69,7 +69,7 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     rd = resolve_run(args, args.run)
-    if rd.lock_holder() is not None:
+    if runner.busy_launcher(rd) is not None:
         print(f"{rd.id}: a launcher is already driving this run.", file=sys.stderr)
         return EXIT_BUSY
     return _start(rd, runner.load_run_config(rd), None, False, args.wait)
@@ -333,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show N simulated GPUs (demo / machines without GPUs)")
     p.add_argument("--interval", type=float, default=1.0,
                    help="GPU sampling interval in seconds (at least 0.5)")
+    p.add_argument("--refresh", type=float, default=2.0,
+                   help="seconds between redraws of the GPU rows (history keeps every sample)")
     p.set_defaults(func=cmd_ui)
     return ap
 
@@ -348,7 +350,8 @@ def main(argv=None) -> int:
             argv = argv[:i + 1] + ["", *argv[i + 1:]]
     args = ap.parse_args(argv)
     if not args.command:
-        args.run, args.simulate_gpus, args.interval, args.func = None, 0, 1.0, cmd_ui
+        args.run, args.simulate_gpus, args.interval, args.refresh = None, 0, 1.0, 2.0
+        args.func = cmd_ui
     try:
         return args.func(args)
     except (ConfigError, RunDirError, UsageError) as e:

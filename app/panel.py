@@ -17,7 +17,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.widgets import Footer, Input, Static, TabbedContent, TabPane
+from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from app import fmt
 from app.run_model import RunModel
@@ -33,10 +33,14 @@ from widgets.gpu_table import GpuTable
 from widgets.kv_panel import KVCachePanel
 from widgets.log_view import LogView
 from widgets.loss_chart import LossChart
+from widgets.quiet import QuietStatic
 from widgets.stage_table import StageTable
 
 
 class PanelApp(App):
+    UI_INTERVAL = 1.0   # seconds between redraws
+    MIN_POLL = 0.2      # seconds between reads of the run's files
+    LOG_INTERVAL = 1.0  # seconds between log view updates
     CSS_PATH = Path(__file__).with_name("panel.tcss")
     TITLE = "eagle-panel"
     BINDINGS = [
@@ -60,13 +64,19 @@ class PanelApp(App):
     ]
 
     def __init__(self, run: RunDir | None, config_path: Path | None = None,
-                 simulate_gpus: int = 0, interval: float = 1.0, runs_dir: Path | None = None,
+                 simulate_gpus: int = 0, interval: float = 1.0, refresh: float = 2.0,
+                 runs_dir: Path | None = None,
                  telemetry: Telemetry | None = None, clock=time.time):
         super().__init__()
         self.rundir = run
         self.config_path = config_path
         self.runs_dir = runs_dir
         self.interval = max(Telemetry.MIN_INTERVAL, interval)
+        # GPU rows are redrawn every refresh_s (samples still land in the
+        # history every `interval`): 8 GPUs of changing numbers each second
+        # are most of what a slow SSH link would carry.
+        self.refresh_s = max(self.interval, refresh)
+        self._gpus_drawn_at = -1e9
         self.model = RunModel(run) if run else None
         self.lock = threading.Lock()
         self.telemetry = telemetry or Telemetry(simulate_gpus, disk_path=(run.path if run else runs_dir))
@@ -76,12 +86,13 @@ class PanelApp(App):
         self._was_driving = False
         self._log_stage = None
         self._stop = threading.Event()
+        self._dirty = False  # set by the file watcher, drawn by _tick
 
     # -- layout -----------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield Static(id="title")
+        yield QuietStatic(id="title")
         yield StageTable(id="stages")
-        yield Static(id="detail")
+        yield QuietStatic(id="detail")
         with TabbedContent(initial="logs", id="tabs"):
             with TabPane("1 Logs", id="logs"):
                 yield LogView(id="log")
@@ -92,7 +103,7 @@ class PanelApp(App):
                 yield KVCachePanel(id="kvpanel")
             with TabPane("4 Training", id="training"):
                 with Vertical():
-                    yield Static(id="train-info")
+                    yield QuietStatic(id="train-info")
                     yield LossChart(id="chart")
         yield Footer()
 
@@ -106,13 +117,13 @@ class PanelApp(App):
             self._apply_model()
             self._select_log(self.query_one(StageTable).selected_stage)
         else:
-            self.query_one("#detail", Static).update(Text(
-                f"No runs yet in {self.runs_dir}. Press r to start one from "
-                f"{self.config_path}.", style="bold"))
+            cfg = self.config_path.name if self.config_path else "config.toml"
+            self.query_one("#detail", QuietStatic).set(Text(
+                f"No runs yet. Press r to start one from {cfg}.", style="bold"))
         self._watch_files()
         self._sample_telemetry()
-        self.set_interval(0.25, self._poll_log)
-        self.set_interval(1.0, self._tick)
+        self.set_interval(self.LOG_INTERVAL, self._poll_log)
+        self.set_interval(self.UI_INTERVAL, self._tick)
 
     # -- workers ------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="files")
@@ -126,10 +137,10 @@ class PanelApp(App):
             if waiter is None:
                 waiter = ChangeWaiter([self.rundir.path] + [self.rundir.stage_dir(s) for s in STAGE_NAMES])
             with self.lock:
-                changed = self.model.poll()
-            if changed:
-                self.call_from_thread(self._apply_model)
+                if self.model.poll():
+                    self._dirty = True
             waiter.wait(0.5)
+            self._stop.wait(self.MIN_POLL)  # coalesce bursts of file changes
         if waiter:
             waiter.close()
 
@@ -158,7 +169,7 @@ class PanelApp(App):
         kind = self.telemetry.kind
         t.append(f"  GPUs: {'SIMULATED' if kind == 'simulated' else kind}",
                  style="magenta" if kind == "simulated" else "dim")
-        self.query_one("#title", Static).update(t)
+        self.query_one("#title", QuietStatic).set(t)
 
     def _apply_model(self) -> None:
         if self.model is None:
@@ -169,17 +180,34 @@ class PanelApp(App):
             self._notify_transitions()
             self._draw_detail()
             self._draw_title()
-            self._draw_training()
+            self._draw_active_tab()
+
+    def _draw_active_tab(self, switched: bool = False) -> None:
+        """Hidden tabs are not drawn; switching to one draws it."""
+        tab = self.query_one(TabbedContent).active
+        if tab == "training" and self.model is not None:
+            self._draw_training(force=switched)
+        elif tab == "kv" and self.model is not None:
             self.query_one(KVCachePanel).update_from(self.model, self._backend())
-            if self.snapshot is not None:
-                self._draw_gpus()
+        elif tab == "gpus" and self.snapshot is not None:
+            self._draw_gpus(force=switched)
+
+    def on_tabbed_content_tab_activated(self, _event) -> None:
+        with self.lock:
+            self._draw_active_tab(switched=True)
 
     def _apply_snapshot(self, snap) -> None:
         self.snapshot = snap
         with self.lock:
-            self._draw_gpus()
+            self.query_one(GpuTable).record(snap)
+            if self.query_one(TabbedContent).active == "gpus":
+                self._draw_gpus()
 
-    def _draw_gpus(self) -> None:
+    def _draw_gpus(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._gpus_drawn_at < self.refresh_s:
+            return  # the history keeps every sample; the rows wait
+        self._gpus_drawn_at = now
         holders = self.model.devices_by_gpu() if self.model else {}
         forecast = self.model.stages["extract"].progress if self.model else None
         self.query_one(GpuTable).update_from(self.snapshot, holders, forecast)
@@ -207,14 +235,16 @@ class PanelApp(App):
                      info.finished.get("status", ""), style="dim")
         else:
             t.append(st.get("status", "pending"), style="dim")
-        self.query_one("#detail", Static).update(t)
+        self.query_one("#detail", QuietStatic).set(t)
 
-    def _draw_training(self) -> None:
+    def _draw_training(self, force: bool = False) -> None:
         m = self.model
         prog = m.stages["train"].progress
         t = Text()
         if prog:
-            t.append(f"step {prog.get('done')}/{prog.get('total')}  epoch {prog.get('epoch')}  ")
+            t.append(f"step {prog.get('done')}/{prog.get('total')}  ")
+            if prog.get("epoch") is not None:
+                t.append(f"epoch {prog['epoch']}  ")
             if prog.get("eta_s") is not None and m.stages["train"].state.get("status") == "running":
                 t.append(f"ETA {fmt.duration(prog['eta_s'])}  ")
         lr = m.metrics.get(("train", "lr")) or m.metrics.get(("train", "lr_AdamW"))
@@ -225,8 +255,8 @@ class PanelApp(App):
             t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
         if not t.plain:
             t.append("no training yet", style="dim")
-        self.query_one("#train-info", Static).update(t)
-        self.query_one(LossChart).update_from(m)
+        self.query_one("#train-info", QuietStatic).set(t)
+        self.query_one(LossChart).update_from(m, force)
 
     def _backend(self) -> str | None:
         try:
@@ -254,8 +284,15 @@ class PanelApp(App):
         self._was_driving = driving
 
     def _tick(self) -> None:
-        """Durations advance even when no file changes."""
-        if self.model is not None:
+        """The one redraw timer: at most once per UI_INTERVAL however fast a
+        stage writes (what reaches the terminal over SSH is what users feel);
+        durations advance even when no file changes."""
+        if self.model is None:
+            return
+        if self._dirty:
+            self._dirty = False
+            self._apply_model()
+        else:
             with self.lock:
                 self.query_one(StageTable).refresh_from(self.model, self.clock())
 
@@ -268,10 +305,10 @@ class PanelApp(App):
     def _poll_log(self) -> None:
         self.query_one(LogView).poll()
 
-    def on_data_table_row_highlighted(self, event) -> None:
+    def on_stage_table_selected(self, event: StageTable.Selected) -> None:
         if self.model is None:
             return
-        stage = STAGE_NAMES[event.cursor_row]
+        stage = event.stage
         self._select_log(stage)
         with self.lock:
             self._draw_detail()
@@ -333,7 +370,7 @@ class PanelApp(App):
             if self.rundir is None:
                 cfg = config_mod.load(self.config_path)
                 self._attach(runner.prepare_run(cfg))
-            if self.rundir.lock_holder() is not None:
+            if runner.busy_launcher(self.rundir, wait=1.0) is not None:
                 self.notify("the pipeline is already running", timeout=3)
                 return
             runner.start_driver(self.rundir)
@@ -358,7 +395,7 @@ class PanelApp(App):
         def go(yes: bool | None) -> None:
             if not yes:
                 return
-            if self.rundir.lock_holder() is not None:
+            if runner.busy_launcher(self.rundir, wait=1.0) is not None:
                 self.notify("cancel the running pipeline first", severity="warning", timeout=4)
                 return
             st = runner.plan(runner.load_run_config(self.rundir), self.rundir.read_state(), stage)
@@ -415,6 +452,7 @@ def run_panel(args) -> int:
         return 2
     cfg_path = Path(args.config) if args.config else config_mod.default_config_path()
     app = PanelApp(run, cfg_path, simulate_gpus=args.simulate_gpus,
-                   interval=getattr(args, "interval", 1.0), runs_dir=runs_dir)
+                   interval=getattr(args, "interval", 1.0), refresh=getattr(args, "refresh", 2.0),
+                   runs_dir=runs_dir)
     app.run()
     return 0

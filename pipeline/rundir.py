@@ -227,4 +227,10 @@ def list_runs(runs_dir: Path) -> list[RunDir]:
     if not runs_dir.is_dir():
         return []
     runs = [RunDir(p) for p in runs_dir.iterdir() if (p / "state.json").is_file()]
-    return sorted(runs, key=lambda r: r.state_path.stat().st_mtime, reverse=True)
+
+    def created(r: RunDir) -> float:
+        try:
+            return float(r.read_state().get("created_at") or 0)
+        except RunDirError:  # listed (and reported by the caller), last
+            return 0.0
+    return sorted(runs, key=created, reverse=True)

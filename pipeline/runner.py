@@ -258,6 +258,21 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
     return rd
 
 
+def busy_launcher(rd: RunDir, wait: float = 3.0) -> int | None:
+    """The pid of a launcher driving the run, if one is. A launcher whose
+    stage just ended takes a moment to exit: when no stage is running, wait
+    up to `wait` seconds for it before calling the run busy."""
+    deadline = time.monotonic() + wait
+    while True:
+        holder = rd.lock_holder()
+        if holder is None:
+            return None
+        running = any(st["status"] == "running" for st in refresh(rd)["stages"].values())
+        if running or time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.1)
+
+
 def start_driver(rd: RunDir, only: str | None = None, force: bool = False) -> subprocess.Popen:
     """Detach a driver for the run: it survives the terminal that started it."""
     args = [sys.executable, "-m", "pipeline.runner", "drive", "--run-dir", str(rd.path)]

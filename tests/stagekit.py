@@ -1,8 +1,8 @@
 """A stand-in stage for the runner's tests: a real process whose behaviour
 is chosen by STAGEKIT in its environment (per stage via [stages.X.env]).
 
-  ok | sleep:S | fail:CODE | fail_once | sigkill | ignore_term:S | grandchild:S |
-  events:N | graceful:S (exits 130 on SIGINT after writing a marker)
+  ok | sleep:S | sleep_once:S | fail:CODE | fail_once | sigkill | ignore_term:S | grandchild:S |
+  events:N | flood:S | graceful:S (exits 130 on SIGINT after writing a marker)
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def main() -> int:
     action, _, arg = os.environ.get("STAGEKIT", "ok").partition(":")
     print(f"stagekit {stage}: {action} {arg}", flush=True)
     t0 = time.time()
+    if action == "sleep_once":  # sleeps on the first attempt only
+        action = "sleep" if os.environ.get("EAGLE_PANEL_ATTEMPT") == "1" else "ok"
+        arg = arg if action == "sleep" else ""
     if action == "sleep":
         total = float(arg)
         steps = max(1, int(total / 0.1))
@@ -66,6 +69,20 @@ def main() -> int:
         while not marker.exists():
             time.sleep(0.02)
         time.sleep(float(arg))
+    elif action == "flood":  # 2,000 log lines/s and 50 metric events/s (panel benchmark)
+        end, step = time.time() + float(arg), 0
+        while time.time() < end:
+            t = time.time()
+            sys.stdout.write("".join(f"step {step} line {k} loss={1.0 / (step + 1):.4f} "
+                                     "some more text to make a realistic log line\n"
+                                     for k in range(40)))
+            sys.stdout.flush()
+            ev.emit("metric", step=step, epoch=0, split="train",
+                    values={"loss": 3.0 / (1 + step / 500), "loss_0": 1.0 / (1 + step / 500),
+                            "full_acc_0": min(0.9, step / 5000), "lr": 1e-4})
+            ev.emit("progress", done=step, total=10 ** 6, unit="steps", rate=50.0)
+            step += 1
+            time.sleep(max(0.0, 0.02 - (time.time() - t)))
     elif action == "events":
         for i in range(int(arg)):
             ev.emit("metric", step=i, epoch=0, values={"loss": 1.0 / (i + 1)}, split="train")

@@ -9,6 +9,8 @@ Never reads a whole log: it starts from the last `initial_lines` lines
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections import deque
 
 from rich.text import Text
@@ -64,13 +66,23 @@ class LogTail:
         return lines, collapse_cr(self.partial.decode("utf-8", "replace"))
 
 
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
 class LogView(ScrollView, can_focus=True):
+    """Lines are kept as raw strings and turned into styled Text only when
+    drawn: a stage writing thousands of lines a second costs the panel the
+    few lines on screen, not every line."""
+
     DEFAULT_CSS = "LogView { height: 1fr; }"
 
     def __init__(self, max_lines: int = 5000, **kw):
         super().__init__(**kw)
-        self.lines: deque[Text] = deque(maxlen=max_lines)
-        self.partial = Text("")
+        self.lines: deque[str] = deque(maxlen=max_lines)
+        self.partial = ""
+        self._parsed: dict[str, Text] = {}
+        self._pending = 0
+        self._drawn_at = 0.0
         self.follow = True
         self.search: str = ""
         self.tail: LogTail | None = None
@@ -82,32 +94,60 @@ class LogView(ScrollView, can_focus=True):
         self._width = 0
         self._add(self.tail.initial, "")
 
+    # A log that scrolls more than a screen between draws is redrawn at most
+    # every BUSY_INTERVAL seconds: nobody reads 2,000 lines a second, and
+    # each redraw resends the whole screen over SSH.
+    BUSY_INTERVAL = 2.0
+
     def poll(self) -> bool:
         if self.tail is None:
             return False
         lines, partial = self.tail.poll()
-        if not lines and partial == self.partial.plain:
+        if lines or partial != self.partial:
+            self._add(lines, partial, draw=False)
+            self._pending += len(lines) + 1
+        if not self._pending:
             return False
-        self._add(lines, partial)
+        now = time.monotonic()
+        busy = self._pending > max(1, self.size.height)
+        if busy and now - self._drawn_at < self.BUSY_INTERVAL:
+            return False
+        self._pending, self._drawn_at = 0, now
+        self._draw()
         return True
 
-    def _add(self, lines: list[str], partial: str) -> None:
-        for line in lines:
-            t = Text.from_ansi(line)
-            self._width = max(self._width, t.cell_len)
-            self.lines.append(t)
-        self.partial = Text.from_ansi(partial)
-        self.virtual_size = Size(self._width, len(self.lines) + (1 if partial else 0))
+    def _add(self, lines: list[str], partial: str, draw: bool = True) -> None:
+        for line in lines[-self.lines.maxlen:]:
+            plain_len = len(ANSI.sub("", line)) if "\x1b" in line else len(line)
+            self._width = max(self._width, plain_len)
+            self.lines.append(line)
+        self.partial = partial
+        if draw:
+            self._draw()
+
+    def _draw(self) -> None:
+        self.virtual_size = Size(self._width, len(self.lines) + (1 if self.partial else 0))
         if self.follow:
             self.scroll_end(animate=False, immediate=True)
         self.refresh()
 
+    @staticmethod
+    def plain(line: str) -> str:
+        return ANSI.sub("", line) if "\x1b" in line else line
+
     def line_at(self, i: int) -> Text | None:
         if i < len(self.lines):
-            return self.lines[i]
-        if i == len(self.lines) and self.partial.plain:
-            return self.partial
-        return None
+            raw = self.lines[i]
+        elif i == len(self.lines) and self.partial:
+            raw = self.partial
+        else:
+            return None
+        text = self._parsed.get(raw)
+        if text is None:
+            if len(self._parsed) > 500:
+                self._parsed.clear()
+            text = self._parsed[raw] = Text.from_ansi(raw)
+        return text
 
     def render_line(self, y: int) -> Strip:
         sx, sy = self.scroll_offset
@@ -132,7 +172,7 @@ class LogView(ScrollView, can_focus=True):
         n = len(self.lines)
         for k in range(n):
             i = (start + k) % max(n, 1)
-            if needle.lower() in self.lines[i].plain.lower():
+            if needle.lower() in self.plain(self.lines[i]).lower():
                 self.follow = False
                 self.scroll_to(y=max(0, i - 2), animate=False, immediate=True)
                 self.refresh()

@@ -8,6 +8,7 @@ that fall in it) before drawing, so a 100,000-step run costs about what a
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 from rich.text import Text
@@ -113,11 +114,19 @@ class LossChart(Widget):
         super().__init__(**kw)
         self.model = None
         self._seen_version = -1
+        self._drawn_at = -1e9
 
-    def update_from(self, model) -> None:
+    # New points redraw the chart at most every REDRAW_INTERVAL seconds (a
+    # toggle redraws at once): curves move slowly, and a redraw resends the
+    # whole chart to the terminal.
+    REDRAW_INTERVAL = 5.0
+
+    def update_from(self, model, force: bool = False) -> None:
         self.model = model
-        if model.version != self._seen_version:
-            self._seen_version = model.version
+        now = time.monotonic()
+        if model.version != self._seen_version and (
+                force or now - self._drawn_at >= self.REDRAW_INTERVAL):
+            self._seen_version, self._drawn_at = model.version, now
             self.refresh()
 
     def series(self):

@@ -1,37 +1,88 @@
-"""The four stages: status, attempt, duration, progress with rate and ETA, exit."""
+"""The four stages: status, attempt, duration, progress with rate and ETA, exit.
+
+One line widget per stage, each redrawn only when its text changes: over
+SSH the bytes sent are the cost, and a whole-table repaint every second for
+one ticking duration would send six lines instead of one.
+"""
 
 from __future__ import annotations
 
 import time
 
 from rich.text import Text
-from textual.widgets import DataTable
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message
 
 from app import fmt
 from pipeline.config import STAGE_NAMES
 from widgets.bars import progress_bar
+from widgets.quiet import QuietStatic
 
 STATUS_STYLE = {"pending": "dim", "running": "bold cyan", "succeeded": "green",
                 "failed": "bold red", "cancelled": "yellow"}
+# column: (title, width); the last column takes what is left
+COLUMNS = (("Stage", 8), ("Status", 10), ("Att", 3), ("Time", 7), ("Progress", 20),
+           ("Rate / ETA", 16), ("Exit", 7))
 
 
-class StageTable(DataTable):
-    """One row per stage; cells change in place, so nothing flickers."""
+class StageTable(Vertical, can_focus=True):
+    DEFAULT_CSS = """
+    StageTable { height: 5; }
+    StageTable > QuietStatic { height: 1; }
+    StageTable > .header { text-style: bold; background: $boost; }
+    StageTable > .selected { background: $accent 30%; }
+    StageTable:focus > .selected { background: $accent 60%; }
+    """
+    BINDINGS = [Binding("up,k", "move(-1)", show=False), Binding("down,j", "move(1)", show=False)]
 
-    DEFAULT_CSS = "StageTable { height: 6; }"
-    COLUMNS = ("Stage", "Status", "Att", "Time", "Progress", "Rate / ETA", "Exit")
+    class Selected(Message):
+        def __init__(self, stage: str):
+            super().__init__()
+            self.stage = stage
 
-    def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.zebra_stripes = False
-        for c in self.COLUMNS:
-            self.add_column(c, key=c)
-        for s in STAGE_NAMES:
-            self.add_row(s, "", "", "", "", "", "", key=s)
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.cursor_row = 0
+        self.cells: dict[str, dict[str, str]] = {s: {c: "" for c, _ in COLUMNS} for s in STAGE_NAMES}
+        self.cells.update({s: {**self.cells[s], "Stage": s} for s in STAGE_NAMES})
+
+    def compose(self):
+        yield QuietStatic(self._row_text({c: c for c, _ in COLUMNS}, header=True), classes="header")
+        for i, s in enumerate(STAGE_NAMES):
+            yield QuietStatic(self._row_text(self.cells[s]), id=f"row-{s}",
+                       classes="selected" if i == 0 else "")
 
     @property
     def selected_stage(self) -> str:
-        return STAGE_NAMES[self.cursor_row] if 0 <= self.cursor_row < len(STAGE_NAMES) else STAGE_NAMES[0]
+        return STAGE_NAMES[self.cursor_row]
+
+    def action_move(self, delta: int) -> None:
+        new = min(len(STAGE_NAMES) - 1, max(0, self.cursor_row + delta))
+        if new == self.cursor_row:
+            return
+        self.query_one(f"#row-{self.selected_stage}").remove_class("selected")
+        self.cursor_row = new
+        self.query_one(f"#row-{self.selected_stage}").add_class("selected")
+        self.post_message(self.Selected(self.selected_stage))
+
+    def on_click(self, event) -> None:
+        row = event.y - 1
+        if 0 <= row < len(STAGE_NAMES):
+            self.action_move(row - self.cursor_row)
+
+    def get_cell(self, stage: str, col: str) -> str:
+        return self.cells[stage][col]
+
+    def _row_text(self, cells: dict, header: bool = False) -> Text:
+        t = Text(" ")
+        for col, width in COLUMNS:
+            v = cells.get(col, "")
+            piece = v if isinstance(v, Text) else Text(str(v))
+            piece.truncate(width, pad=True)
+            t.append_text(piece)
+            t.append(" ")
+        return t
 
     def refresh_from(self, model, now: float | None = None) -> None:
         now = now or time.time()
@@ -40,7 +91,8 @@ class StageTable(DataTable):
             st = info.state
             status = st.get("status", "pending")
             prog = info.progress if st.get("attempt") else None
-            cells = {
+            styled = {
+                "Stage": s,
                 "Status": Text(status, style=STATUS_STYLE.get(status, "")),
                 "Att": str(st.get("attempt") or ""),
                 "Time": fmt.duration(fmt.stage_duration(st, now)) if st.get("started_at") else "",
@@ -49,15 +101,14 @@ class StageTable(DataTable):
                 "Exit": Text(fmt.exit_text(st) if status in ("failed", "cancelled", "succeeded")
                              else "", style="red" if status == "failed" else ""),
             }
-            for col, value in cells.items():
-                if self.get_cell(s, col) != value:
-                    self.update_cell(s, col, value, update_width=True)
+            self.cells[s] = {k: (v.plain if isinstance(v, Text) else v) for k, v in styled.items()}
+            self.query_one(f"#row-{s}", QuietStatic).set(self._row_text(styled))
 
     @staticmethod
     def _progress(ev) -> Text:
         if not ev:
             return Text("")
-        t = progress_bar(ev.get("done", 0), ev.get("total"), 10)
+        t = progress_bar(ev.get("done", 0), ev.get("total"), 8)
         total = ev.get("total")
         t.append(f" {ev.get('done')}/{total}" if total else f" {ev.get('done')}")
         return t
@@ -68,7 +119,7 @@ class StageTable(DataTable):
             return ""
         parts = []
         if ev.get("rate"):
-            parts.append(f"{ev['rate']:.1f} {ev.get('unit', '')}/s")
+            parts.append(f"{ev['rate']:.1f}/s")
         if ev.get("eta_s") is not None:
             parts.append(f"ETA {fmt.duration(ev['eta_s'])}")
-        return "  ".join(parts)
+        return " ".join(parts)
