@@ -66,14 +66,14 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     # wait4 also gives the stage's peak RSS, recorded for the panel and benchmarks.
     while True:
         try:
-            _, status, usage = os.wait4(child.pid, 0)
+            _, wstatus, usage = os.wait4(child.pid, 0)
             break
         except ChildProcessError:
-            status, usage = None, None
+            wstatus, usage = None, None
             break
         except InterruptedError:
             continue
-    code = os.waitstatus_to_exitcode(status) if status is not None else (child.returncode or 0)
+    code = os.waitstatus_to_exitcode(wstatus) if wstatus is not None else (child.returncode or 0)
     child.returncode = code
 
     # Anything the stage left behind (workers in sessions of their own,

@@ -1,7 +1,5 @@
 """The panel under Pilot, driven by real runs of test stages (tests.stagekit)."""
 
-import json
-import os
 import time
 
 import pytest
@@ -225,11 +223,11 @@ def test_nvml_source_on_a_real_gpu():
     assert s and s[0].mem_total and s[0].mem_used is not None
 
 
-def test_model_memory_stays_bounded(tmp_path, stagekit):
+def test_metric_series_stay_bounded():
     from app.run_model import Series
     s = Series(cap=1000)
     for i in range(100_000):
         s.add(i, 1.0 / (i + 1))
-    assert len(s) <= 1000 and s.x[-1] > 90_000
-    assert json.dumps(list(s.x[:3]))
-    assert os.path.exists(tmp_path)
+    assert 500 <= len(s) <= 1000
+    xs = list(s.x)
+    assert xs == sorted(xs) and xs[0] == 0 and xs[-1] > 99_000  # whole span, thinned evenly
