@@ -23,10 +23,6 @@ from pipeline.rundir import RunDir, RunDirError, list_runs
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_CANCELLED = 1, 2, 3, 130
 
 
-class UsageError(Exception):
-    pass
-
-
 def _load_config(path: str | None) -> config_mod.Config:
     return config_mod.load(path or config_mod.default_config_path())
 
@@ -354,7 +350,7 @@ def main(argv=None) -> int:
         args.func = cmd_ui
     try:
         return args.func(args)
-    except (ConfigError, RunDirError, UsageError) as e:
+    except (ConfigError, RunDirError) as e:
         print(f"eagle-panel: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:

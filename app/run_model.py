@@ -153,7 +153,7 @@ class RunModel:
     def metric_keys(self, split: str) -> list[str]:
         return sorted(k for sp, k in self.metrics if sp == split)
 
-    def acceptance_estimate(self, ttt_steps: int | None = None) -> float | None:
+    def acceptance_estimate(self) -> float | None:
         fin = self.stages["train"].finished
         if fin and (fin.get("summary") or {}).get("acceptance_length") is not None:
             return fin["summary"]["acceptance_length"]

@@ -15,12 +15,6 @@ import os
 import time
 from pathlib import Path
 
-EVENT_TYPES = (
-    "stage_started", "progress", "metric", "kv_cache", "kv_usage", "artifact",
-    "warning", "error", "stage_finished", "log",
-)
-
-
 def _clean(value):
     # JSON has no NaN/inf; a diverged loss must still be a valid line.
     if isinstance(value, float) and not math.isfinite(value):

@@ -17,10 +17,6 @@ from pathlib import Path
 
 from pipeline.config import STAGE_NAMES
 
-STATUSES = ("pending", "running", "succeeded", "failed", "cancelled")
-FINISHED = ("succeeded", "failed", "cancelled")
-
-
 class RunDirError(Exception):
     """A run directory that is missing, not a run, or has a corrupt state file."""
 

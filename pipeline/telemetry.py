@@ -14,7 +14,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -49,7 +49,6 @@ class Snapshot:
     host: HostSample | None
     source: str                       # "nvml" | "simulated" | "none"
     banner: str | None = None         # why there are no GPU numbers
-    extra: dict = field(default_factory=dict)
 
 
 class NvmlSource:

@@ -56,6 +56,12 @@ class GpuTable(Vertical):
         for g in snap.gpus:
             self.history.setdefault(g.index, deque(maxlen=self.history_len)).append(g.util)
 
+    def on_resize(self, _event) -> None:
+        # Columns depend on the width: a first draw before layout, or a
+        # terminal resize, must not leave the narrow (or wide) layout behind.
+        if self.snapshot is not None:
+            self.update_from(self.snapshot, self.holders, self.forecast)
+
     def update_from(self, snap, holders: dict[int, str], forecast: dict | None) -> None:
         self.record(snap)
         self.holders, self.forecast = holders, forecast
