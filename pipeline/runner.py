@@ -15,6 +15,7 @@ from state.json, events.jsonl and stage.log.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import secrets
 import shutil
@@ -244,17 +245,22 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
     """Create (or reuse) the run directory and freeze the config into it."""
     rid = run_id or cfg.run.name
     rd = RunDir(cfg.runs_dir() / rid)
-    if rd.path.exists() and not rd.is_run() and any(rd.path.iterdir()):
-        raise config_mod.ConfigError(
-            f"{rd.path} exists and is not an eagle-panel run; choose another --run name "
-            "or [run] name.")
-    text = cfg.source.read_text() if cfg.source else ""
-    if rd.is_run():
-        rd.read_state()  # a corrupt state is reported, never silently reset
-        if rd.lock_holder() is None:
+    rd.path.parent.mkdir(parents=True, exist_ok=True)
+    # Two launchers creating the same run at once: one creates, the other
+    # must not mistake the half-made folder for a foreign one.
+    with open(rd.path.parent / f".{rid}.create-lock", "w") as creating:
+        fcntl.flock(creating, fcntl.LOCK_EX)
+        if rd.path.exists() and not rd.is_run() and any(rd.path.iterdir()):
+            raise config_mod.ConfigError(
+                f"{rd.path} exists and is not an eagle-panel run; choose another --run name "
+                "or [run] name.")
+        text = cfg.source.read_text() if cfg.source else ""
+        if rd.is_run():
+            rd.read_state()  # a corrupt state is reported, never silently reset
+            if rd.lock_holder() is None:
+                rd.create(text, cfg.base_dir)
+        else:
             rd.create(text, cfg.base_dir)
-    else:
-        rd.create(text, cfg.base_dir)
     return rd
 
 
