@@ -87,6 +87,7 @@ class PanelApp(App):
         self._log_stage = None
         self._stop = threading.Event()
         self._dirty = False  # set by the file watcher, drawn by _tick
+        self._backend_cache: tuple[int | None, str | None] = (None, None)
 
     # -- layout -----------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -259,8 +260,13 @@ class PanelApp(App):
         self.query_one(LossChart).update_from(m, force)
 
     def _backend(self) -> str | None:
+        """The run's extract backend, re-read only when its frozen config changes."""
         try:
-            return runner.load_run_config(self.rundir).stages.extract.backend
+            mtime = self.rundir.config_path.stat().st_mtime_ns
+            if self._backend_cache[0] != mtime:
+                backend = runner.load_run_config(self.rundir).stages.extract.backend
+                self._backend_cache = (mtime, backend)
+            return self._backend_cache[1]
         except Exception:  # noqa: BLE001 - shown as "no report yet"
             return None
 

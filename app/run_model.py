@@ -58,7 +58,6 @@ class RunModel:
         self.stages = {s: StageInfo(s) for s in STAGE_NAMES}
         self.tails = {s: EventTail(run.events_path(s)) for s in STAGE_NAMES}
         self.metrics: dict[tuple[str, str], Series] = {}   # (split, key) -> series
-        self.epochs: dict[str, float] = {}
         self.state: dict = {}
         self.state_error: str | None = None
         self.poll_bytes = poll_bytes
@@ -113,8 +112,6 @@ class RunModel:
             for k, v in (ev.get("values") or {}).items():
                 if isinstance(v, (int, float)):
                     self.metrics.setdefault((split, k), Series()).add(step, float(v))
-            if ev.get("epoch") is not None:
-                self.epochs[split] = ev["epoch"]
         elif t == "error":
             info.last_error = ev
         elif t == "warning":

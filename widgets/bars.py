@@ -40,6 +40,4 @@ def sparkline(values, width: int, lo: float = 0.0, hi: float = 100.0) -> Text:
 def progress_bar(done, total, width: int) -> Text:
     if not total:
         return Text("")
-    frac = min(1.0, max(0.0, done / total))
-    t = bar(frac, width, style="blue")
-    return t
+    return bar(done / total, width, style="blue")

@@ -316,7 +316,8 @@ def body(ctx: StageContext) -> dict:
     if not todo:
         totals = (0, 0, 0)
     elif world == 1:
-        backend = _load_backend(target, layer_ids, devices[0], dtype, trust)
+        from pipeline.stages.extract_hf import HFBackend
+        backend = HFBackend(target, layer_ids, devices[0], dtype, trust)
         t0 = time.time()  # rates measure extraction, not model loading
         done = extract_shard(
             backend, data_ids, todo, lengths, folder, sec.batch_tokens, bytes_per_token, min_free,
@@ -337,11 +338,6 @@ def body(ctx: StageContext) -> dict:
             "bytes_written": totals[2], "tokens_per_s": round(totals[1] / elapsed, 1),
             "gb_per_s": round(totals[2] / elapsed / 1e9, 4), "layer_ids": layer_ids,
             "hidden_states": str(folder)}
-
-
-def _load_backend(target, layer_ids, device, dtype, trust):
-    from pipeline.stages.extract_hf import HFBackend
-    return HFBackend(target, layer_ids, device, dtype, trust)
 
 
 def _run_parallel(ctx, world, devices, target, layer_ids, dtype, trust, data_dir, todo, folder,

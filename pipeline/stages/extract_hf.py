@@ -59,8 +59,6 @@ def validate_layer_ids(aux: list[int], num_layers: int) -> list[int]:
 class HFBackend:
     """Forward batches of token ids; returns [batch, seq, n_layers, hidden]."""
 
-    kv_cache = False  # no paged KV cache to report for this backend
-
     def __init__(self, model_path: Path, layer_ids: list[int], device: str, dtype,
                  trust_remote_code: bool = False):
         import torch
