@@ -31,6 +31,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+TAIL = bytearray()  # the terminal's last bytes: a crashed panel's traceback is there
+
+
+class PanelDied(Exception):
+    pass
+
+
+def read(fd) -> int:
+    try:
+        data = os.read(fd, 65536)
+    except OSError:  # EIO: the panel exited
+        raise PanelDied(TAIL[-6000:].decode(errors="replace")) from None
+    TAIL.extend(data)
+    del TAIL[:-65536]
+    return len(data)
+
+
 def drain(fd, seconds: float) -> int:
     """Read the terminal for `seconds`; returns bytes read."""
     n, end = 0, time.monotonic() + seconds
@@ -40,10 +57,7 @@ def drain(fd, seconds: float) -> int:
             return n
         r, _, _ = select.select([fd], [], [], left)
         if r:
-            try:
-                n += len(os.read(fd, 65536))
-            except OSError:
-                return n
+            n += read(fd)
 
 
 def key_latency(fd, keys, settle=0.4) -> list[float]:
@@ -55,7 +69,7 @@ def key_latency(fd, keys, settle=0.4) -> list[float]:
         os.write(fd, k.encode())
         r, _, _ = select.select([fd], [], [], 2.0)
         if r:
-            os.read(fd, 65536)
+            read(fd)
             out.append(time.perf_counter() - t0)
     return out
 
@@ -78,6 +92,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--size", default="80x24")
+    ap.add_argument("--simulate", type=int, default=8,
+                    help="simulated GPUs; 0 = the machine's real GPUs through NVML")
     ap.add_argument("--view", default="train-log",
                     choices=["train-log", "quiet-log", "gpus", "training"],
                     help="what is on screen: the flooding stage's log (worst case), a quiet "
@@ -88,14 +104,15 @@ def main():
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as d:
         tmp = Path(d)
         stagekit_config(tmp, {"train": f"flood:{a.duration + 60}"})
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TERM="xterm-256color")
+        env = dict(os.environ, TERM="xterm-256color", PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         subprocess.run([sys.executable, "-m", "app.cli", "run"], cwd=tmp, env=env, check=True,
                        capture_output=True)
         pid, fd = pty.fork()
         if pid == 0:
             os.chdir(tmp)
-            os.execvpe(sys.executable, [sys.executable, "-m", "app.cli", "ui",
-                                        "--simulate-gpus", "8"], env)
+            sim = ["--simulate-gpus", str(a.simulate)] if a.simulate else []
+            os.execvpe(sys.executable, [sys.executable, "-m", "app.cli", "ui", *sim], env)
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
         proc = psutil.Process(pid)
         drain(fd, 5)                      # start-up
@@ -122,7 +139,8 @@ def main():
         os.waitpid(pid, 0)
         subprocess.run([sys.executable, "-m", "app.cli", "cancel", "--grace", "1"], cwd=tmp,
                        env=env, capture_output=True)
-    print(f"panel at {cols}x{rows} showing {a.view}, 8 simulated GPUs, stage writing 2,000 "
+    gpus = f"{a.simulate} simulated GPUs" if a.simulate else "real GPUs (NVML)"
+    print(f"panel at {cols}x{rows} showing {a.view}, {gpus}, stage writing 2,000 "
           f"lines/s + 50 metrics/s, {elapsed:.0f} s:")
     print(f"  CPU {cpu:.1f}% of one core (target <= 5%)")
     print(f"  RSS first {rss[0]:.0f} MiB, last {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB "

@@ -62,7 +62,8 @@ print("DIRECT_SECONDS", time.perf_counter() - t0)
 
 
 def sh(args, cwd, env=None):
-    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    e = dict(os.environ, **(env or {}))
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return subprocess.run(args, cwd=cwd, env=e, capture_output=True, text=True, check=True)
 
 
@@ -79,7 +80,7 @@ def extract_vs_bare(run: Path, batch_tokens: int, rounds: int = 3):
     from pipeline.stages.extract_hf import HFBackend
     ds = load_from_disk(str(run / "prepare/out/data")).with_format(None)
     ids, lengths = RowIds(ds), list(ds["seq_len"])
-    backend = HFBackend(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)
+    backend = HFBackend.load(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)
     todo = list(range(len(lengths)))
     batches = length_batches(todo, lengths, batch_tokens)
     bare, stage = [], []

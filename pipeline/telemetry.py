@@ -66,6 +66,7 @@ class NvmlSource:
         self.slow_interval = slow_interval
         self._slow: dict[int, tuple[float, float | None, float | None]] = {}
         self._limits: dict[int, float | None] = {}
+        self._mem_v2 = hasattr(pynvml, "nvmlMemory_v2")
 
     def _call(self, fn):
         try:
@@ -78,7 +79,7 @@ class NvmlSource:
         for i, h in enumerate(self.handles):
             s = GpuSample(i, self.names[i])
             try:
-                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                mem = self._memory(h)
                 s.mem_used, s.mem_total = mem.used, mem.total
             except nv.NVMLError as e:
                 if isinstance(e, getattr(nv, "NVMLError_GpuIsLost", ())):
@@ -103,6 +104,18 @@ class NvmlSource:
             s.pcie_rx, s.pcie_tx = rx, tx
             out.append(s)
         return out
+
+    def _memory(self, h):
+        """Memory info as nvidia-smi reports it. The v1 call counts the
+        driver's reserved memory as used (measured on an H200: 618 MiB used
+        on an idle GPU where nvidia-smi says 4); v2 reports it apart."""
+        nv = self.nv
+        if self._mem_v2:
+            try:
+                return nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
+            except (nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported, TypeError):
+                self._mem_v2 = False  # an older driver or binding: v1 from now on
+        return nv.nvmlDeviceGetMemoryInfo(h)
 
     def close(self) -> None:
         self._call(self.nv.nvmlShutdown)

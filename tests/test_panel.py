@@ -215,12 +215,104 @@ def test_no_driver_means_banner_not_crash(monkeypatch):
     assert snap.host.mem_total > 0
 
 
+class FakeNvml:
+    """A stand-in for the NVML driver library (none on CPU machines), with
+    the answers the H200 gave: v1 memory info counts 614 MiB reserved as used."""
+    MiB = 1 << 20
+
+    def __init__(self, monkeypatch, v2: bool, unsupported=()):
+        import types
+
+        import pynvml
+        self.nv = pynvml
+        self.v2, self.unsupported = v2, set(unsupported)
+        for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
+                     "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates",
+                     "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage",
+                     "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPcieThroughput"):
+            monkeypatch.setattr(pynvml, name, self._wrap(name, getattr(self, name[4:])))
+        self.ns = types.SimpleNamespace
+
+    def _wrap(self, name, fn):
+        def call(*a, **kw):
+            if name in self.unsupported:
+                raise self.nv.NVMLError_NotSupported()
+            return fn(*a, **kw)
+        return call
+
+    def Init(self):
+        pass
+
+    Shutdown = Init
+
+    def DeviceGetCount(self):
+        return 1
+
+    def DeviceGetHandleByIndex(self, i):
+        return i
+
+    def DeviceGetName(self, h):
+        return "NVIDIA H200"
+
+    def DeviceGetMemoryInfo(self, h, version=None):
+        total = 143771 * self.MiB
+        if version is None:
+            return self.ns(total=total, used=618 * self.MiB, free=total - 618 * self.MiB)
+        if not self.v2:
+            raise self.nv.NVMLError_FunctionNotFound()
+        return self.ns(total=total, reserved=614 * self.MiB, used=4 * self.MiB,
+                       free=total - 618 * self.MiB)
+
+    def DeviceGetUtilizationRates(self, h):
+        return self.ns(gpu=100, memory=40)
+
+    def DeviceGetTemperature(self, h, sensor):
+        return 62
+
+    def DeviceGetPowerUsage(self, h):
+        return 688_433
+
+    def DeviceGetEnforcedPowerLimit(self, h):
+        return 700_000
+
+    def DeviceGetPcieThroughput(self, h, counter):
+        return 59_389_000 if counter == self.nv.NVML_PCIE_UTIL_RX_BYTES else 5_168_000
+
+
+@pytest.mark.parametrize("v2,used_mib", [(True, 4), (False, 618)])
+def test_nvml_memory_matches_nvidia_smi_where_the_driver_can(monkeypatch, v2, used_mib):
+    from pipeline.telemetry import NvmlSource
+    FakeNvml(monkeypatch, v2=v2)
+    s = NvmlSource().sample()[0]
+    assert s.mem_used == used_mib * FakeNvml.MiB and s.mem_total == 143771 * FakeNvml.MiB
+    assert (s.util, s.temp, s.power, s.power_limit) == (100.0, 62.0, 688.433, 700.0)
+    assert s.pcie_rx == 59_389_000 * 1024 and s.pcie_tx == 5_168_000 * 1024
+
+
+def test_nvml_fields_not_supported_are_blank_not_errors(monkeypatch):
+    from pipeline.telemetry import NvmlSource
+    FakeNvml(monkeypatch, v2=True, unsupported={
+        "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPcieThroughput"})
+    s = NvmlSource().sample()[0]
+    assert s.mem_used == 4 * FakeNvml.MiB and s.error is None
+    assert (s.util, s.temp, s.power, s.power_limit, s.pcie_rx, s.pcie_tx) == (None,) * 6
+
+
 @pytest.mark.gpu
 def test_nvml_source_on_a_real_gpu():
+    """Against nvidia-smi on the same GPU (H200: memory used, total and the
+    power limit agreed exactly once v2 memory info was used)."""
+    import subprocess
+
     from pipeline.telemetry import NvmlSource
-    src = NvmlSource()
-    s = src.sample()
-    assert s and s[0].mem_total and s[0].mem_used is not None
+    s = NvmlSource().sample()[0]
+    out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used,memory.total,"
+                          "power.limit", "--format=csv,noheader,nounits"], capture_output=True,
+                         text=True, check=True).stdout.split(", ")
+    used, total, limit = (float(x) for x in out)
+    assert abs(s.mem_used / 2**20 - used) <= 16 and abs(s.mem_total / 2**20 - total) <= 1
+    assert s.power_limit == pytest.approx(limit, abs=1)
 
 
 def test_metric_series_stay_bounded():

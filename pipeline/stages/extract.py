@@ -106,15 +106,15 @@ class Writer:
         for t in self._threads:
             t.start()
 
-    def submit(self, hs_host, ready, items, nbytes: int) -> None:
+    def submit(self, hs_host, finite, ready, items, nbytes: int) -> None:
         if self.error:
             raise self.error
         with self._lock:
             self.pending_bytes += nbytes
         if self._threads:
-            self.q.put((hs_host, ready, items, nbytes))
+            self.q.put((hs_host, finite, ready, items, nbytes))
         else:
-            self._write(hs_host, ready, items, nbytes)
+            self._write(hs_host, finite, ready, items, nbytes)
             if self.error:
                 raise self.error
 
@@ -125,7 +125,7 @@ class Writer:
                 return
             self._write(*job)
 
-    def _write(self, hs_host, ready, items, nbytes) -> None:
+    def _write(self, hs_host, finite, ready, items, nbytes) -> None:
         import torch
         from safetensors.torch import save_file
         try:
@@ -133,7 +133,7 @@ class Writer:
                 ready.synchronize()
             for b, (i, ids) in enumerate(items):
                 t = hs_host[b, :len(ids)].contiguous()
-                if not bool(torch.isfinite(t).all()):
+                if not bool(finite[b]):
                     raise StageError(f"sample {i}: the target produced non-finite hidden "
                                      "states", hint="check [model] dtype (try bfloat16 or "
                                                     "float32) and the model weights")
@@ -162,11 +162,13 @@ class Writer:
 
 
 def extract_shard(backend, data_ids, todo: list[int], lengths, folder: Path, batch_tokens: int,
-                  bytes_per_token: int, min_free: float, on_batch, should_stop) -> Counters:
+                  bytes_per_token: int, min_free: float, on_batch, should_stop,
+                  writer_threads: int | None = None) -> Counters:
     """Run `todo` through the backend and write the files; returns what was written."""
     import torch
-    writer = Writer(folder, threads=2 if getattr(backend, "device", None) is not None
-                    and backend.device.type == "cuda" else 0)
+    if writer_threads is None:
+        writer_threads = 2 if backend.device.type == "cuda" else 0
+    writer = Writer(folder, threads=writer_threads)
     stopped_for_disk = None
     try:
         for batch in length_batches(todo, lengths, batch_tokens):
@@ -179,14 +181,19 @@ def extract_shard(backend, data_ids, todo: list[int], lengths, folder: Path, bat
                 stopped_for_disk = free
                 break
             hs = backend.forward(ids)
+            # The finiteness check runs where the tensor is: on a GPU it is
+            # nearly free, on the host it would cost the writer a full pass.
+            finite = torch.stack([torch.isfinite(hs[b, :len(r)]).all() for b, r in enumerate(ids)])
             if hs.device.type == "cuda":
                 host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
                 host.copy_(hs, non_blocking=True)
+                finite_host = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)
+                finite_host.copy_(finite, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()
             else:
-                host, ready = hs, None
-            writer.submit(host, ready, list(zip(batch, ids)), nbytes)
+                host, finite_host, ready = hs, finite, None
+            writer.submit(host, finite_host, ready, list(zip(batch, ids)), nbytes)
             on_batch(writer.done)
     finally:
         writer.close()
@@ -213,7 +220,8 @@ def _worker(rank, device, model_path, layer_ids, dtype_name, trust, data_dir, to
         ds = load_from_disk(data_dir).with_format(None)
         data_ids = RowIds(ds)
         lengths = list(ds["seq_len"])
-        backend = HFBackend(Path(model_path), layer_ids, device, getattr(torch, dtype_name), trust)
+        backend = HFBackend.load(Path(model_path), layer_ids, device, getattr(torch, dtype_name),
+                                 trust)
         extract_shard(backend, data_ids, todo, lengths, Path(folder), batch_tokens,
                       bytes_per_token, min_free,
                       lambda c: progress_q.put(("progress", rank, c.samples, c.tokens, c.bytes)),
@@ -317,7 +325,7 @@ def body(ctx: StageContext) -> dict:
         totals = (0, 0, 0)
     elif world == 1:
         from pipeline.stages.extract_hf import HFBackend
-        backend = HFBackend(target, layer_ids, devices[0], dtype, trust)
+        backend = HFBackend.load(target, layer_ids, devices[0], dtype, trust)
         t0 = time.time()  # rates measure extraction, not model loading
         done = extract_shard(
             backend, data_ids, todo, lengths, folder, sec.batch_tokens, bytes_per_token, min_free,

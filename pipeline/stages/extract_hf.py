@@ -59,21 +59,17 @@ def validate_layer_ids(aux: list[int], num_layers: int) -> list[int]:
 class HFBackend:
     """Forward batches of token ids; returns [batch, seq, n_layers, hidden]."""
 
-    def __init__(self, model_path: Path, layer_ids: list[int], device: str, dtype,
-                 trust_remote_code: bool = False):
+    def __init__(self, model, layer_ids: list[int]):
         import torch
-        from transformers import AutoModelForCausalLM
         self.torch = torch
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_path), dtype=dtype, trust_remote_code=trust_remote_code)
-        self.model.to(self.device).eval()
-        self.dtype = dtype
-        cfg = text_config(self.model.config)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        cfg = text_config(model.config)
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
         self.layer_ids = layer_ids
-        self._layers = decoder_layers(self.model, self.num_layers)
+        self._layers = decoder_layers(model, self.num_layers)
         self._captured: dict[int, object] = {}
         self._hooks = []
         for k in layer_ids:
@@ -82,7 +78,15 @@ class HFBackend:
             else:
                 self._hooks.append(self._layers[k - 1].register_forward_hook(self._hook(k)))
         # Run the decoder only: the LM head's logits are not needed.
-        self._body = getattr(self.model, "model", None) or self.model
+        self._body = getattr(model, "model", None) or model
+
+    @classmethod
+    def load(cls, model_path: Path, layer_ids: list[int], device: str, dtype,
+             trust_remote_code: bool = False) -> "HFBackend":
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=dtype, trust_remote_code=trust_remote_code)
+        return cls(model.to(device), layer_ids)
 
     def _pre_hook(self, _module, args, kwargs=None):
         self._captured[0] = args[0] if args else kwargs["hidden_states"]
