@@ -1,6 +1,6 @@
 """`eagle-panel`: the headless commands and the entry to the panel.
 
-Exit status: 0 ok, 1 a stage failed, 2 bad input (config, run directory,
+Exit status: 0 ok, 1 a stage failed (doctor: a blocking finding), 2 bad input (config, run directory,
 arguments), 3 another launcher holds the run, 130 cancelled.
 """
 
@@ -269,6 +269,15 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from pipeline import doctor
+    # GPU presence is one of doctor's findings, not a reason to refuse the config.
+    cfg = config_mod.load(args.config or config_mod.default_config_path(), gpu_count=None)
+    findings = doctor.diagnose(cfg)
+    print(doctor.as_json(findings) if args.json else doctor.as_text(findings))
+    return EXIT_FAILED if doctor.blocking(findings) else 0
+
+
 def cmd_ui(args) -> int:
     try:
         from app.panel import run_panel
@@ -322,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("runs", help="list runs, newest first")
     p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("doctor", help="check the environment, GPUs, target model, vLLM "
+                                      "compatibility, KV-cache and disk plans; exit 1 if blocked")
+    p.add_argument("--json", action="store_true", help="machine-readable findings")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("ui", help="open the panel")
     p.add_argument("run", nargs="?")

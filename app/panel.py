@@ -22,6 +22,7 @@ from textual.widgets import Footer, Input, TabbedContent, TabPane
 from app import fmt
 from app.run_model import RunModel
 from app.screens.confirm import ConfirmScreen
+from app.screens.doctor import DoctorScreen
 from app.screens.help import HelpScreen
 from pipeline import config as config_mod
 from pipeline import runner
@@ -59,6 +60,7 @@ class PanelApp(App):
         Binding("o", "chart('log')", "Log scale", show=False),
         Binding("a", "chart('metric')", "Loss/acc", show=False),
         Binding("v", "chart('split')", "Train/val", show=False),
+        Binding("d", "doctor", "Doctor", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
     ]
@@ -370,6 +372,14 @@ class PanelApp(App):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+    def action_doctor(self) -> None:
+        def load():
+            if self.rundir is not None:
+                return runner.load_run_config(self.rundir)
+            return config_mod.load(self.config_path or config_mod.default_config_path(),
+                                   gpu_count=None)
+        self.push_screen(DoctorScreen(load))
 
     def action_run(self) -> None:
         try:

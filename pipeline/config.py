@@ -97,6 +97,13 @@ class ExtractSection(StageCommon):
     batch_tokens: int = 8192
     min_free_gb: float = 2.0
     workers: int = 0
+    # vllm-server backend
+    tensor_parallel: int = 1
+    serve_command: str = ""
+    server_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 1200.0
+    request_timeout_s: float = 600.0
+    max_inflight: int = 16
 
 
 @dataclass
@@ -287,6 +294,8 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
         ("stages.train.total_seq_len", cfg.stages.train.total_seq_len),
         ("stages.train.ttt_steps", cfg.stages.train.ttt_steps),
         ("stages.train.log_freq", cfg.stages.train.log_freq),
+        ("stages.extract.tensor_parallel", cfg.stages.extract.tensor_parallel),
+        ("stages.extract.max_inflight", cfg.stages.extract.max_inflight),
     ):
         if value <= 0:
             raise ConfigError(f"{src}: `{where}` must be positive, got {value}.")

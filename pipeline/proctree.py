@@ -55,11 +55,12 @@ def pgid_of(pid: int) -> int | None:
         return None
 
 
-def stage_processes(token: str | None, pgid: int | None = None) -> list[int]:
-    """Live processes that carry the stage's token or sit in its process group."""
+def stage_processes(token: str | None, pgid: int | None = None,
+                    var: str = TOKEN_VAR) -> list[int]:
+    """Live processes that carry the token (in env `var`) or sit in the process group."""
     if not token and not pgid:
         return []
-    needle = f"{TOKEN_VAR}={token}".encode() if token else None
+    needle = f"{var}={token}".encode() if token else None
     me = os.getpid()
     found = []
     for pid in _pids():
@@ -89,9 +90,9 @@ def wait_gone(find, timeout: float, poll: float = 0.1) -> list[int]:
 
 
 def stop_tree(token: str | None, pgid: int | None, term_grace: float = 5.0,
-              kill_grace: float = 5.0) -> list[int]:
+              kill_grace: float = 5.0, var: str = TOKEN_VAR) -> list[int]:
     """SIGTERM then SIGKILL every process of a stage; returns the pids that survived."""
-    find = lambda: stage_processes(token, pgid)  # noqa: E731
+    find = lambda: stage_processes(token, pgid, var)  # noqa: E731
     left = find()
     if not left:
         return []

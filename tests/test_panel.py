@@ -323,3 +323,19 @@ def test_metric_series_stay_bounded():
     assert 500 <= len(s) <= 1000
     xs = list(s.x)
     assert xs == sorted(xs) and xs[0] == 0 and xs[-1] > 99_000  # whole span, thinned evenly
+
+
+async def test_doctor_screen_shows_the_report(tmp_path):
+    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 9]\n")
+    app = make_app(None, tmp_path)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("d")
+        await until(pilot, lambda: app.screen.__class__.__name__ == "DoctorScreen", what="screen")
+        report = app.screen.query_one("#doctor-report")
+        await until(pilot, lambda: "blocking" in str(report.content), timeout=120,
+                    what="the doctor's findings")
+        text = str(report.content)
+        assert "layer id 9 is out of range" in text and "1 blocking" in text
+        assert "4 layers, hidden 128" in text
+        await pilot.press("escape")
+        assert app.screen.__class__.__name__ != "DoctorScreen"

@@ -27,13 +27,15 @@ class KVCachePanel(Static):
         t.add_column()
         rows = [
             ("blocks", f"{kv.get('num_blocks'):,}" if kv.get("num_blocks") else "-"),
-            ("block size", f"{kv.get('block_size')} tokens"),
+            ("block size", f"{kv.get('block_size')} tokens" if kv.get("block_size") else "-"),
             ("bytes per block", fmt.nbytes(kv.get("bytes_per_block"))),
             ("total", fmt.nbytes(kv.get("total_bytes"))),
             ("token capacity", f"{kv.get('tokens_capacity'):,}" if kv.get("tokens_capacity") else "-"),
             ("max concurrency", f"{kv.get('max_concurrency'):.2f}x at {kv.get('max_model_len')} tokens"
              if kv.get("max_concurrency") else "-"),
-            ("source", str(kv.get("source", "-"))),
+            ("source", str(kv.get("source", "-")) + (f" (server {kv['server']}, GPUs "
+                                                     f"{kv.get('devices')})" if "server" in kv
+                                                     else "")),
         ]
         for k, v in rows:
             t.add_row(k, v)

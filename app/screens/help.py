@@ -22,6 +22,7 @@ HELP = """\
   /        search the log            n  next match
   e        training: EMA smoothing   o  log scale
   a        loss / accuracy           v  train / validation
+  d        doctor: environment, GPUs, model, vLLM, KV and disk checks
   ?        this help                 q  quit (stages keep running)
 """
 

@@ -243,9 +243,10 @@ def body(ctx: StageContext) -> dict:
     from pipeline.stages.extract_hf import text_config, validate_layer_ids
 
     sec = ctx.section
-    if sec.backend != "hf":
-        raise StageError(f"extract backend {sec.backend!r} is not available in this build",
-                         hint='set [stages.extract] backend = "hf"')
+    if sec.backend == "vllm-engine":
+        raise StageError("the vllm-engine backend (vLLM 0.11-0.16 driven in-process) is not "
+                         "built yet; its compatibility layer is (pipeline/vllm_compat.py)",
+                         hint='use backend = "vllm-server" (vLLM >= 0.17) or "hf"')
     data_dir = ctx.out_of("prepare") / "data"
     if not data_dir.exists():
         raise StageError(f"{data_dir} is missing", hint="run the prepare stage first")
@@ -258,7 +259,9 @@ def body(ctx: StageContext) -> dict:
         raise StageError(f"[stages.extract] layer_ids: {e}",
                          hint="vLLM convention: id k is the residual stream after k layers") from None
     devices = ctx.devices
-    dtype = torch_dtype(ctx.cfg, "cuda" if devices[0].startswith("cuda") else "cpu")
+    # vLLM runs the model in bf16 by default whatever the stage's own device.
+    dtype = torch_dtype(ctx.cfg, "cuda" if devices[0].startswith("cuda")
+                        or sec.backend == "vllm-server" else "cpu")
     hidden = mcfg.hidden_size
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_token = len(layer_ids) * hidden * elem + 8
@@ -323,6 +326,10 @@ def body(ctx: StageContext) -> dict:
     world = len(devices) if devices[0] != "cpu" else max(1, sec.workers)
     if not todo:
         totals = (0, 0, 0)
+    elif sec.backend == "vllm-server":
+        from pipeline.stages.extract_vllm import run_servers
+        totals = run_servers(ctx, target, layer_ids, dtype, hidden, data_ids, todo, lengths,
+                             folder, emit)
     elif world == 1:
         from pipeline.stages.extract_hf import HFBackend
         backend = HFBackend.load(target, layer_ids, devices[0], dtype, trust)

@@ -1,0 +1,255 @@
+"""The vLLM API drift eagle-panel knows, and how it adapts to each version.
+
+Every adaptation is decided from what the installed vLLM *has* — parameter
+names, dataclass fields, module paths, class bases — never from patching
+site-packages, and from a version number only where no signature can tell
+(the version that first implements an interface, to name in a message).
+The same decision functions take their answers from `inspect` at run time
+(the engine route) and from `ast` over the source (`VllmSource`: doctor,
+which must not import vLLM, and the tests, which read vLLM's releases).
+
+Drift covered (FACTS.md, re-read from the source releases 0.11–0.33):
+- get_kv_cache_config_from_groups: (cfg, groups, kv_cache_specs, memory) in
+  0.11; (cfg, groups, memory) from 0.12; moved to v1.core.kv_cache_planning
+  in 0.33.
+- SchedulerConfig: max_model_len and is_encoder_decoder required InitVars
+  from 0.12.
+- Scheduler(...): block_size required from 0.12.
+- Request(...): eos_token_id gone from 0.17.
+- KVCacheTensor: (size, shared_by) per tensor up to 0.24; from 0.29 every
+  tensor carries the size of the one shared backing allocation.
+- SupportsEagle3: which architectures implement it, and from which version.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("eagle_panel.vllm_compat")
+
+# Module (under vllm.) that holds get_kv_cache_config_from_groups, newest first.
+KV_CONFIG_MODULES = ("v1.core.kv_cache_planning", "v1.core.kv_cache_utils")
+CONNECTOR_MODULE = "distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+# The first release whose model class implements SupportsEagle3, read from
+# the source releases (tests/test_vllm_sources.py checks the one before and
+# this one). Only used to name the version in a message.
+EAGLE3_SINCE = {
+    "DeepseekV2ForCausalLM": "0.18.0",
+    "DeepseekV3ForCausalLM": "0.18.0",
+    "KimiK25ForConditionalGeneration": "0.18.0",
+    "Qwen3MoeForCausalLM": "0.12.0",
+}
+SERVER_ROUTE_SINCE = "0.17.0"   # extract_hidden_states + ExampleHiddenStatesConnector
+WRITE_LOCK_SINCE = "0.22.0"     # the connector holds <file>.lock until the write ends
+
+
+class CompatError(Exception):
+    """The installed vLLM differs in a way eagle-panel does not know."""
+
+
+@dataclass
+class Adaptation:
+    key: str
+    fires: bool
+    detail: str
+
+
+_fired: dict[str, str] = {}
+
+
+def fired(key: str, detail: str) -> None:
+    """Record (and log once) an adaptation that took effect in this process."""
+    if key not in _fired:
+        _fired[key] = detail
+        log.warning("vLLM compatibility: %s", detail)
+        print(f"vllm-compat: {detail}", flush=True)
+
+
+def fired_so_far() -> dict[str, str]:
+    return dict(_fired)
+
+
+# -- decisions (from parameter / field names) ------------------------------
+
+def kv_config_style(params: list[str]) -> str:
+    """'specs' for 0.11's (cfg, groups, kv_cache_specs, available_memory),
+    'memory' for (cfg, groups, available_memory) from 0.12."""
+    if "kv_cache_specs" in params:
+        return "specs"
+    if "available_memory" in params:
+        return "memory"
+    raise CompatError(f"get_kv_cache_config_from_groups{tuple(params)} takes neither "
+                      "kv_cache_specs nor available_memory: a vLLM newer than eagle-panel knows")
+
+
+def needs_initvars(signature_params: dict[str, bool]) -> list[str]:
+    """SchedulerConfig InitVars that must be passed ({name: required})."""
+    return [k for k in ("max_model_len", "is_encoder_decoder") if signature_params.get(k)]
+
+
+def extra_kwargs(params: list[str], **candidates) -> dict:
+    """The candidate keyword arguments this callable accepts."""
+    return {k: v for k, v in candidates.items() if k in params}
+
+
+def kv_tensors_total(tensors) -> int:
+    """Bytes of KV cache the tensors describe. Up to 0.24 each tensor is its
+    own allocation (sum them); from 0.29 each carries the size of one
+    backing allocation the groups overlay (count it once)."""
+    tensors = list(tensors)
+    if not tensors:
+        return 0
+    if hasattr(tensors[0], "shared_by"):
+        return sum(int(t.size) for t in tensors)
+    return max(int(t.size) for t in tensors)
+
+
+def kv_cache_event(kv_cache_config, block_size: int, max_model_len: int) -> dict:
+    """The `kv_cache` event's fields from an engine's KVCacheConfig."""
+    total = kv_tensors_total(kv_cache_config.kv_cache_tensors)
+    n = int(kv_cache_config.num_blocks)
+    groups = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        groups.append({"spec": type(spec).__name__, "num_layers": len(g.layer_names),
+                       "page_size_bytes": int(getattr(spec, "page_size_bytes", 0) or 0),
+                       "block_size": int(getattr(spec, "block_size", block_size))})
+    # Each group needs its own blocks for a token; the token capacity is
+    # what one group's share of the blocks holds.
+    tokens = n // len(groups) * block_size if groups else 0
+    return {"num_blocks": n, "block_size": block_size,
+            "bytes_per_block": total // n if n else 0, "total_bytes": total,
+            "tokens_capacity": tokens,
+            "max_concurrency": round(tokens / max_model_len, 2) if max_model_len else None,
+            "max_model_len": max_model_len, "groups": groups, "source": "engine"}
+
+
+def _vt(v: str) -> tuple:
+    out = []
+    for p in v.split("+")[0].split("."):
+        digits = "".join(c for c in p if c.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def version_at_least(version: str, floor: str) -> bool:
+    return _vt(version) >= _vt(floor)
+
+
+# -- the plan for one vLLM source (doctor, tests) ---------------------------
+
+def plan(src, arch: str | None = None) -> list[Adaptation]:
+    """What would fire against this vLLM (a VllmSource), and what is missing."""
+    out: list[Adaptation] = []
+    module = next((m for m in KV_CONFIG_MODULES
+                   if src.function_params(m, "get_kv_cache_config_from_groups") is not None), None)
+    if module is None:
+        out.append(Adaptation("kv_config_missing", True,
+                              "get_kv_cache_config_from_groups is not in this vLLM (absent "
+                              "before 0.11): the vllm-engine backend cannot run"))
+    else:
+        params = src.function_params(module, "get_kv_cache_config_from_groups")
+        style = kv_config_style(params)
+        out.append(Adaptation("kv_config_module", module != KV_CONFIG_MODULES[-1],
+                              f"get_kv_cache_config_from_groups is in vllm.{module}"))
+        out.append(Adaptation("kv_config_specs", style == "specs",
+                              "get_kv_cache_config_from_groups takes kv_cache_specs "
+                              "(vLLM 0.11 signature): passed the per-layer specs"
+                              if style == "specs" else
+                              "get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, "
+                              "available_memory)"))
+    fields = src.dataclass_fields("config.scheduler", "SchedulerConfig")
+    init = needs_initvars(fields or {})
+    out.append(Adaptation("scheduler_initvars", bool(init),
+                          f"SchedulerConfig requires {', '.join(init)} (InitVars from 0.12): "
+                          "passed from the model config" if init else
+                          "SchedulerConfig has no required InitVars"))
+    sched = src.function_params("v1.core.sched.scheduler", "Scheduler.__init__") or []
+    out.append(Adaptation("scheduler_block_size", "block_size" in sched,
+                          "Scheduler(...) requires block_size (from 0.12): passed the cache "
+                          "config's block size" if "block_size" in sched else
+                          "Scheduler(...) takes no block_size"))
+    req = src.function_params("v1.request", "Request.__init__") or []
+    out.append(Adaptation("request_no_eos", bool(req) and "eos_token_id" not in req,
+                          "Request(...) has no eos_token_id (from 0.17): it goes in the "
+                          "sampling params" if req and "eos_token_id" not in req else
+                          "Request(...) takes eos_token_id"))
+    kvt = src.dataclass_fields("v1.kv_cache_interface", "KVCacheTensor") or {}
+    shared = "shared_by" in kvt
+    out.append(Adaptation("kv_tensor_shared_allocation", bool(kvt) and not shared,
+                          "KVCacheTensor.size is one shared backing allocation (from 0.29): "
+                          "counted once, not summed" if kvt and not shared else
+                          "KVCacheTensor(size, shared_by): sizes summed"))
+    has_conn = src.has_module(CONNECTOR_MODULE)
+    out.append(Adaptation("server_route", not has_conn,
+                          "no ExampleHiddenStatesConnector: the vllm-server backend needs "
+                          f"vLLM >= {SERVER_ROUTE_SINCE}; use vllm-engine or hf" if not has_conn
+                          else "extract_hidden_states + ExampleHiddenStatesConnector present"))
+    if has_conn:
+        lock = '".lock"' in (src.text(CONNECTOR_MODULE) or "")
+        out.append(Adaptation("write_lock", lock,
+                              "the connector holds <file>.lock while writing: the server "
+                              "backend waits on it" if lock else
+                              "the connector writes before answering (no .lock before 0.22)"))
+    if arch:
+        out.append(eagle3_support(src, arch))
+    return out
+
+
+def eagle3_support(src, arch: str) -> Adaptation:
+    where = src.model_class(arch)
+    if where is None:
+        return Adaptation("eagle3", True, f"vLLM {src.version} has no model class for "
+                                          f"architecture {arch}")
+    ok = src.implements(*where, "SupportsEagle3")
+    if ok:
+        return Adaptation("eagle3", False, f"{arch} ({where[1]}) implements SupportsEagle3")
+    since = EAGLE3_SINCE.get(arch)
+    when = (f"vLLM {since} adds it; upgrade vLLM" if since else
+            "no vLLM release eagle-panel knows adds it")
+    return Adaptation("eagle3", True, f"{arch} does not implement SupportsEagle3 in vLLM "
+                                      f"{src.version}: EAGLE-3 aux hidden states cannot be "
+                                      f"taken from it ({when}); the hf backend still works")
+
+
+# -- run-time adapters (the engine route; inspect the real objects) -----------
+
+def _params(fn) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+
+
+def call_get_kv_cache_config(fn, vllm_config, kv_cache_groups, kv_cache_specs,
+                             available_memory: int):
+    if kv_config_style(_params(fn)) == "specs":
+        fired("kv_config_specs", "get_kv_cache_config_from_groups takes kv_cache_specs "
+                                 "(vLLM 0.11 signature)")
+        return fn(vllm_config, kv_cache_groups, kv_cache_specs, available_memory)
+    return fn(vllm_config, kv_cache_groups, available_memory)
+
+
+def make_scheduler_config(cls, max_model_len: int, is_encoder_decoder: bool, **kwargs):
+    sig = inspect.signature(cls)
+    required = {k: p.default is inspect.Parameter.empty for k, p in sig.parameters.items()}
+    init = needs_initvars(required)
+    if init:
+        fired("scheduler_initvars", f"SchedulerConfig requires {', '.join(init)} (from 0.12)")
+    kwargs.update(extra_kwargs(list(sig.parameters), max_model_len=max_model_len,
+                               is_encoder_decoder=is_encoder_decoder))
+    return cls(**kwargs)
+
+
+def make_scheduler(cls, block_size: int, **kwargs):
+    extra = extra_kwargs(_params(cls.__init__), block_size=block_size)
+    if extra:
+        fired("scheduler_block_size", "Scheduler(...) requires block_size (from 0.12)")
+    return cls(**kwargs, **extra)
+
+
+def make_request(cls, eos_token_id, **kwargs):
+    params = _params(cls.__init__)
+    extra = extra_kwargs(params, eos_token_id=eos_token_id)
+    if not extra:
+        fired("request_no_eos", "Request(...) has no eos_token_id (from 0.17)")
+    return cls(**kwargs, **extra)

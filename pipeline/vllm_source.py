@@ -1,0 +1,136 @@
+"""Read a vLLM release's Python source with `ast`, without importing it.
+
+Two places hold such source: the vLLM installed in the stage environment
+(doctor must not import it: the import takes tens of seconds and wants a
+GPU) and vLLM's source releases, which the tests read to check that the
+compatibility layer's assumptions hold for each version. Both answer the
+same questions here, so `vllm_compat.plan` decides from either.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import tarfile
+from functools import lru_cache
+from pathlib import Path
+
+
+class VllmSource:
+    """The `vllm/` package source of one version, read lazily."""
+
+    def __init__(self, version: str, read):
+        self.version = version
+        self._read = read  # relative path under vllm/ -> text or None
+
+    @classmethod
+    def from_dir(cls, package_dir: Path, version: str) -> "VllmSource":
+        def read(rel: str):
+            p = Path(package_dir) / rel
+            return p.read_text(encoding="utf-8", errors="replace") if p.is_file() else None
+        return cls(version, read)
+
+    @classmethod
+    def from_sdist(cls, tarball: Path) -> "VllmSource":
+        tf = tarfile.open(tarball)
+        m = re.match(r"vllm-(.+)\.tar\.gz$", Path(tarball).name)
+        version = m.group(1) if m else "?"
+        prefix = f"vllm-{version}/vllm/"
+
+        def read(rel: str):
+            try:
+                f = tf.extractfile(prefix + rel)
+            except KeyError:
+                return None
+            return f.read().decode("utf-8", errors="replace") if f else None
+        return cls(version, read)
+
+    # -- raw access -------------------------------------------------------
+    @lru_cache(maxsize=None)  # noqa: B019 - one instance per version, kept for the run
+    def text(self, module: str) -> str | None:
+        """Source of a dotted module under vllm (`v1.request`), file or package."""
+        rel = module.replace(".", "/")
+        return self._read(rel + ".py") or self._read(rel + "/__init__.py")
+
+    @lru_cache(maxsize=None)  # noqa: B019
+    def tree(self, module: str) -> ast.Module | None:
+        src = self.text(module)
+        return ast.parse(src) if src is not None else None
+
+    def has_module(self, module: str) -> bool:
+        return self.text(module) is not None
+
+    def _node(self, module: str, qualname: str):
+        tree = self.tree(module)
+        if tree is None:
+            return None
+        body, node = tree.body, None
+        for part in qualname.split("."):
+            node = next((n for n in body if isinstance(
+                n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part), None)
+            if node is None:
+                return None
+            body = node.body
+        return node
+
+    # -- questions the compatibility layer asks ------------------------------
+    def function_params(self, module: str, qualname: str) -> list[str] | None:
+        """Parameter names of a function or method (`Class.__init__`), in order."""
+        fn = self._node(module, qualname)
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return None
+        a = fn.args
+        names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+        return [n for n in names if n not in ("self", "cls")]
+
+    def dataclass_fields(self, module: str, cls: str) -> dict[str, bool] | None:
+        """{field: is_required_initvar} of a (pydantic) dataclass."""
+        node = self._node(module, cls)
+        if not isinstance(node, ast.ClassDef):
+            return None
+        out = {}
+        for st in node.body:
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                ann = ast.unparse(st.annotation)
+                out[st.target.id] = ann.startswith("InitVar") and st.value is None
+        return out
+
+    def class_bases(self, module: str, cls: str) -> list[str] | None:
+        node = self._node(module, cls)
+        if not isinstance(node, ast.ClassDef):
+            return None
+        return [ast.unparse(b).split(".")[-1].split("[")[0] for b in node.bases]
+
+    def implements(self, module: str, cls: str, interface: str, _depth: int = 0) -> bool | None:
+        """Whether `cls` (following its bases inside the same module) lists
+        `interface` among its bases. None if the class is not there."""
+        bases = self.class_bases(module, cls)
+        if bases is None:
+            return None
+        if interface in bases:
+            return True
+        if _depth > 8:
+            return False
+        return any(self.implements(module, b, interface, _depth + 1) for b in bases
+                   if b != cls and self._node(module, b) is not None)
+
+    def model_class(self, arch: str) -> tuple[str, str] | None:
+        """(module, class) the model registry maps an architecture name to."""
+        tree = self.tree("model_executor.models.registry")
+        if tree is None:
+            return None
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Dict):
+                for k, v in zip(node.keys, node.values):
+                    if (isinstance(k, ast.Constant) and k.value == arch and isinstance(v, ast.Tuple)
+                            and len(v.elts) == 2 and all(isinstance(e, ast.Constant) for e in v.elts)):
+                        return (f"model_executor.models.{v.elts[0].value}", v.elts[1].value)
+        return None
+
+    def string_constants(self, module: str, needle: str) -> list[str]:
+        """String literals (implicit concatenations joined) containing `needle`."""
+        tree = self.tree(module)
+        if tree is None:
+            return []
+        return [n.value for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and needle in n.value]

@@ -1,0 +1,182 @@
+"""`eagle-panel doctor` on the tiny model and on the config.json of real
+large models (Llama-3.1-8B, Qwen3-30B-A3B, Kimi-K2.5 with its MLA decoder
+under text_config), with KV-cache and disk figures computed by hand."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeline import config as config_mod
+from pipeline import doctor
+from tests import vllm_releases
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = Path(__file__).resolve().parent / "model_configs"
+H200 = 143_771 * (1 << 20)  # NVML's memory total on the device tool's H200
+ENV_0_17 = {"python": "3.12.3", "executable": "/opt/env/bin/python", "torch_cuda": "13.0",
+            "packages": {"torch": "2.11.0", "transformers": "5.17.0", "speculators": "0.9.0",
+                         "vllm": "0.17.0"}, "vllm_dir": None}
+
+
+def model_dir(tmp_path: Path, name: str, weights: int | None = None) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    shutil.copy(CONFIGS / f"{name}.json", d / "config.json")
+    if weights:
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": weights}, "weight_map": {}}))
+    return d
+
+
+def cfg_for(tmp_path: Path, target: Path, extra: str = "") -> config_mod.Config:
+    (tmp_path / "config.toml").write_text(textwrap.dedent(f"""
+        [model]
+        target = "{target}"
+        {extra}
+    """))
+    return config_mod.load(tmp_path / "config.toml", gpu_count=None)
+
+
+def sdist_source(version):
+    from pipeline.vllm_source import VllmSource
+    try:
+        return VllmSource.from_sdist(vllm_releases.sdist(version))
+    except vllm_releases.Unreachable as e:
+        pytest.skip(f"vLLM {version} source release unavailable: {e}")
+
+
+def by_area(findings, area):
+    return [f for f in findings if f.area == area]
+
+
+def test_hand_computed_kv_and_hidden_state_sizes(tmp_path):
+    llama = doctor.read_model(model_dir(tmp_path, "llama-3.1-8b"))
+    qwen = doctor.read_model(model_dir(tmp_path, "qwen3-30b-a3b"))
+    kimi = doctor.read_model(model_dir(tmp_path, "kimi-k2.5"))
+    # GQA: 2 (K, V) x layers x KV heads per rank x head_dim x 2 bytes.
+    assert doctor.kv_bytes_per_token(llama) == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert doctor.kv_bytes_per_token(llama, tp=8) == 16_384          # 1 KV head per rank
+    assert doctor.kv_bytes_per_token(qwen) == 98_304
+    assert doctor.kv_bytes_per_token(qwen, tp=8) == 24_576           # 4 heads < 8 ranks: 1 each
+    # MLA: layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes, the same on every rank.
+    assert kimi.mla and kimi.wrapped and kimi.needs_remote_code and kimi.layers == 61
+    assert doctor.kv_bytes_per_token(kimi) == doctor.kv_bytes_per_token(kimi, tp=8) == 70_272
+    # Hidden states, 3 aux + last layer in bf16 (+ 8 B token id): ~57 KB/token for Kimi.
+    assert doctor.hs_bytes_per_token(kimi, 4, 2) == 57_352
+    assert doctor.hs_bytes_per_token(llama, 4, 2) == 32_776
+    assert doctor.hs_bytes_per_token(qwen, 4, 2) == 16_392
+
+
+def test_kimi_plan_on_eight_h200(tmp_path):
+    target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
+    cfg = cfg_for(tmp_path, target, """
+        trust_remote_code = true
+        [gpus]
+        devices = [0, 1, 2, 3, 4, 5, 6, 7]
+        [stages.prepare]
+        seq_length = 4096
+        [stages.extract]
+        backend = "vllm-server"
+        layer_ids = [2, 30, 58]
+        tensor_parallel = 8
+    """)
+    gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
+    m = doctor.read_model(target)
+    (kv,) = doctor.kv_plan(m, 8, gpus, cfg, 0.9)
+    # 0.9 x 150,754,820,096 B - 595e9 / 8 B = 61,304,338,086 B / 70,272 B = 872,386 tokens.
+    assert kv.level == doctor.OK and "~872,386 tokens" in kv.message and "MLA" in kv.message
+    (kv4,) = doctor.kv_plan(m, 4, gpus, cfg, 0.9)
+    assert kv4.level == doctor.BLOCK and "tensor_parallel >= 5" in kv4.fix
+    # 100k samples x 2k tokens: 57,352 B x 2e8 = 10,682.6 GiB, more than this disk has.
+    disk = doctor.disk_forecast(cfg, m, 4, True, tokens=200_000_000)
+    assert disk.level == doctor.BLOCK and "56.0 KiB/token" in disk.message
+    assert "10,682.6 GiB" in disk.message and "runs_dir" in disk.fix
+
+
+@pytest.mark.parametrize("version,level", [("0.17.0", doctor.BLOCK), ("0.18.0", doctor.OK)])
+def test_eagle3_support_of_kimi_in_each_vllm(tmp_path, version, level):
+    target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
+    cfg = cfg_for(tmp_path, target, """
+        trust_remote_code = true
+        [gpus]
+        devices = [0, 1, 2, 3, 4, 5, 6, 7]
+        [stages.extract]
+        backend = "vllm-server"
+        layer_ids = [2, 30, 58]
+        tensor_parallel = 8
+    """)
+    gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
+    findings = doctor.diagnose(cfg, env=env, gpus=gpus, vllm_source=sdist_source(version))
+    (e3,) = by_area(findings, "eagle3")
+    assert e3.level == level
+    if level == doctor.BLOCK:
+        assert "vLLM 0.18.0 adds it" in e3.message and doctor.blocking(findings)
+    compat = " ".join(f.message for f in by_area(findings, "compat"))
+    assert "Request(...) has no eos_token_id" in compat
+    assert "model" in {f.area for f in findings} and by_area(findings, "kv_cache")
+
+
+def test_remote_code_and_layer_ids_are_blocking_with_fixes(tmp_path):
+    target = model_dir(tmp_path, "kimi-k2.5")
+    cfg = cfg_for(tmp_path, target, "[stages.extract]\nlayer_ids = [2, 30, 61]\n")
+    findings = doctor.diagnose(cfg, env=ENV_0_17, gpus=None)
+    blocks = {f.area: f for f in findings if f.level == doctor.BLOCK}
+    assert "trust_remote_code = true" in blocks["model"].fix
+    assert "layer id 61 is the last layer" in blocks["layers"].message
+    assert "0..60" in blocks["layers"].fix
+
+
+def test_doctor_cli_on_the_tiny_model(tmp_path):
+    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 2, 3]\n")
+    r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
+                        "doctor", "--json"], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["ok"] is True
+    msgs = {f["area"]: f["message"] for f in report["findings"]}
+    assert "4 layers, hidden 128" in msgs["model"]
+    assert "2.0 KiB/token" in msgs["disk"]            # 4 layers x 128 x 4 B (fp32 on CPU) + 8
+    assert "usable extract backends: hf" in msgs["backends"]
+    r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
+                        "doctor"], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300, check=False)
+    assert "ready to launch" in r.stdout
+
+
+def test_doctor_reads_installed_vllm_without_importing_it(tmp_path):
+    """A stand-in installed vLLM whose import would leave a marker file: doctor
+    must take its version from the metadata and EAGLE-3 support from the source."""
+    site = tmp_path / "site"
+    pkg = site / "vllm"
+    (pkg / "model_executor/models").mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "model_executor/models/registry.py").write_text(
+        '_TEXT_GENERATION_MODELS = {"LlamaForCausalLM": ("llama", "LlamaForCausalLM")}\n')
+    (pkg / "model_executor/models/llama.py").write_text(
+        "class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsEagle3):\n"
+        "    pass\n")
+    dist = site / "vllm-0.22.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.22.0\n")
+    (tmp_path / "config.toml").write_text(
+        '[stages.extract]\nlayer_ids = [1, 2, 3]\nbackend = "vllm-server"\n')
+    r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
+                        "doctor", "--json"], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{site}"), timeout=300,
+                       check=False)
+    report = json.loads(r.stdout)
+    msgs = {f["area"]: f for f in report["findings"]}
+    assert "vllm 0.22.0" in msgs["environment"]["message"]
+    assert msgs["eagle3"]["level"] == "ok" and "implements SupportsEagle3" in msgs["eagle3"]["message"]
+    assert "vllm-server" in msgs["backends"]["message"]
+    assert msgs["gpus"]["level"] == "blocking" and r.returncode == 1   # no GPU on this machine
+    assert not marker.exists()

@@ -1,0 +1,130 @@
+"""The vllm-server extract backend against tests/standin_vllm.py, a STAND-IN
+for `vllm serve` that follows the connector's file protocol (vLLM itself
+cannot run here). Its hidden states come from a real forward of the tiny
+target, so the files are checked against the hf backend's numbers."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.builtin.tiny_model import ensure_built
+from pipeline.stages import extract
+from pipeline.stages.extract_hf import HFBackend
+from pipeline.stages.extract_vllm import SERVER_TOKEN_VAR, serve_argv
+from tests.test_stages import finished, prepare, run_body
+
+STANDIN = Path(__file__).resolve().parent / "standin_vllm.py"
+N = 12
+
+
+def config(*server_args: str, tp: int = 1) -> str:
+    args = ", ".join(f'"{a}"' for a in server_args)
+    return (f"[data]\nmax_samples = {N}\n[stages.extract]\nbackend = \"vllm-server\"\n"
+            f"layer_ids = [1, 2, 3]\nserve_command = \"{sys.executable} {STANDIN}\"\n"
+            f"server_args = [{args}]\nstartup_timeout_s = 120.0\nmax_inflight = 3\n"
+            f"tensor_parallel = {tp}\n")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm_prepared")
+    code, rd, _ = run_body(tmp, "prepare", prepare.body, config())
+    assert code == 0
+    return tmp, rd
+
+
+def no_server_left() -> bool:
+    """No live process carries a server token (the stand-in and its child)."""
+    me = os.getpid()
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        if pid == me:
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+            status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except OSError:
+            continue
+        if SERVER_TOKEN_VAR.encode() in env and status != "Z":
+            return False
+    return True
+
+
+def hs_files(rd):
+    return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))
+
+
+@pytest.mark.parametrize("version", ["0.22.0", "0.17.0"])
+def test_server_route_writes_the_hf_numbers_and_stops_the_server(prepared, version):
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+    tmp, rd = prepared
+    code, _, evs = run_body(tmp, "extract", extract.body,
+                            config("--standin-version", version, "--standin-worker"))
+    assert code == 0, [e for e in evs if e["type"] == "error"]
+    summary = finished(evs)["summary"]
+    assert summary["computed"] == N and len(hs_files(rd)) == N
+    ds = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)
+    ref = HFBackend.load(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)
+    for i in (0, 5, N - 1):
+        ids = ds[i]["input_ids"]
+        got = load_file(str(rd.out_dir("extract") / f"hidden_states/hs_{i}.safetensors"))
+        assert got["hidden_states"].dtype == torch.bfloat16
+        assert got["token_ids"].tolist() == ids
+        want = ref.forward([ids])[0].to(torch.bfloat16)
+        torch.testing.assert_close(got["hidden_states"], want, atol=0, rtol=0)
+    kv = [e for e in evs if e["type"] == "kv_cache"]
+    assert kv and kv[0]["source"] == "log" and kv[0]["tokens_capacity"] == 116_480
+    assert kv[0]["total_bytes"] == int(12.5 * (1 << 30)) and kv[0]["max_concurrency"] > 0
+    staging = rd.out_dir("extract") / ".staging" / "server0"
+    assert not list(staging.glob("*.safetensors")) and not list(staging.glob("*.lock"))
+    assert no_server_left()  # the server and its worker child are gone
+    log = (rd.path / "extract" / "vllm0.log").read_text()
+    assert "extract_hidden_states" in log and "ExampleHiddenStatesConnector" in log
+    for f in hs_files(rd):
+        f.unlink()
+
+
+def test_server_that_dies_while_starting_is_quoted(prepared):
+    tmp, rd = prepared
+    t0 = time.monotonic()
+    code, _, evs = run_body(tmp, "extract", extract.body, config("--standin-fail-start"))
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "exited with code 1 while starting" in err["message"]
+    assert "CUDA out of memory" in err["message"] and "doctor" in err["hint"]
+    assert time.monotonic() - t0 < 60 and no_server_left()
+
+
+def test_server_dying_mid_run_keeps_finished_files_and_resume_completes(prepared):
+    tmp, rd = prepared
+    code, _, evs = run_body(tmp, "extract", extract.body,
+                            config("--standin-die-after", "5", "--standin-worker"))
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "died" in err["message"] and "EngineCore died" in err["message"]
+    kept = len(hs_files(rd))
+    assert 1 <= kept <= 5 and no_server_left()
+    code, _, evs = run_body(tmp, "extract", extract.body, config())
+    summary = finished(evs)["summary"]
+    assert code == 0 and summary["reused"] == kept and summary["computed"] == N - kept
+    assert len(hs_files(rd)) == N
+
+
+def test_serve_command_line_carries_the_extraction_settings(tmp_path):
+    import json
+    argv = serve_argv("", "/opt/env/bin/python", Path("/models/kimi"), 8001, [2, 30, 58, 61],
+                      tmp_path, 8, "bfloat16", 4104, True, ["--gpu-memory-utilization", "0.9"])
+    assert argv[:5] == ["/opt/env/bin/python", "-m", "vllm.entrypoints.cli.main", "serve",
+                        "/models/kimi"]
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        2, 30, 58, 61]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "ExampleHiddenStatesConnector"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
+    assert "--trust-remote-code" in argv and "--no-enable-chunked-prefill" in argv
+    assert argv[-2:] == ["--gpu-memory-utilization", "0.9"]
