@@ -332,6 +332,11 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
             )
 
     devices = cfg.gpus.devices
+    tp, ext = cfg.stages.extract.tensor_parallel, cfg.stage_devices("extract")
+    if cfg.stages.extract.backend == "vllm-server" and ext and len(ext) % tp:
+        raise ConfigError(
+            f"{src}: `stages.extract.tensor_parallel` = {tp} does not divide the {len(ext)} "
+            f"GPUs extract is given ({ext}): each vLLM server takes {tp}. Change one of them.")
     if len(set(devices)) != len(devices):
         raise ConfigError(f"{src}: `gpus.devices` lists a GPU twice: {devices}.")
     for stage in ("extract", "train"):

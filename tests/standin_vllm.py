@@ -124,6 +124,9 @@ def main():
                 with forward_lock:
                     hs = backend.forward([ids])[0].to(dtype).contiguous()
                 req_id = f"cmpl-{uuid.uuid4().hex}-0"
+                print(f"INFO [logger.py:1] Received request {req_id}: prompt of {len(ids)} "
+                      f"tokens (STAND-IN, CUDA_VISIBLE_DEVICES="
+                      f"{os.environ.get('CUDA_VISIBLE_DEVICES')})", flush=True)
                 path = storage / f"{req_id}.safetensors"
                 tensors = {"hidden_states": hs, "token_ids": torch.tensor(ids, dtype=torch.long)}
                 if async_write:

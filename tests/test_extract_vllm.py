@@ -37,6 +37,17 @@ def prepared(tmp_path_factory):
     return tmp, rd
 
 
+@pytest.fixture(autouse=True)
+def clean_extract(request):
+    """Each test starts with no hidden-state files and no server logs."""
+    if "prepared" in request.fixturenames:
+        _, rd = request.getfixturevalue("prepared")
+        for f in hs_files(rd):
+            f.unlink()
+        for f in (rd.path / "extract").glob("vllm*.log"):
+            f.unlink()
+
+
 def no_server_left() -> bool:
     """No live process carries a server token (the stand-in and its child)."""
     me = os.getpid()
@@ -84,8 +95,6 @@ def test_server_route_writes_the_hf_numbers_and_stops_the_server(prepared, versi
     assert no_server_left()  # the server and its worker child are gone
     log = (rd.path / "extract" / "vllm0.log").read_text()
     assert "extract_hidden_states" in log and "ExampleHiddenStatesConnector" in log
-    for f in hs_files(rd):
-        f.unlink()
 
 
 def test_server_that_dies_while_starting_is_quoted(prepared):
@@ -112,6 +121,29 @@ def test_server_dying_mid_run_keeps_finished_files_and_resume_completes(prepared
     assert len(hs_files(rd)) == N
 
 
+def test_data_parallel_servers_share_the_samples(prepared):
+    """[gpus] 0-3 with tensor_parallel = 2: two servers, on GPUs 0,1 and 2,3,
+    pulling from one queue. (The stand-in ignores the GPUs; the stage only
+    hands them over.)"""
+    tmp, rd = prepared
+    cfg = config(tp=2) + "[gpus]\ndevices = [0, 1, 2, 3]\n"
+    code, _, evs = run_body(tmp, "extract", extract.body, cfg)
+    assert code == 0, [e for e in evs if e["type"] == "error"]
+    assert len(hs_files(rd)) == N
+    served = []
+    for k, gpus in ((0, "0,1"), (1, "2,3")):
+        log = (rd.path / "extract" / f"vllm{k}.log").read_text()
+        served.append(log.count(f"Received request"))
+        assert f"CUDA_VISIBLE_DEVICES={gpus})" in log
+    assert sum(served) == N and min(served) >= 1, served
+    kv = {e["server"]: e for e in evs if e["type"] == "kv_cache"}
+    assert set(kv) == {0, 1} and kv[1]["devices"] == [2, 3]
+    assert no_server_left()
+    from pipeline.config import ConfigError, parse
+    with pytest.raises(ConfigError, match="tensor_parallel` = 3 does not divide the 4 GPUs"):
+        parse(config(tp=3) + "[gpus]\ndevices = [0, 1, 2, 3]\n", gpu_count=None)
+
+
 def test_serve_command_line_carries_the_extraction_settings(tmp_path):
     import json
     argv = serve_argv("", "/opt/env/bin/python", Path("/models/kimi"), 8001, [2, 30, 58, 61],
@@ -128,3 +160,24 @@ def test_serve_command_line_carries_the_extraction_settings(tmp_path):
     assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
     assert "--trust-remote-code" in argv and "--no-enable-chunked-prefill" in argv
     assert argv[-2:] == ["--gpu-memory-utilization", "0.9"]
+
+
+def test_take_file_trims_extra_positions_and_converts_the_dtype(tmp_path):
+    """A connector file with one position more than the prompt (the output
+    token) in float32 is rewritten as the prompt's positions in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.stages.extract_vllm import take_file
+    ids = [5, 6, 7]
+    hs = torch.randn(4, 2, 8)
+    src = tmp_path / "cmpl-1.safetensors"
+    save_file({"hidden_states": hs, "token_ids": torch.tensor(ids + [9])}, str(src))
+    final = tmp_path / "hs_0.safetensors"
+    assert take_file(src, final, ids, 2, 8, torch.bfloat16) == final.stat().st_size
+    got = load_file(str(final))
+    assert got["token_ids"].tolist() == ids and got["hidden_states"].dtype == torch.bfloat16
+    assert torch.equal(got["hidden_states"], hs[:3].to(torch.bfloat16)) and not src.exists()
+    save_file({"hidden_states": hs, "token_ids": torch.tensor([5, 6, 8, 9])}, str(src))
+    from pipeline.stages.common import StageError
+    with pytest.raises(StageError, match="token ids that differ"):
+        take_file(src, final, ids, 2, 8, torch.bfloat16)

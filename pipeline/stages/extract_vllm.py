@@ -183,8 +183,19 @@ def take_file(src: Path, final: Path, ids: list[int], n_layers: int, hidden: int
     import torch
     from safetensors.torch import load_file, save_file
 
+    from safetensors import SafetensorError
+
     from pipeline.stages.extract import validate_file
-    data = load_file(str(src))
+    for attempt in range(50):
+        # Before vLLM 0.22 there is no lock to wait on; a file read too early
+        # is short or missing for a moment.
+        try:
+            data = load_file(str(src))
+            break
+        except (SafetensorError, OSError):
+            if attempt == 49:
+                raise
+            time.sleep(0.1)
     hs, tok = data.get("hidden_states"), data.get("token_ids")
     if hs is None or tok is None:
         raise StageError(f"{src.name} from the server has no hidden_states/token_ids",
@@ -220,11 +231,7 @@ def run_servers(ctx, target: Path, layer_ids: list[int], dtype, hidden: int, dat
     from pipeline.stages.extract import hs_path
     sec = ctx.section
     gpus = ctx.cfg.stage_devices("extract")
-    tp = sec.tensor_parallel
-    if gpus and len(gpus) % tp:
-        raise StageError(f"[stages.extract] tensor_parallel = {tp} does not divide the "
-                         f"{len(gpus)} GPUs given to extract ({gpus})",
-                         hint="give extract a multiple of tensor_parallel GPUs")
+    tp = sec.tensor_parallel  # divides len(gpus): checked with the config
     groups = [gpus[i:i + tp] for i in range(0, len(gpus), tp)] or [[]]
     staging = ctx.out / ".staging"
     dtype_name = str(dtype).replace("torch.", "")
