@@ -49,6 +49,7 @@ class StageInfo:
     finished: dict | None = None
     started: dict | None = None
     kv_cache: dict | None = None
+    kv_servers: dict = field(default_factory=dict)   # server -> its kv_cache event
     kv_usage: dict | None = None
 
 
@@ -118,10 +119,13 @@ class RunModel:
             info.warnings.append(ev)
         elif t == "stage_started":
             info.started, info.finished, info.last_error, info.progress = ev, None, None, None
+            info.kv_servers.clear()
         elif t == "stage_finished":
             info.finished = ev
         elif t == "kv_cache":
             info.kv_cache = ev
+            if "server" in ev:
+                info.kv_servers[ev["server"]] = ev
         elif t == "kv_usage":
             info.kv_usage = ev
 

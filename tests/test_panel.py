@@ -339,3 +339,28 @@ async def test_doctor_screen_shows_the_report(tmp_path):
         assert "4 layers, hidden 128" in text
         await pilot.press("escape")
         assert app.screen.__class__.__name__ != "DoctorScreen"
+
+
+async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
+    """kv_cache events as the vllm-server backend writes them (two data-parallel
+    servers, fields from their log lines) and a kv_usage from /metrics."""
+    stagekit({})
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    w = EventWriter(rd.events_path("extract"))
+    for k in (0, 1):
+        w.emit("kv_cache", server=k, devices=[2 * k, 2 * k + 1], num_blocks=None,
+               block_size=None, bytes_per_block=None, total_bytes=int(110.47 * (1 << 30)),
+               tokens_capacity=1_234_560, max_concurrency=150.7, max_model_len=8192,
+               groups=[], pool="GPU", source="log")
+    w.emit("kv_usage", usage_perc=0.3, running=16, waiting=3)
+    w.close()
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("3")
+        await pilot.pause(0.3)
+        panel = app.query_one("#kvpanel")
+        plain = "\n".join(strip.text for strip in panel.render_lines(panel.region.reset_offset))
+        assert "1,234,560" in plain and "150.70x at 8192" in plain and "110.5 GiB" in plain
+        assert "2 (data parallel): 2,469,120 tokens" in plain
+        assert "30.0%" in plain and "running 16" in plain

@@ -42,6 +42,12 @@ class KVCachePanel(Static):
         for g in kv.get("groups") or []:
             t.add_row("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
                                f"{fmt.nbytes(g.get('page_size_bytes'))}")
+        servers = info.kv_servers
+        if len(servers) > 1:
+            caps = [e.get("tokens_capacity") or 0 for e in servers.values()]
+            t.add_row("servers", f"{len(servers)} (data parallel): {sum(caps):,} tokens in all; "
+                                 "the figures above are server "
+                                 f"{kv.get('server')}'s")
         if usage:
             t.add_row("live use", f"{usage.get('usage_perc', 0) * 100:.1f}%  running "
                                   f"{usage.get('running')}  waiting {usage.get('waiting')}")
