@@ -8,6 +8,7 @@ SSH connection or be opened twice without touching a running stage.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from app import fmt
@@ -36,6 +38,20 @@ from widgets.log_view import LogView
 from widgets.loss_chart import LossChart
 from widgets.quiet import QuietStatic
 from widgets.stage_table import StageTable
+
+
+def drawing_callback(fn):
+    """Timers and thread callbacks can still fire while Textual tears the
+    screen down at exit (seen once in CI: the log poll found no LogView).
+    Their widgets exist for the app's whole life otherwise, so a missing
+    one means there is nothing left to draw."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except NoMatches:
+            return None
+    return wrapper
 
 
 class PanelApp(App):
@@ -199,6 +215,7 @@ class PanelApp(App):
         with self.lock:
             self._draw_active_tab(switched=True)
 
+    @drawing_callback
     def _apply_snapshot(self, snap) -> None:
         self.snapshot = snap
         with self.lock:
@@ -291,6 +308,7 @@ class PanelApp(App):
                 self.notify("pipeline finished: all stages succeeded", timeout=10)
         self._was_driving = driving
 
+    @drawing_callback
     def _tick(self) -> None:
         """The one redraw timer: at most once per UI_INTERVAL however fast a
         stage writes (what reaches the terminal over SSH is what users feel);
@@ -310,6 +328,7 @@ class PanelApp(App):
         self._log_stage = stage
         self.query_one(LogView).watch_file(self.rundir.log_path(stage))
 
+    @drawing_callback
     def _poll_log(self) -> None:
         self.query_one(LogView).poll()
 

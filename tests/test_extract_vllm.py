@@ -19,6 +19,10 @@ from tests.test_stages import finished, prepare, run_body
 
 STANDIN = Path(__file__).resolve().parent / "standin_vllm.py"
 N = 12
+# Servers inherit this, so a check for leftovers sees only this session's
+# (another test session on the machine has its own).
+MARK = f"EAGLE_PANEL_TEST_SESSION={os.getpid()}"
+os.environ["EAGLE_PANEL_TEST_SESSION"] = str(os.getpid())
 
 
 def config(*server_args: str, tp: int = 1) -> str:
@@ -49,7 +53,8 @@ def clean_extract(request):
 
 
 def no_server_left() -> bool:
-    """No live process carries a server token (the stand-in and its child)."""
+    """No live process of this session carries a server token (the stand-in
+    and its child)."""
     me = os.getpid()
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         if pid == me:
@@ -59,7 +64,8 @@ def no_server_left() -> bool:
             status = Path(f"/proc/{pid}/stat").read_text().split()[2]
         except OSError:
             continue
-        if SERVER_TOKEN_VAR.encode() in env and status != "Z":
+        if SERVER_TOKEN_VAR.encode() in env and MARK.encode() + b"\0" in env + b"\0" \
+                and status != "Z":
             return False
     return True
 
@@ -181,3 +187,11 @@ def test_take_file_trims_extra_positions_and_converts_the_dtype(tmp_path):
     from pipeline.stages.common import StageError
     with pytest.raises(StageError, match="token ids that differ"):
         take_file(src, final, ids, 2, 8, torch.bfloat16)
+
+
+def test_server_route_stops_before_the_disk_fills(prepared):
+    tmp, rd = prepared
+    code, _, evs = run_body(tmp, "extract", extract.body, config() + "min_free_gb = 100000.0\n")
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "stopped before the disk fills" in err["message"]
+    assert "resume" in err["hint"] and not hs_files(rd) and no_server_left()

@@ -364,3 +364,23 @@ async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
         assert "1,234,560" in plain and "150.70x at 8192" in plain and "110.5 GiB" in plain
         assert "2 (data parallel): 2,469,120 tokens" in plain
         assert "30.0%" in plain and "running 16" in plain
+
+
+async def test_dialogs_can_stay_open_while_the_panel_updates(tmp_path, stagekit):
+    """The 1 Hz redraw and the log poll keep following the run under an open
+    dialog, and the run is seen to its end."""
+    stagekit({"extract": "sleep:4"})
+    cli("run", cwd=tmp_path)
+    rd = RunDir(tmp_path / "runs/t")
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause(3.5)
+        assert app.screen.__class__.__name__ == "HelpScreen"
+        await pilot.press("escape")
+        await pilot.press("c")
+        await pilot.pause(2.5)
+        assert app.screen.__class__.__name__ == "ConfirmScreen"
+        await pilot.press("escape")
+        await until(pilot, lambda: cell(app, "train", "Status") == "succeeded",
+                    what="the run, followed through the dialogs, to finish")

@@ -329,7 +329,7 @@ def body(ctx: StageContext) -> dict:
     elif sec.backend == "vllm-server":
         from pipeline.stages.extract_vllm import run_servers
         totals = run_servers(ctx, target, layer_ids, dtype, hidden, data_ids, todo, lengths,
-                             folder, emit)
+                             folder, bytes_per_token, min_free, emit)
     elif world == 1:
         from pipeline.stages.extract_hf import HFBackend
         backend = HFBackend.load(target, layer_ids, devices[0], dtype, trust)

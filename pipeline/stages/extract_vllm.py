@@ -226,9 +226,12 @@ def take_file(src: Path, final: Path, ids: list[int], n_layers: int, hidden: int
 
 
 def run_servers(ctx, target: Path, layer_ids: list[int], dtype, hidden: int, data_ids, todo,
-                lengths, folder: Path, emit) -> tuple[int, int, int]:
+                lengths, folder: Path, bytes_per_token: int, min_free: float,
+                emit) -> tuple[int, int, int]:
     """Extract `todo` through vLLM servers; returns (samples, tokens, bytes)."""
-    from pipeline.stages.extract import hs_path
+    import shutil
+
+    from pipeline.stages.extract import GB, hs_path
     sec = ctx.section
     gpus = ctx.cfg.stage_devices("extract")
     tp = sec.tensor_parallel  # divides len(gpus): checked with the config
@@ -255,7 +258,10 @@ def run_servers(ctx, target: Path, layer_ids: list[int], dtype, hidden: int, dat
     lock = threading.Lock()
     done = [0, 0, 0]
     errors: list[BaseException] = []
-    model = str(target)
+    extra = list(sec.server_args)
+    model = (extra[extra.index("--served-model-name") + 1]
+             if "--served-model-name" in extra[:-1] else str(target))
+    in_flight_bytes = [0]
     last_usage = [0.0, None]
 
     def poll_server_state():
@@ -283,6 +289,17 @@ def run_servers(ctx, target: Path, layer_ids: list[int], dtype, hidden: int, dat
             except queue.Empty:
                 return
             ids = list(data_ids[i])
+            need = bytes_per_token * len(ids)
+            with lock:
+                free = shutil.disk_usage(folder).free
+                if free - in_flight_bytes[0] - need < min_free:
+                    errors.append(StageError(
+                        f"stopped before the disk fills: {free / GB:.2f} GiB free at {folder}, "
+                        "below min_free_gb plus the samples in flight",
+                        hint="free space (or move [run] runs_dir to a bigger disk) and resume; "
+                             "finished files are kept"))
+                    return
+                in_flight_bytes[0] += need
             try:
                 resp = server.complete(ids, model, sec.request_timeout_s)
                 params = resp.get("kv_transfer_params") or {}
@@ -306,6 +323,9 @@ def run_servers(ctx, target: Path, layer_ids: list[int], dtype, hidden: int, dat
                                    "resume continues with the rest")
                 errors.append(e)
                 return
+            finally:
+                with lock:
+                    in_flight_bytes[0] -= need
             with lock:
                 done[0] += 1
                 done[1] += len(ids)
