@@ -210,7 +210,7 @@ def part_extract(small: bool):
                     n = max(lengths[i] for i in b)
                     view = host[:len(b) * n * len(layer_ids) * cfg.hidden_size].view(
                         len(b), n, len(layer_ids), cfg.hidden_size)
-                    w.submit(view, torch.ones(len(b), dtype=torch.bool), None,
+                    w.submit(view, torch.tensor(True), None,
                              [(i, rows[i]) for i in b], bpt * sum(lengths[i] for i in b))
                 w.close()
                 write_only.append(tokens / (time.perf_counter() - t0))

@@ -351,3 +351,35 @@ def test_tiny_model_is_deterministic(tmp_path, monkeypatch):
     ref = tiny_model.ensure_built()
     for name in ("tokenizer.json", "model.safetensors", "config.json"):
         assert (again / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+class _Forward:
+    """A stand-in model output: a NaN at one position of one sample."""
+    device = torch.device("cpu")
+
+    def __init__(self, nan_at):
+        self.nan_at = nan_at
+
+    def forward(self, batch):
+        longest = max(len(r) for r in batch)
+        hs = torch.ones(len(batch), longest, 2, 4)
+        for b, r in enumerate(batch):
+            if r[0] == self.nan_at[0]:
+                hs[b, self.nan_at[1]] = float("nan")
+        return hs
+
+
+def test_non_finite_hidden_states_stop_the_stage_but_padding_does_not(tmp_path):
+    from pipeline.stages.common import StageError
+    rows = [[1] * 5, [2] * 3]          # sample 1 is padded to 5 positions
+    lengths = [5, 3]
+    # NaN in sample 1's padding (position 4): not part of any file, not an error.
+    done = extract.extract_shard(_Forward((2, 4)), rows, [0, 1], lengths, tmp_path, 100, 40, 0,
+                                 lambda c: None, lambda: False)
+    assert done.samples == 2 and len(list(tmp_path.glob("hs_*.safetensors"))) == 2
+    for f in tmp_path.glob("hs_*"):
+        f.unlink()
+    with pytest.raises(StageError, match="sample 1: the target produced non-finite"):
+        extract.extract_shard(_Forward((2, 1)), rows, [0, 1], lengths, tmp_path, 100, 40, 0,
+                              lambda c: None, lambda: False)
+    assert not (tmp_path / "hs_1.safetensors").exists()

