@@ -37,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import train_direct  # noqa: E402
 
 
 def say(*a):
@@ -259,24 +261,6 @@ epochs = {epochs}
 total_seq_len = 2048
 """
 
-DIRECT = """
-import json, sys, time
-from speculators.train import cli
-from speculators.train.config import TrainConfig
-from pipeline.stages import train_shims
-
-class NoHooks:
-    def on_total_steps(self, n, per_epoch): pass
-    def should_stop(self): return False
-    def on_interrupted(self, *a): pass
-
-train_shims.install(cpu=sys.argv[2] == "cpu", hooks=NoHooks())
-t0 = time.perf_counter()
-cli.main(TrainConfig.resolve(json.loads(sys.argv[1])))
-print("DIRECT_SECONDS", time.perf_counter() - t0)
-"""
-
-
 def events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -320,23 +304,10 @@ def part_pipeline(small: bool):
             if p.exists():
                 say(f"--- {s} log tail ---\n" + p.read_text()[-3000:])
         return
-    summ = [e for e in events(run / "train/events.jsonl") if e["type"] == "stage_finished"][-1]["summary"]
-    argv = restore_logger(summ["train_argv"].split()[2:])
-    fixed = list(argv)
-    direct = tmp / "direct"
-    fixed[fixed.index("--save-path") + 1] = str(direct / "ckpt")
-    fixed[fixed.index("--log-dir") + 1] = str(direct / "logs")
-    env_dev = {"CUDA_VISIBLE_DEVICES": "0"} if cuda else {}
-    os.environ.update(env_dev)
-    t0 = time.perf_counter()
-    out = sh([sys.executable, "-c", DIRECT, json.dumps(fixed), "cuda" if cuda else "cpu"], tmp)
-    direct_wall = time.perf_counter() - t0
-    direct_s = float(out.stdout.split("DIRECT_SECONDS")[1].split()[0])
-    shutil.rmtree(run / "train/out")
-    (run / "train/out").mkdir()
-    t0 = time.perf_counter()
-    sh([sys.executable, "-m", "pipeline.stages.train", "--run-dir", str(run)], tmp)
-    stage_wall = time.perf_counter() - t0
+    if cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    stage_wall, direct_wall, direct_s = train_direct.compare(run, tmp, "cuda" if cuda else "cpu",
+                                                             sh)
     say(f"  train on {'cuda' if cuda else 'cpu'}: stage {stage_wall:.1f} s vs speculators directly "
         f"{direct_wall:.1f} s (trainer alone {direct_s:.1f} s): {direct_wall / stage_wall:.2f}x "
         f"(target >= 0.95x)")
@@ -348,7 +319,8 @@ def part_pipeline(small: bool):
     n_metrics = sum(1 for e in events(run / "train/events.jsonl") if e["type"] == "metric")
     t0 = time.perf_counter()
     r = sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-            "-m", "pipeline.stages.train_worker", "--run-dir", str(run), "--", *argv], tmp,
+            "-m", "pipeline.stages.train_worker", "--run-dir", str(run), "--",
+            *train_direct.recorded_argv(run)], tmp,
            check=False)
     ckpts = sorted(p.name for p in (run / "train/out/checkpoints").glob("*")) if (
         run / "train/out/checkpoints").exists() else []
@@ -357,16 +329,6 @@ def part_pipeline(small: bool):
         f"checkpoints {ckpts}, metric events from rank 0: {n_after - n_metrics}")
     if r.returncode != 0:
         say(r.stdout[-2500:], r.stderr[-2500:])
-
-
-def restore_logger(argv: list[str]) -> list[str]:
-    """`--logger ""` is lost when the recorded command line is split: put it back."""
-    out = []
-    for tok in argv:
-        out.append(tok)
-        if tok == "--logger":
-            out.append("")
-    return out
 
 
 # -- 4. the panel against real NVML ------------------------------------------------

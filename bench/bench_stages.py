@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import train_direct  # noqa: E402
 
 CONFIG = """
 [run]
@@ -41,25 +43,6 @@ draft_vocab_size = 256
 epochs = {epochs}
 total_seq_len = 1024
 """
-
-DIRECT = """
-import json, sys, time
-from speculators.train import cli
-from speculators.train.config import TrainConfig
-from pipeline.stages import train_shims
-
-class NoHooks:
-    def on_total_steps(self, n, per_epoch): pass
-    def should_stop(self): return False
-    def on_interrupted(self, *a): pass
-
-train_shims.install(cpu=True, hooks=NoHooks())
-argv = json.loads(sys.argv[1])
-t0 = time.perf_counter()
-cli.main(TrainConfig.resolve(argv))
-print("DIRECT_SECONDS", time.perf_counter() - t0)
-"""
-
 
 def sh(args, cwd, env=None):
     e = dict(os.environ, **(env or {}))
@@ -129,26 +112,7 @@ def main():
               f"the stage process end to end (cold): {summary['tokens_per_s']:,.0f} tokens/s")
 
         # 2. train: the stage vs speculators' trainer directly, same flags.
-        end = [e for e in (json.loads(x) for x in (run / "train/events.jsonl").read_text()
-                           .splitlines()) if e["type"] == "stage_finished"][-1]["summary"]
-        argv = end["train_argv"].split()[2:]
-        fixed = []
-        for i, tok in enumerate(argv):  # `--logger ""` was split away: restore it
-            fixed.append(tok)
-            if tok == "--logger":
-                fixed.append("")
-        direct_dir = tmp / "direct"
-        fixed[fixed.index("--save-path") + 1] = str(direct_dir / "ckpt")
-        fixed[fixed.index("--log-dir") + 1] = str(direct_dir / "logs")
-        t0 = time.perf_counter()
-        out = sh([sys.executable, "-c", DIRECT, json.dumps(fixed)], tmp)
-        direct_wall = time.perf_counter() - t0
-        direct_s = float(out.stdout.split("DIRECT_SECONDS")[1].split()[0])
-        shutil.rmtree(run / "train/out")
-        (run / "train/out").mkdir()
-        t0 = time.perf_counter()
-        sh([sys.executable, "-m", "pipeline.stages.train", "--run-dir", str(run)], tmp)
-        stage_wall = time.perf_counter() - t0
+        stage_wall, direct_wall, direct_s = train_direct.compare(run, tmp, "cpu", sh)
         print(f"train: stage {stage_wall:.1f} s vs speculators directly {direct_wall:.1f} s "
               f"(trainer alone {direct_s:.1f} s): {direct_wall / stage_wall:.2f}x (target >= 0.95x)")
 

@@ -51,6 +51,24 @@ def sdist_source(version):
         pytest.skip(f"vLLM {version} source release unavailable: {e}")
 
 
+def kimi_on_8_h200(tmp_path):
+    """Kimi-K2.5 (595 GB of weights) through vllm-server at TP=8 on 8 H200."""
+    target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
+    cfg = cfg_for(tmp_path, target, """
+        trust_remote_code = true
+        [gpus]
+        devices = [0, 1, 2, 3, 4, 5, 6, 7]
+        [stages.prepare]
+        seq_length = 4096
+        [stages.extract]
+        backend = "vllm-server"
+        layer_ids = [2, 30, 58]
+        tensor_parallel = 8
+    """)
+    gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
+    return target, cfg, gpus
+
+
 def by_area(findings, area):
     return [f for f in findings if f.area == area]
 
@@ -74,19 +92,7 @@ def test_hand_computed_kv_and_hidden_state_sizes(tmp_path):
 
 
 def test_kimi_plan_on_eight_h200(tmp_path):
-    target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
-    cfg = cfg_for(tmp_path, target, """
-        trust_remote_code = true
-        [gpus]
-        devices = [0, 1, 2, 3, 4, 5, 6, 7]
-        [stages.prepare]
-        seq_length = 4096
-        [stages.extract]
-        backend = "vllm-server"
-        layer_ids = [2, 30, 58]
-        tensor_parallel = 8
-    """)
-    gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
+    target, cfg, gpus = kimi_on_8_h200(tmp_path)
     m = doctor.read_model(target)
     (kv,) = doctor.kv_plan(m, 8, gpus, cfg, 0.9)
     # 0.9 x 150,754,820,096 B - 595e9 / 8 B = 61,304,338,086 B / 70,272 B = 872,386 tokens.
@@ -101,17 +107,7 @@ def test_kimi_plan_on_eight_h200(tmp_path):
 
 @pytest.mark.parametrize("version,level", [("0.17.0", doctor.BLOCK), ("0.18.0", doctor.OK)])
 def test_eagle3_support_of_kimi_in_each_vllm(tmp_path, version, level):
-    target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
-    cfg = cfg_for(tmp_path, target, """
-        trust_remote_code = true
-        [gpus]
-        devices = [0, 1, 2, 3, 4, 5, 6, 7]
-        [stages.extract]
-        backend = "vllm-server"
-        layer_ids = [2, 30, 58]
-        tensor_parallel = 8
-    """)
-    gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
+    target, cfg, gpus = kimi_on_8_h200(tmp_path)
     env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
     findings = doctor.diagnose(cfg, env=env, gpus=gpus, vllm_source=sdist_source(version))
     (e3,) = by_area(findings, "eagle3")
