@@ -1,7 +1,7 @@
 """`eagle-panel`: the headless commands and the entry to the panel.
 
-Exit status: 0 ok, 1 a stage failed (doctor: a blocking finding), 2 bad input (config, run directory,
-arguments), 3 another launcher holds the run, 130 cancelled.
+Exit status: 0 ok, 1 a stage failed (doctor: a blocking finding), 2 bad input
+(config, run directory, arguments), 3 another launcher holds the run, 130 cancelled.
 """
 
 from __future__ import annotations

@@ -265,8 +265,10 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
         f.append(Finding("eagle3", BLOCK if e3.fires else OK, e3.detail,
                          "upgrade vLLM, or use the hf backend" if e3.fires else ""))
         for a in vllm_compat.plan(src):
-            if a.key in ("kv_config_missing", "server_route"):
-                if a.fires and (a.key == "server_route") == (backend == "vllm-server"):
+            if a.key == "server_route":
+                continue  # the backends finding above already says it
+            if a.key == "kv_config_missing":
+                if a.fires and backend == "vllm-engine":
                     f.append(Finding("compat", BLOCK, a.detail, "upgrade vLLM"))
                 continue
             if a.fires:

@@ -249,7 +249,8 @@ def body(ctx: StageContext) -> dict:
     sec = ctx.section
     if sec.backend == "vllm-engine":
         raise StageError("the vllm-engine backend (vLLM 0.11-0.16 driven in-process) is not "
-                         "built yet; its compatibility layer is (pipeline/vllm_compat.py)",
+                         "built yet (only the compatibility layer it needs is: "
+                         "pipeline/vllm_compat.py)",
                          hint='use backend = "vllm-server" (vLLM >= 0.17) or "hf"')
     data_dir = ctx.out_of("prepare") / "data"
     if not data_dir.exists():
