@@ -170,6 +170,26 @@ class Config:
     def runs_dir(self) -> Path:
         return self.resolve(self.run.runs_dir)
 
+    def target_path(self) -> Path:
+        """The target model's folder (the built-in one is built on first use)."""
+        if self.model.target == BUILTIN_MODEL:
+            from pipeline.builtin.tiny_model import ensure_built
+            return ensure_built()
+        return self.resolve(self.model.target)
+
+    def data_path(self) -> Path:
+        if self.data.path == BUILTIN_DATA:
+            from pipeline.builtin import conversations_path
+            return conversations_path()
+        return self.resolve(self.data.path)
+
+    def dtype_name(self, on_gpu: bool) -> str:
+        """The hidden-state dtype: [model] dtype, or for "auto" bf16 where a
+        GPU (or vLLM) runs the model and fp32 on the CPU."""
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return "bfloat16" if on_gpu else "float32"
+
     def section_dict(self, name: str) -> dict:
         return dataclasses.asdict(self.stage(name))
 

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline import vllm_compat
-from pipeline.config import BUILTIN_DATA, BUILTIN_MODEL, Config
+from pipeline.config import Config
+from pipeline.rundir import RunDir
 
 OK, WARN, BLOCK = "ok", "warning", "blocking"
 GIB = 1 << 30
@@ -100,7 +101,7 @@ def count_rows(path: Path, cap: int) -> int | None:
     if path.is_dir():
         try:
             info = json.loads((path / "dataset_info.json").read_text())
-            rows = sum(s.get("num_examples", 0) for s in info.get("splits", {}).values())
+            rows = sum(s.get("num_examples", 0) for s in (info.get("splits") or {}).values())
             return min(rows, cap) if cap and rows else rows or None
         except (OSError, ValueError):
             return None
@@ -123,21 +124,15 @@ def probe_env(python: str, timeout: float = 120.0) -> dict:
 
 
 def nvml_gpus() -> list[dict] | None:
+    from pipeline.telemetry import NvmlSource
     try:
-        import pynvml
-        pynvml.nvmlInit()
+        src = NvmlSource()
     except Exception:  # noqa: BLE001 - no library, no driver
         return None
     try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                        "memory_total": int(pynvml.nvmlDeviceGetMemoryInfo(h).total)})
-        return out
+        return src.inventory()
     finally:
-        pynvml.nvmlShutdown()
+        src.close()
 
 
 def _server_util(cfg: Config) -> float:
@@ -176,6 +171,10 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
                          f"torch {pk.get('torch')}{f' + CUDA {cuda}' if cuda else ' (CPU build)'}, "
                          f"transformers {pk.get('transformers')}, speculators "
                          f"{pk.get('speculators')}, vllm {pk.get('vllm') or 'not installed'}"))
+    if env.get("torch_error"):
+        f.append(Finding("environment", BLOCK, f"torch fails to import in the stage "
+                         f"environment: {env['torch_error']}",
+                         "repair that environment's torch (or point [runtime] python elsewhere)"))
     for name, why in (("torch", "every stage"), ("transformers", "prepare and the hf backend"),
                       ("speculators", "vocab and train")):
         if pk and not pk.get(name):
@@ -229,8 +228,7 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
 
     # -- the target model
     try:
-        target = _target_folder(cfg)
-        m = read_model(target)
+        m = read_model(cfg.target_path())
     except (OSError, ValueError, KeyError) as e:
         f.append(Finding("model", BLOCK, f"cannot read the target's config.json: {e}",
                          "point [model] target at a local HF model folder"))
@@ -314,8 +312,7 @@ def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -
 
 def disk_forecast(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
                   tokens: int | None = None) -> Finding:
-    dt = cfg.model.dtype
-    elem = 4 if dt == "float32" or (dt == "auto" and not gpu) else 2
+    elem = 4 if cfg.dtype_name(gpu) == "float32" else 2
     bpt = hs_bytes_per_token(m, n_layers, elem)
     exact = tokens is not None
     if tokens is None:
@@ -347,29 +344,18 @@ def disk_forecast(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
 def _prepared_tokens(cfg: Config) -> tuple[int | None, bool]:
     """Exact tokens if this run's prepare stage has finished, else an upper
     bound (rows x seq_length)."""
-    data = cfg.runs_dir() / cfg.run.name / "prepare" / "out" / "data"
+    data = RunDir(cfg.runs_dir() / cfg.run.name).out_dir("prepare") / "data"
     if data.exists():
         try:
             from datasets import load_from_disk
             return int(sum(load_from_disk(str(data))["seq_len"])), True
         except Exception:  # noqa: BLE001 - fall back to the estimate
             pass
-    if cfg.data.path == BUILTIN_DATA:
-        from pipeline.builtin import conversations_path
-        path = conversations_path()
-    else:
-        path = cfg.resolve(cfg.data.path)
+    path = cfg.data_path()
     if not path.exists():
         return None, False
     rows = count_rows(path, cfg.data.max_samples)
     return (rows * cfg.stages.prepare.seq_length if rows else None), False
-
-
-def _target_folder(cfg: Config) -> Path:
-    if cfg.model.target == BUILTIN_MODEL:
-        from pipeline.builtin.tiny_model import ensure_built
-        return ensure_built()
-    return cfg.resolve(cfg.model.target)
 
 
 def _size(n: float) -> str:

@@ -6,7 +6,7 @@ virtual environment than the panel's.
 
 Never imports vLLM (tens of seconds, and it wants a GPU): its version comes
 from the package metadata and its source folder from the import system.
-torch is imported (a few seconds) for its CUDA build and device count.
+torch is imported (a few seconds) for its CUDA build.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ def probe() -> dict:
         try:
             import torch
             out["torch_cuda"] = torch.version.cuda
-            out["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
         except Exception as e:  # noqa: BLE001 - a broken torch is a finding, not a crash
             out["torch_error"] = f"{type(e).__name__}: {e}"
     return out

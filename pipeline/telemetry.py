@@ -105,6 +105,11 @@ class NvmlSource:
             out.append(s)
         return out
 
+    def inventory(self) -> list[dict]:
+        """Index, name and memory total of each GPU (what doctor plans with)."""
+        return [{"index": i, "name": self.names[i], "memory_total": int(self._memory(h).total)}
+                for i, h in enumerate(self.handles)]
+
     def _memory(self, h):
         """Memory info as nvidia-smi reports it. The v1 call counts the
         driver's reserved memory as used (measured on an H200: 618 MiB used

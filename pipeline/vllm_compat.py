@@ -24,10 +24,7 @@ Drift covered (FACTS.md, re-read from the source releases 0.11–0.33):
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass
-
-log = logging.getLogger("eagle_panel.vllm_compat")
 
 # Module (under vllm.) that holds get_kv_cache_config_from_groups, newest first.
 KV_CONFIG_MODULES = ("v1.core.kv_cache_planning", "v1.core.kv_cache_utils")
@@ -42,7 +39,6 @@ EAGLE3_SINCE = {
     "Qwen3MoeForCausalLM": "0.12.0",
 }
 SERVER_ROUTE_SINCE = "0.17.0"   # extract_hidden_states + ExampleHiddenStatesConnector
-WRITE_LOCK_SINCE = "0.22.0"     # the connector holds <file>.lock until the write ends
 
 
 class CompatError(Exception):
@@ -60,10 +56,10 @@ _fired: dict[str, str] = {}
 
 
 def fired(key: str, detail: str) -> None:
-    """Record (and log once) an adaptation that took effect in this process."""
+    """Record an adaptation that took effect in this process; the first time,
+    say so in the stage's log."""
     if key not in _fired:
         _fired[key] = detail
-        log.warning("vLLM compatibility: %s", detail)
         print(f"vllm-compat: {detail}", flush=True)
 
 

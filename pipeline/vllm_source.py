@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import re
 import tarfile
-from functools import lru_cache
 from pathlib import Path
 
 
@@ -22,6 +21,10 @@ class VllmSource:
     def __init__(self, version: str, read):
         self.version = version
         self._read = read  # relative path under vllm/ -> text or None
+        # Per instance, so that a source read for one doctor report (in the
+        # long-lived panel) is freed with it.
+        self._texts: dict[str, str | None] = {}
+        self._trees: dict[str, ast.Module | None] = {}
 
     @classmethod
     def from_dir(cls, package_dir: Path, version: str) -> "VllmSource":
@@ -46,16 +49,18 @@ class VllmSource:
         return cls(version, read)
 
     # -- raw access -------------------------------------------------------
-    @lru_cache(maxsize=None)  # noqa: B019 - one instance per version, kept for the run
     def text(self, module: str) -> str | None:
         """Source of a dotted module under vllm (`v1.request`), file or package."""
-        rel = module.replace(".", "/")
-        return self._read(rel + ".py") or self._read(rel + "/__init__.py")
+        if module not in self._texts:
+            rel = module.replace(".", "/")
+            self._texts[module] = self._read(rel + ".py") or self._read(rel + "/__init__.py")
+        return self._texts[module]
 
-    @lru_cache(maxsize=None)  # noqa: B019
     def tree(self, module: str) -> ast.Module | None:
-        src = self.text(module)
-        return ast.parse(src) if src is not None else None
+        if module not in self._trees:
+            src = self.text(module)
+            self._trees[module] = ast.parse(src) if src is not None else None
+        return self._trees[module]
 
     def has_module(self, module: str) -> bool:
         return self.text(module) is not None

@@ -43,14 +43,6 @@ def cfg_for(tmp_path: Path, target: Path, extra: str = "") -> config_mod.Config:
     return config_mod.load(tmp_path / "config.toml", gpu_count=None)
 
 
-def sdist_source(version):
-    from pipeline.vllm_source import VllmSource
-    try:
-        return VllmSource.from_sdist(vllm_releases.sdist(version))
-    except vllm_releases.Unreachable as e:
-        pytest.skip(f"vLLM {version} source release unavailable: {e}")
-
-
 def kimi_on_8_h200(tmp_path):
     """Kimi-K2.5 (595 GB of weights) through vllm-server at TP=8 on 8 H200."""
     target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
@@ -109,7 +101,7 @@ def test_kimi_plan_on_eight_h200(tmp_path):
 def test_eagle3_support_of_kimi_in_each_vllm(tmp_path, version, level):
     target, cfg, gpus = kimi_on_8_h200(tmp_path)
     env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
-    findings = doctor.diagnose(cfg, env=env, gpus=gpus, vllm_source=sdist_source(version))
+    findings = doctor.diagnose(cfg, env=env, gpus=gpus, vllm_source=vllm_releases.source(version))
     (e3,) = by_area(findings, "eagle3")
     assert e3.level == level
     if level == doctor.BLOCK:

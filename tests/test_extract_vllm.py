@@ -139,7 +139,7 @@ def test_data_parallel_servers_share_the_samples(prepared):
     served = []
     for k, gpus in ((0, "0,1"), (1, "2,3")):
         log = (rd.path / "extract" / f"vllm{k}.log").read_text()
-        served.append(log.count(f"Received request"))
+        served.append(log.count("Received request"))
         assert f"CUDA_VISIBLE_DEVICES={gpus})" in log
     assert sum(served) == N and min(served) >= 1, served
     kv = {e["server"]: e for e in evs if e["type"] == "kv_cache"}

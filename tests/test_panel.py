@@ -287,6 +287,9 @@ def test_nvml_memory_matches_nvidia_smi_where_the_driver_can(monkeypatch, v2, us
     assert s.mem_used == used_mib * FakeNvml.MiB and s.mem_total == 143771 * FakeNvml.MiB
     assert (s.util, s.temp, s.power, s.power_limit) == (100.0, 62.0, 688.433, 700.0)
     assert s.pcie_rx == 59_389_000 * 1024 and s.pcie_tx == 5_168_000 * 1024
+    from pipeline.doctor import nvml_gpus
+    assert nvml_gpus() == [{"index": 0, "name": "NVIDIA H200",
+                            "memory_total": 143771 * FakeNvml.MiB}]
 
 
 def test_nvml_fields_not_supported_are_blank_not_errors(monkeypatch):

@@ -10,18 +10,10 @@ import pytest
 
 from pipeline import vllm_compat
 from pipeline.vllm_logs import KvLogReader
-from pipeline.vllm_source import VllmSource
 from tests import vllm_doubles as d
 from tests import vllm_releases
 
 FIXED = ["0.11.0", "0.12.0", "0.16.0", "0.17.0", "0.18.0", "0.22.0", "0.29.0"]
-
-
-def _source(version: str) -> VllmSource:
-    try:
-        return VllmSource.from_sdist(vllm_releases.sdist(version))
-    except vllm_releases.Unreachable as e:
-        pytest.skip(f"vLLM source release {version} unavailable: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +51,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("version", FIXED)
 def test_plan_per_release(version):
-    src = _source(version)
+    src = vllm_releases.source(version)
     got = fires(src)
     for key, want in EXPECTED[version].items():
         assert got[key] is want, (version, key, got)
@@ -68,7 +60,7 @@ def test_plan_per_release(version):
 def test_newest_release_still_matches_the_layer(newest):
     """The newest release on the index (0.33.0 when written): the layer must
     still find every API it adapts; a failure here is the early warning."""
-    src = _source(newest)
+    src = vllm_releases.source(newest)
     got = fires(src, "DeepseekV3ForCausalLM")
     assert "kv_config_missing" not in got
     assert got["scheduler_initvars"] and got["scheduler_block_size"] and got["request_no_eos"]
@@ -82,19 +74,19 @@ def test_newest_release_still_matches_the_layer(newest):
 def test_eagle3_support_begins_where_the_table_says(arch):
     since = vllm_compat.EAGLE3_SINCE[arch]
     before = {"0.18.0": "0.17.0", "0.12.0": "0.11.0"}[since]
-    a_before = vllm_compat.eagle3_support(_source(before), arch)
-    a_since = vllm_compat.eagle3_support(_source(since), arch)
+    a_before = vllm_compat.eagle3_support(vllm_releases.source(before), arch)
+    a_since = vllm_compat.eagle3_support(vllm_releases.source(since), arch)
     assert a_before.fires and a_since.fires is False
     if vllm_compat.version_at_least(before, "0.16.0") or "Kimi" not in arch:
         assert f"vLLM {since} adds it" in a_before.detail
 
 
 def test_doubles_have_each_releases_parameters():
-    s11, s12, s17 = _source("0.11.0"), _source("0.12.0"), _source("0.17.0")
+    s11, s12, s17 = vllm_releases.source("0.11.0"), vllm_releases.source("0.12.0"), vllm_releases.source("0.17.0")
     kv = "get_kv_cache_config_from_groups"
     assert s11.function_params("v1.core.kv_cache_utils", kv) == params(d.kv_config_0_11)
     assert s12.function_params("v1.core.kv_cache_utils", kv) == params(d.kv_config_0_12)
-    s33 = _source("0.29.0")
+    s33 = vllm_releases.source("0.29.0")
     assert s33.function_params("v1.core.kv_cache_utils", kv) == params(d.kv_config_0_12)
     assert s11.function_params("v1.core.sched.scheduler", "Scheduler.__init__") == params(
         d.Scheduler_0_11.__init__)
@@ -110,7 +102,7 @@ def test_doubles_have_each_releases_parameters():
     assert f12["max_model_len"] is True and f12["is_encoder_decoder"] is True
     assert list(s11.dataclass_fields("v1.kv_cache_interface", "KVCacheTensor")) == list(
         d.KVCacheTensor_0_24.__dataclass_fields__)
-    assert list(_source("0.29.0").dataclass_fields("v1.kv_cache_interface", "KVCacheTensor")) == \
+    assert list(vllm_releases.source("0.29.0").dataclass_fields("v1.kv_cache_interface", "KVCacheTensor")) == \
         list(d.KVCacheTensor_0_29.__dataclass_fields__)
 
 
@@ -120,7 +112,7 @@ def test_log_parser_reads_each_releases_format_strings(version, request):
     as its logger would, and parse them back."""
     if version == "newest":
         version = request.getfixturevalue("newest")
-    src = _source(version)
+    src = vllm_releases.source(version)
     fmts = (src.string_constants("v1.core.kv_cache_utils", "KV cache size")
             + src.string_constants("v1.core.kv_cache_utils", "Maximum concurrency for")
             + src.string_constants("v1.worker.gpu_worker", "Available KV cache memory"))

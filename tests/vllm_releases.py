@@ -89,3 +89,21 @@ def sdist(version: str) -> Path:
     tmp.write_bytes(blob)
     os.replace(tmp, path)
     return path
+
+
+_sources: dict = {}
+
+
+def source(version: str):
+    """The release read as a VllmSource (one per version for the whole test
+    session: parsing its big modules is most of these tests' time); the
+    calling test is skipped, with the reason, when it cannot be fetched."""
+    import pytest
+
+    from pipeline.vllm_source import VllmSource
+    if version not in _sources:
+        try:
+            _sources[version] = VllmSource.from_sdist(sdist(version))
+        except Unreachable as e:
+            pytest.skip(f"vLLM source release {version} unavailable: {e}")
+    return _sources[version]

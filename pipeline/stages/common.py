@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline.config import BUILTIN_DATA, BUILTIN_MODEL, Config
+from pipeline.config import Config
 from pipeline.events import EventWriter
 from pipeline.rundir import RunDir, atomic_write_bytes
 
@@ -67,18 +67,6 @@ class StageContext:
         if self.stop_requested:
             raise Interrupted()
 
-    def target_path(self) -> Path:
-        if self.cfg.model.target == BUILTIN_MODEL:
-            from pipeline.builtin.tiny_model import ensure_built
-            return ensure_built()
-        return self.cfg.resolve(self.cfg.model.target)
-
-    def data_path(self) -> Path:
-        if self.cfg.data.path == BUILTIN_DATA:
-            from pipeline.builtin import conversations_path
-            return conversations_path()
-        return self.cfg.resolve(self.cfg.data.path)
-
     def progress(self, done: int, total: int | None, unit: str, **extra) -> None:
         elapsed = max(time.time() - self.started, 1e-9)
         rate = extra.pop("rate", None) or (done - extra.pop("done_before", 0)) / elapsed
@@ -90,12 +78,9 @@ class StageContext:
         atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
-def torch_dtype(cfg: Config, device_type: str):
+def torch_dtype(cfg: Config, on_gpu: bool):
     import torch
-    name = cfg.model.dtype
-    if name == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return getattr(torch, name)
+    return getattr(torch, cfg.dtype_name(on_gpu))
 
 
 def parse_args(name: str, argv=None) -> argparse.Namespace:

@@ -255,7 +255,7 @@ def body(ctx: StageContext) -> dict:
     data_dir = ctx.out_of("prepare") / "data"
     if not data_dir.exists():
         raise StageError(f"{data_dir} is missing", hint="run the prepare stage first")
-    target = ctx.target_path()
+    target = ctx.cfg.target_path()
     trust = ctx.cfg.model.trust_remote_code
     mcfg = text_config(AutoConfig.from_pretrained(str(target), trust_remote_code=trust))
     try:
@@ -265,8 +265,7 @@ def body(ctx: StageContext) -> dict:
                          hint="vLLM convention: id k is the residual stream after k layers") from None
     devices = ctx.devices
     # vLLM runs the model in bf16 by default whatever the stage's own device.
-    dtype = torch_dtype(ctx.cfg, "cuda" if devices[0].startswith("cuda")
-                        or sec.backend == "vllm-server" else "cpu")
+    dtype = torch_dtype(ctx.cfg, devices[0].startswith("cuda") or sec.backend == "vllm-server")
     hidden = mcfg.hidden_size
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_token = len(layer_ids) * hidden * elem + 8

@@ -62,7 +62,7 @@ def count_rows(path: Path) -> int:
 
 def load_tokenizer(ctx: StageContext):
     from transformers import AutoTokenizer
-    target = ctx.target_path()
+    target = ctx.cfg.target_path()
     try:
         return AutoTokenizer.from_pretrained(str(target),
                                              trust_remote_code=ctx.cfg.model.trust_remote_code)
@@ -104,7 +104,7 @@ def process_chunk(rows, renderer, seq_length: int, fmt: str):
 def body(ctx: StageContext) -> dict:
     import torch
     sec = ctx.section
-    src = ctx.data_path()
+    src = ctx.cfg.data_path()
     fmt = ctx.cfg.data.format
     limit = ctx.cfg.data.max_samples or None
     if sec.render_endpoint:
@@ -119,7 +119,7 @@ def body(ctx: StageContext) -> dict:
         try:
             renderer = LocalRenderer(load_tokenizer(ctx))
         except ValueError as e:
-            raise StageError(f"{ctx.target_path()}: {e}",
+            raise StageError(f"{ctx.cfg.target_path()}: {e}",
                              hint="add a chat_template to the tokenizer, or use "
                                   "render_endpoint with a vLLM server") from None
 

@@ -63,7 +63,7 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str) -> list[st
     n = ctx.cfg.stages.vocab.draft_vocab_size
     vocab = ctx.out_of("vocab")
     argv = [
-        "--verifier-name-or-path", str(ctx.target_path()),
+        "--verifier-name-or-path", str(ctx.cfg.target_path()),
         "--data-path", str(ctx.out_of("prepare") / "data"),
         "--hidden-states-path", str(ctx.out_of("extract") / "hidden_states"),
         "--d2t-path", str(vocab / f"d2t-{n}.npy"), "--t2d-path", str(vocab / f"t2d-{n}.npy"),

@@ -37,7 +37,7 @@ def body(ctx: StageContext) -> dict:
     if not isinstance(freq, dict) or not freq:
         raise StageError(f"{freq_path} holds no token frequencies",
                          hint="re-run prepare with --force")
-    target_vocab = get_target_vocab_size(None, str(ctx.target_path()),
+    target_vocab = get_target_vocab_size(None, str(ctx.cfg.target_path()),
                                          trust_remote_code=ctx.cfg.model.trust_remote_code)
     n = ctx.section.draft_vocab_size
     if n > target_vocab:
