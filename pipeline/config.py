@@ -97,13 +97,17 @@ class ExtractSection(StageCommon):
     batch_tokens: int = 8192
     min_free_gb: float = 2.0
     workers: int = 0
-    # vllm-server backend
+    # vLLM backends: one server / engine per group of tensor_parallel GPUs
     tensor_parallel: int = 1
+    # vllm-server backend
     serve_command: str = ""
     server_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 1200.0
     request_timeout_s: float = 600.0
     max_inflight: int = 16
+    # vllm-engine backend
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 32
 
 
 @dataclass
@@ -316,9 +320,13 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
         ("stages.train.log_freq", cfg.stages.train.log_freq),
         ("stages.extract.tensor_parallel", cfg.stages.extract.tensor_parallel),
         ("stages.extract.max_inflight", cfg.stages.extract.max_inflight),
+        ("stages.extract.max_num_seqs", cfg.stages.extract.max_num_seqs),
     ):
         if value <= 0:
             raise ConfigError(f"{src}: `{where}` must be positive, got {value}.")
+    if not 0 < cfg.stages.extract.gpu_memory_utilization <= 1:
+        raise ConfigError(f"{src}: `stages.extract.gpu_memory_utilization` must be in (0, 1], "
+                          f"got {cfg.stages.extract.gpu_memory_utilization}.")
     if not 0 < cfg.stages.train.train_ratio <= 1:
         raise ConfigError(f"{src}: `stages.train.train_ratio` must be in (0, 1], "
                           f"got {cfg.stages.train.train_ratio}.")
@@ -353,10 +361,11 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
 
     devices = cfg.gpus.devices
     tp, ext = cfg.stages.extract.tensor_parallel, cfg.stage_devices("extract")
-    if cfg.stages.extract.backend == "vllm-server" and ext and len(ext) % tp:
+    if cfg.stages.extract.backend.startswith("vllm") and ext and len(ext) % tp:
         raise ConfigError(
             f"{src}: `stages.extract.tensor_parallel` = {tp} does not divide the {len(ext)} "
-            f"GPUs extract is given ({ext}): each vLLM server takes {tp}. Change one of them.")
+            f"GPUs extract is given ({ext}): each vLLM server / engine takes {tp}. "
+            "Change one of them.")
     if len(set(devices)) != len(devices):
         raise ConfigError(f"{src}: `gpus.devices` lists a GPU twice: {devices}.")
     for stage in ("extract", "train"):

@@ -184,6 +184,8 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
                              "environment that has it"))
     vver = pk.get("vllm")
     usable = ["hf"] if pk.get("torch") and pk.get("transformers") else []
+    if vver and vllm_compat.version_at_least(vver, vllm_compat.ENGINE_RANGE[0]):
+        usable.append("vllm-engine")
     if vver and vllm_compat.version_at_least(vver, vllm_compat.SERVER_ROUTE_SINCE):
         usable.append("vllm-server")
     if pk:
@@ -193,10 +195,17 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
         f.append(Finding("backends", BLOCK, f"[stages.extract] backend = {backend!r} but vLLM "
                          "is not installed in the stage environment",
                          'install vLLM there, or set backend = "hf"'))
-    if backend == "vllm-engine":
-        f.append(Finding("backends", BLOCK, "the vllm-engine backend (vLLM 0.11-0.16, "
-                         "in-process) is not built yet in eagle-panel",
-                         'use backend = "vllm-server" with vLLM >= 0.17, or "hf"'))
+    if backend == "vllm-engine" and vver:
+        lo, hi = vllm_compat.ENGINE_RANGE
+        if not vllm_compat.version_at_least(vver, lo):
+            f.append(Finding("backends", BLOCK, f"vLLM {vver} is older than the vllm-engine "
+                             f"backend supports ({lo})", f"upgrade vLLM to >= {lo}"))
+        elif vllm_compat.version_at_least(vver, hi):
+            f.append(Finding("backends", WARN, f"vLLM {vver} is newer than the releases the "
+                             "vllm-engine backend was checked against (0.11-0.16); its "
+                             "internals may have moved",
+                             f'prefer backend = "vllm-server" (vLLM >= '
+                             f'{vllm_compat.SERVER_ROUTE_SINCE}), the official route'))
     if backend == "vllm-server" and vver and "vllm-server" not in usable:
         f.append(Finding("backends", BLOCK, f"vLLM {vver} has no extract_hidden_states / "
                          f"ExampleHiddenStatesConnector (added in {vllm_compat.SERVER_ROUTE_SINCE})",
@@ -275,7 +284,8 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
     # -- KV-cache plan per GPU (vLLM backends)
     if uses_vllm:
         tp = max(1, sec.tensor_parallel)
-        f.extend(kv_plan(m, tp, gpus, cfg, _server_util(cfg)))
+        util = (sec.gpu_memory_utilization if backend == "vllm-engine" else _server_util(cfg))
+        f.extend(kv_plan(m, tp, gpus, cfg, util))
 
     # -- disk forecast for the hidden states
     if layer_ids is not None:

@@ -11,7 +11,9 @@ which must not import vLLM, and the tests, which read vLLM's releases).
 Drift covered (FACTS.md, re-read from the source releases 0.11–0.33):
 - get_kv_cache_config_from_groups: (cfg, groups, kv_cache_specs, memory) in
   0.11; (cfg, groups, memory) from 0.12; moved to v1.core.kv_cache_planning
-  in 0.33.
+  in 0.33. The engine route never calls it: it goes through
+  get_kv_cache_configs(cfg, specs, memory), the same in 0.11-0.16, which
+  calls it with its own release's arguments (what older speculators broke on).
 - SchedulerConfig: max_model_len and is_encoder_decoder required InitVars
   from 0.12.
 - Scheduler(...): block_size required from 0.12.
@@ -19,6 +21,13 @@ Drift covered (FACTS.md, re-read from the source releases 0.11–0.33):
 - KVCacheTensor: (size, shared_by) per tensor up to 0.24; from 0.29 every
   tensor carries the size of the one shared backing allocation.
 - SupportsEagle3: which architectures implement it, and from which version.
+- Executor.execute_model returns the sampled output in 0.11; from 0.12 it
+  returns None and sample_tokens(grammar_output) gives it.
+- CompilationConfig: `level` in 0.11, `mode` from 0.12 (both 0 = no
+  torch.compile, which the engine route's hooks need).
+- SchedulerConfig.async_scheduling: False in 0.11-0.12, None (= decided by
+  vLLM, usually on) in 0.16: the engine route drives the scheduler
+  synchronously and passes False.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ EAGLE3_SINCE = {
     "Qwen3MoeForCausalLM": "0.12.0",
 }
 SERVER_ROUTE_SINCE = "0.17.0"   # extract_hidden_states + ExampleHiddenStatesConnector
+ENGINE_RANGE = ("0.11.0", "0.16.99")   # the releases the vllm-engine backend was checked on
 
 
 class CompatError(Exception):
@@ -151,11 +161,12 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
         out.append(Adaptation("kv_config_module", module != KV_CONFIG_MODULES[-1],
                               f"get_kv_cache_config_from_groups is in vllm.{module}"))
         out.append(Adaptation("kv_config_specs", style == "specs",
-                              "get_kv_cache_config_from_groups takes kv_cache_specs "
-                              "(vLLM 0.11 signature): passed the per-layer specs"
+                              "get_kv_cache_config_from_groups takes kv_cache_specs (vLLM 0.11 "
+                              "signature): the engine route sizes the KV cache through "
+                              "get_kv_cache_configs (unchanged 0.11-0.16), which passes them"
                               if style == "specs" else
                               "get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, "
-                              "available_memory)"))
+                              "available_memory), reached through get_kv_cache_configs"))
     fields = src.dataclass_fields("config.scheduler", "SchedulerConfig")
     init = needs_initvars(fields or {})
     out.append(Adaptation("scheduler_initvars", bool(init),
@@ -178,6 +189,21 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
                           "KVCacheTensor.size is one shared backing allocation (from 0.29): "
                           "counted once, not summed" if kvt and not shared else
                           "KVCacheTensor(size, shared_by): sizes summed"))
+    sample = src.function_params("v1.executor.abstract", "Executor.sample_tokens") is not None
+    out.append(Adaptation("sample_tokens", sample,
+                          "execute_model + sample_tokens (from 0.12): the sampled token comes "
+                          "from a second call" if sample else
+                          "execute_model returns the sampled token (0.11)"))
+    comp = src.dataclass_fields("config.compilation", "CompilationConfig") or {}
+    out.append(Adaptation("compilation_mode", "mode" in comp,
+                          "CompilationConfig(mode=0) turns torch.compile off (0.12+; 0.11 "
+                          "calls it level)" if "mode" in comp else
+                          "CompilationConfig(level=0) turns torch.compile off"))
+    auto = src.field_default("config.scheduler", "SchedulerConfig", "async_scheduling") == "None"
+    out.append(Adaptation("async_scheduling", auto,
+                          "SchedulerConfig.async_scheduling defaults to vLLM's choice (0.16): "
+                          "the engine route passes False" if auto else
+                          "SchedulerConfig.async_scheduling defaults to False"))
     has_conn = src.has_module(CONNECTOR_MODULE)
     out.append(Adaptation("server_route", not has_conn,
                           "no ExampleHiddenStatesConnector: the vllm-server backend needs "
@@ -216,15 +242,6 @@ def _params(fn) -> list[str]:
     return [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
 
 
-def call_get_kv_cache_config(fn, vllm_config, kv_cache_groups, kv_cache_specs,
-                             available_memory: int):
-    if kv_config_style(_params(fn)) == "specs":
-        fired("kv_config_specs", "get_kv_cache_config_from_groups takes kv_cache_specs "
-                                 "(vLLM 0.11 signature)")
-        return fn(vllm_config, kv_cache_groups, kv_cache_specs, available_memory)
-    return fn(vllm_config, kv_cache_groups, available_memory)
-
-
 def make_scheduler_config(cls, max_model_len: int, is_encoder_decoder: bool, **kwargs):
     sig = inspect.signature(cls)
     required = {k: p.default is inspect.Parameter.empty for k, p in sig.parameters.items()}
@@ -241,6 +258,59 @@ def make_scheduler(cls, block_size: int, **kwargs):
     if extra:
         fired("scheduler_block_size", "Scheduler(...) requires block_size (from 0.12)")
     return cls(**kwargs, **extra)
+
+
+def compilation_off(cls):
+    """A CompilationConfig with torch.compile off: forward hooks do not run
+    inside a Dynamo graph."""
+    params = _params(cls)
+    key = "mode" if "mode" in params else "level"
+    if key == "mode":
+        fired("compilation_mode", "CompilationConfig(mode=0): `mode` replaced `level` (0.12)")
+    return cls(**{key: 0})
+
+
+def run_step(executor, scheduler, scheduler_output):
+    """One engine step after schedule(), as vLLM's EngineCore.step does it."""
+    out = executor.execute_model(scheduler_output)
+    if out is None:
+        fired("sample_tokens", "execute_model + sample_tokens (from 0.12)")
+        out = executor.sample_tokens(scheduler.get_grammar_bitmask(scheduler_output))
+    return scheduler.update_from_output(scheduler_output, out)
+
+
+def load_engine_api():
+    """The vLLM names the engine route uses (imported: run in the stage
+    process only, never by doctor)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig,
+                             ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+    kv = None
+    for name in KV_CONFIG_MODULES:
+        try:
+            kv = importlib.import_module(f"vllm.{name}")
+        except ImportError:
+            continue
+        if hasattr(kv, "get_kv_cache_configs"):
+            break
+    if kv is None or not hasattr(kv, "get_kv_cache_configs"):
+        raise CompatError("get_kv_cache_configs is in none of vllm." +
+                          ", vllm.".join(KV_CONFIG_MODULES))
+    return SimpleNamespace(
+        CacheConfig=CacheConfig, CompilationConfig=CompilationConfig, DeviceConfig=DeviceConfig,
+        LoadConfig=LoadConfig, ModelConfig=ModelConfig, ParallelConfig=ParallelConfig,
+        SchedulerConfig=SchedulerConfig, VllmConfig=VllmConfig, SamplingParams=SamplingParams,
+        Scheduler=Scheduler, MultiprocExecutor=MultiprocExecutor, Request=Request,
+        StructuredOutputManager=StructuredOutputManager,
+        get_kv_cache_configs=kv.get_kv_cache_configs,
+        generate_scheduler_kv_cache_config=kv.generate_scheduler_kv_cache_config)
 
 
 def make_request(cls, eos_token_id, **kwargs):

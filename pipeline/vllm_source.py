@@ -100,6 +100,20 @@ class VllmSource:
                 out[st.target.id] = ann.startswith("InitVar") and st.value is None
         return out
 
+    def field_default(self, module: str, cls: str, name: str) -> str | None:
+        """The source of a dataclass field's default (`Field(default=X)` -> X)."""
+        node = self._node(module, cls)
+        if not isinstance(node, ast.ClassDef):
+            return None
+        for st in node.body:
+            if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+                    and st.target.id == name and st.value is not None):
+                v = st.value
+                if isinstance(v, ast.Call) and ast.unparse(v.func).endswith("Field"):
+                    v = next((kw.value for kw in v.keywords if kw.arg == "default"), None)
+                return ast.unparse(v) if v is not None else None
+        return None
+
     def class_bases(self, module: str, cls: str) -> list[str] | None:
         node = self._node(module, cls)
         if not isinstance(node, ast.ClassDef):

@@ -55,6 +55,13 @@ def test_bad_values():
     assert "must be positive" in err("[stages.train]\nepochs = 0\n")
     assert "train_ratio" in err("[stages.train]\ntrain_ratio = 1.5\n")
     assert "plain folder name" in err('[run]\nname = "a/b"\n')
+    assert "`stages.extract.gpu_memory_utilization` must be in (0, 1]" in err(
+        "[stages.extract]\ngpu_memory_utilization = 1.5\n")
+    assert "`stages.extract.max_num_seqs` must be positive" in err(
+        "[stages.extract]\nmax_num_seqs = 0\n")
+    assert "each vLLM server / engine takes 2" in err(
+        '[gpus]\ndevices = [0, 1, 2]\n[stages.extract]\nbackend = "vllm-engine"\n'
+        "tensor_parallel = 2\n", gpu_count=lambda: 8)
 
 
 def test_missing_paths(tmp_path):

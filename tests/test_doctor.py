@@ -111,6 +111,36 @@ def test_eagle3_support_of_kimi_in_each_vllm(tmp_path, version, level):
     assert "model" in {f.area for f in findings} and by_area(findings, "kv_cache")
 
 
+@pytest.mark.parametrize("version", ["0.11.0", "0.16.0", "0.22.0"])
+def test_vllm_engine_backend_on_llama_8b(tmp_path, version):
+    """vllm-engine: usable from 0.11, the adaptations of that release listed,
+    a warning (not a block) past the releases it was checked against."""
+    target = model_dir(tmp_path, "llama-3.1-8b")
+    cfg = cfg_for(tmp_path, target, """
+        [gpus]
+        devices = [0, 1]
+        [stages.extract]
+        backend = "vllm-engine"
+        tensor_parallel = 2
+    """)
+    gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(2)]
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
+    findings = doctor.diagnose(cfg, env=env, gpus=gpus, vllm_source=vllm_releases.source(version))
+    backends = by_area(findings, "backends")
+    assert "vllm-engine" in backends[0].message
+    compat = " ".join(f.message for f in by_area(findings, "compat"))
+    if version == "0.11.0":
+        assert "kv_cache_specs" in compat and "sample_tokens" not in compat
+    else:
+        assert "execute_model + sample_tokens" in compat and "CompilationConfig(mode=0)" in compat
+    assert ("async_scheduling" in compat) is (version != "0.11.0" and version != "0.12.0")
+    late = [f for f in backends if f.level == doctor.WARN]
+    assert bool(late) is (version == "0.22.0")
+    if late:
+        assert "vllm-server" in late[0].fix
+    assert not doctor.blocking(findings), [f.message for f in doctor.blocking(findings)]
+
+
 def test_remote_code_and_layer_ids_are_blocking_with_fixes(tmp_path):
     target = model_dir(tmp_path, "kimi-k2.5")
     cfg = cfg_for(tmp_path, target, "[stages.extract]\nlayer_ids = [2, 30, 61]\n")

@@ -14,17 +14,41 @@ def fresh_registry(monkeypatch):
     monkeypatch.setattr(c, "_fired", {})
 
 
-def test_kv_config_call_follows_the_signature():
-    assert c.call_get_kv_cache_config(d.kv_config_0_11, "cfg", [], {"l0": 1}, 1 << 30) == (
-        "0.11", {"l0": 1}, 1 << 30)
-    assert "kv_config_specs" in c.fired_so_far()
-    assert c.call_get_kv_cache_config(d.kv_config_0_12, "cfg", [], {"l0": 1}, 1 << 30) == (
-        "0.12", None, 1 << 30)
-
-    def from_the_future(vllm_config, kv_cache_groups, num_blocks):
-        return None
+def test_kv_config_style_follows_the_signature():
+    assert c.kv_config_style(["vllm_config", "kv_cache_groups", "kv_cache_specs",
+                              "available_memory"]) == "specs"
+    assert c.kv_config_style(["vllm_config", "kv_cache_groups", "available_memory"]) == "memory"
     with pytest.raises(c.CompatError, match="neither kv_cache_specs nor available_memory"):
-        c.call_get_kv_cache_config(from_the_future, "cfg", [], {}, 1)
+        c.kv_config_style(["vllm_config", "kv_cache_groups", "num_blocks"])
+
+
+def test_compilation_off_and_the_two_step_execute():
+    assert c.compilation_off(d.CompilationConfig_0_11).__dict__ == {"level": 0}
+    assert "compilation_mode" not in c.fired_so_far()
+    assert c.compilation_off(d.CompilationConfig_0_12).mode == 0
+    assert "compilation_mode" in c.fired_so_far()
+
+    class Sched:
+        def get_grammar_bitmask(self, so):
+            return ("grammar", so)
+
+        def update_from_output(self, so, out):
+            return (so, out)
+
+    class Exec011:
+        def execute_model(self, so):
+            return "sampled"
+
+    class Exec012:
+        def execute_model(self, so):
+            return None
+
+        def sample_tokens(self, grammar):
+            return ("sampled after", grammar)
+    assert c.run_step(Exec011(), Sched(), "so") == ("so", "sampled")
+    assert "sample_tokens" not in c.fired_so_far()
+    assert c.run_step(Exec012(), Sched(), "so") == ("so", ("sampled after", ("grammar", "so")))
+    assert "sample_tokens" in c.fired_so_far()
 
 
 def test_scheduler_config_initvars_only_where_required():

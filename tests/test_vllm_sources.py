@@ -5,6 +5,7 @@ test doubles have that release's exact parameter lists. Skipped, with the
 reason, only when the package index cannot be reached."""
 
 import inspect
+import re
 
 import pytest
 
@@ -35,11 +36,14 @@ def params(fn) -> list[str]:
 # What fires, per release (FACTS.md's drift table, re-read here).
 EXPECTED = {
     "0.11.0": dict(kv_config_specs=True, scheduler_initvars=False, scheduler_block_size=False,
-                   request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True),
+                   request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True,
+                   sample_tokens=False, compilation_mode=False, async_scheduling=False),
     "0.12.0": dict(kv_config_specs=False, scheduler_initvars=True, scheduler_block_size=True,
-                   request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True),
+                   request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True,
+                   sample_tokens=True, compilation_mode=True, async_scheduling=False),
     "0.16.0": dict(kv_config_specs=False, scheduler_initvars=True, scheduler_block_size=True,
-                   request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True),
+                   request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True,
+                   sample_tokens=True, compilation_mode=True, async_scheduling=True),
     "0.17.0": dict(kv_config_specs=False, request_no_eos=True, server_route=False,
                    write_lock=False),
     "0.18.0": dict(request_no_eos=True, server_route=False, write_lock=False),
@@ -147,3 +151,140 @@ def fill(fmt: str) -> str:
         else:
             raise AssertionError(f"unexpected conversion in {fmt!r}")
     return fmt % tuple(args)
+
+
+# -- the vllm-engine route's assumptions ---------------------------------------
+
+ENGINE_RELEASES = ["0.11.0", "0.12.0", "0.13.0", "0.14.1", "0.16.0"]   # 0.15 has no sdist on the index
+CONFIG_MODULES = {"ModelConfig": "config.model", "CacheConfig": "config.cache",
+                  "ParallelConfig": "config.parallel", "SchedulerConfig": "config.scheduler",
+                  "CompilationConfig": "config.compilation"}
+
+
+def fields_anywhere(src, cls, modules):
+    for m in modules:
+        got = src.dataclass_fields(m, cls)
+        if got is not None:
+            return got
+    return None
+
+
+@pytest.mark.parametrize("version", ENGINE_RELEASES)
+def test_engine_route_names_exist_in_each_release(version):
+    """Every vLLM name, parameter and field the vllm-engine backend and its
+    test stand-in rely on, read from the release's source."""
+    from tests import standin_engine as se
+    src = vllm_releases.source(version)
+    init = src.text("config") or ""
+    for name in ("CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "ModelConfig",
+                 "ParallelConfig", "SchedulerConfig", "VllmConfig"):
+        assert name in init, (version, name)   # importable from vllm.config
+    for cls, want in (("ModelConfig", se.MODEL_CONFIG_FIELDS),
+                      ("CacheConfig", se.CACHE_CONFIG_FIELDS),
+                      ("ParallelConfig", se.PARALLEL_CONFIG_FIELDS),
+                      ("SchedulerConfig", se.SCHEDULER_CONFIG_FIELDS)):
+        got = fields_anywhere(src, cls, [CONFIG_MODULES[cls], "config"])
+        assert got is not None and set(want) <= set(got), (version, cls, set(want) - set(got))
+    vfields = fields_anywhere(src, "VllmConfig", ["config.vllm", "config"])
+    assert set(se.VLLM_CONFIG_FIELDS) <= set(vfields)
+    comp = src.dataclass_fields("config.compilation", "CompilationConfig")
+    assert ("mode" in comp) is (version != "0.11.0") and "level" in comp
+    assert src.function_params("v1.core.kv_cache_utils", "get_kv_cache_configs") == [
+        "vllm_config", "kv_cache_specs", "available_memory"]
+    assert src.function_params("v1.core.kv_cache_utils", "generate_scheduler_kv_cache_config") \
+        == ["kv_cache_configs"]
+    mp = "v1.executor.multiproc_executor"
+    rpc = src.function_params(mp, "MultiprocExecutor.collective_rpc")
+    assert rpc[:1] == ["method"] and {"args", "unique_reply_rank"} <= set(rpc)
+    ex = se.Executor_0_11 if version == "0.11.0" else se.Executor_0_12
+    assert src.function_params(mp, "MultiprocExecutor.execute_model") == params(ex.execute_model)
+    sample = src.function_params(mp, "MultiprocExecutor.sample_tokens")
+    assert sample == (None if version == "0.11.0" else params(se.Executor_0_12.sample_tokens))
+    for m in ("get_kv_cache_specs", "determine_available_memory", "initialize_from_config"):
+        assert src.function_params("v1.executor.abstract", f"Executor.{m}") is not None, m
+    assert src.function_params(mp, "MultiprocExecutor.shutdown") == []
+    sched = "v1.core.sched.scheduler"
+    sch = se.Scheduler_0_11 if version == "0.11.0" else se.Scheduler_0_12
+    assert src.function_params(sched, "Scheduler.__init__") == params(sch.__init__)
+    assert src.function_params(sched, "Scheduler.update_from_output") == [
+        "scheduler_output", "model_runner_output"]
+    assert src.function_params(sched, "Scheduler.add_request") == ["request"]
+    assert src.function_params(sched, "Scheduler.schedule") == []
+    # run_step calls it only where execute_model returned None (0.12+)
+    assert src.function_params(sched, "Scheduler.get_grammar_bitmask") == (
+        ["requests", "scheduled_spec_decode_tokens"] if version == "0.11.0"
+        else ["scheduler_output"])
+    text = src.text(sched)
+    for attr in ("self.requests: dict[str, Request]", "self.running: list[Request]",
+                 "self.waiting", "self.kv_cache_manager = KVCacheManager(",
+                 # schedule() advances it: the stage's start = num_computed_tokens - n
+                 "request.num_computed_tokens += num_scheduled_token"):
+        assert attr in text, (version, attr)
+    # preemption restarts a prompt at 0 (the capture follows the start)
+    assert re.search(r"(preempted_req|request)\.num_computed_tokens = 0", text)
+    assert "self.num_computed_tokens = 0" in src.text("v1.request")
+    assert "def usage(self)" in src.text("v1.core.kv_cache_manager")
+    out = src.dataclass_fields("v1.core.sched.output", "SchedulerOutput")
+    assert {"num_scheduled_tokens", "total_num_scheduled_tokens"} <= set(out)
+    rq = src.function_params("v1.request", "Request.__init__")
+    assert {"request_id", "prompt_token_ids", "sampling_params", "pooling_params",
+            "arrival_time", "eos_token_id"} <= set(rq)
+
+
+@pytest.mark.parametrize("version", ENGINE_RELEASES)
+def test_every_import_of_the_engine_route_resolves(version):
+    """Each `from vllm.X import Y` in vllm_compat.load_engine_api names a
+    module of this release that defines or re-exports Y."""
+    import ast
+    src = vllm_releases.source(version)
+    fn = next(n for n in ast.parse(inspect.getsource(vllm_compat)).body
+              if isinstance(n, ast.FunctionDef) and n.name == "load_engine_api")
+    imports = [n for n in ast.walk(fn) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").startswith("vllm")]
+    assert len(imports) >= 6
+    for node in imports:
+        tree = src.tree(node.module.removeprefix("vllm."))
+        assert tree is not None, (version, node.module)
+        bound = set()
+        for st in tree.body:   # what the module defines or re-exports at top level
+            if isinstance(st, (ast.ClassDef, ast.FunctionDef)):
+                bound.add(st.name)
+            elif isinstance(st, (ast.ImportFrom, ast.Import)):
+                bound |= {a.asname or a.name for a in st.names}
+        for alias in node.names:
+            assert alias.name in bound, (version, node.module, alias.name)
+    kv = src.text(vllm_compat.KV_CONFIG_MODULES[-1])
+    assert "def get_kv_cache_configs(" in kv and "def generate_scheduler_kv_cache_config(" in kv
+
+
+@pytest.mark.parametrize("version", ENGINE_RELEASES)
+def test_engine_route_worker_and_layout_assumptions(version):
+    """What pipeline/vllm_capture.py reads inside the worker: the extension
+    mixed into the Worker's bases and reached by name, `rank` and
+    `model_runner` on the worker, the flat batch in input_batch.req_ids order
+    with positions num_computed + arange, decoder layers called (positions,
+    hidden_states, residual) returning a pair, and the compile decorator that
+    bypasses module hooks on the base model (why the layers are hooked)."""
+    src = vllm_releases.source(version)
+    wb = src.text("v1.worker.worker_base") if version != "0.11.0" else src.text("worker.worker_base")
+    assert "worker_class.__bases__ = worker_class.__bases__ + (" in wb
+    assert "def __getattr__(self, attr" in wb
+    base = src.text("v1.worker.worker_base")
+    assert "self.rank = rank" in base and "self.model_runner" in base
+    runner = src.text("v1.worker.gpu_model_runner")
+    assert "req_ids = self.input_batch.req_ids" in runner
+    assert "tokens = [scheduler_output.num_scheduled_tokens[i] for i in req_ids]" in runner
+    assert "self.input_batch.num_computed_tokens_cpu[req_indices]" in runner
+    assert "def req_ids(self)" in src.text("v1.worker.gpu_input_batch")
+    for module, cls in (("model_executor.models.llama", "LlamaDecoderLayer"),
+                        ("model_executor.models.qwen3_moe", "Qwen3MoeDecoderLayer"),
+                        ("model_executor.models.deepseek_v2", "DeepseekV2DecoderLayer")):
+        got = src.function_params(module, f"{cls}.forward")
+        assert got[:3] == ["positions", "hidden_states", "residual"], (version, cls, got)
+    for module, cls in (("model_executor.models.llama", "LlamaModel"),
+                        ("model_executor.models.deepseek_v2", "DeepseekV2Model")):
+        text = src.text(module)
+        assert "self.embed_tokens = " in text and "self.layers" in text
+    deco = src.text("compilation.decorators")
+    assert "if self.do_not_compile or torch.compiler.is_compiling():" in deco
+    assert "return self.forward(*args, **kwargs)" in deco

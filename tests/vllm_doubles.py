@@ -27,6 +27,8 @@ class SchedulerConfig_0_11:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    enable_chunked_prefill: bool | None = None
+    async_scheduling: bool = False
 
 
 # vLLM 0.12.0+ vllm/config/scheduler.py: both required InitVars
@@ -37,10 +39,27 @@ class SchedulerConfig_0_12:
     runner_type: str = "generate"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None    # 0.16's default (0.12: False)
     seen: dict = field(default_factory=dict)
 
     def __post_init__(self, max_model_len, is_encoder_decoder):
         self.seen = {"max_model_len": max_model_len, "is_encoder_decoder": is_encoder_decoder}
+        self.max_model_len = max_model_len
+
+
+# -- CompilationConfig ---------------------------------------------------------------
+# vLLM 0.11.0 vllm/config/compilation.py
+@dataclass
+class CompilationConfig_0_11:
+    level: int | None = None
+
+
+# vLLM 0.12.0+ vllm/config/compilation.py: `mode` (level kept, deprecated)
+@dataclass
+class CompilationConfig_0_12:
+    level: int | None = None
+    mode: int | None = None
 
 
 # -- Scheduler -------------------------------------------------------------------------
@@ -73,6 +92,7 @@ class Request_0_12:
                  mm_features=None, lora_request=None, cache_salt=None, priority=0,
                  trace_headers=None, block_hasher=None):
         self.eos_token_id = eos_token_id
+        self.request_id, self.sampling_params = request_id, sampling_params
         self.prompt_token_ids = prompt_token_ids
 
 

@@ -20,6 +20,7 @@ import queue
 import shutil
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,7 @@ class Writer:
         self.folder = folder
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.done = Counters()
+        self.written: list[int] = []   # sample indices, in the order their files landed
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self.pending_bytes = 0
@@ -148,6 +150,7 @@ class Writer:
                     self.done.samples += 1
                     self.done.tokens += len(ids)
                     self.done.bytes += t.numel() * t.element_size() + 8 * len(ids)
+                    self.written.append(i)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             self.error = e
         finally:
@@ -220,7 +223,7 @@ def _worker(rank, device, model_path, layer_ids, dtype_name, trust, data_dir, to
     from datasets import load_from_disk
 
     from pipeline.stages.extract_hf import HFBackend
-    try:
+    with reporting(progress_q, rank):
         ds = load_from_disk(data_dir).with_format(None)
         data_ids = RowIds(ds)
         lengths = list(ds["seq_len"])
@@ -228,15 +231,8 @@ def _worker(rank, device, model_path, layer_ids, dtype_name, trust, data_dir, to
                                  trust)
         extract_shard(backend, data_ids, todo, lengths, Path(folder), batch_tokens,
                       bytes_per_token, min_free,
-                      lambda c: progress_q.put(("progress", rank, c.samples, c.tokens, c.bytes)),
+                      lambda c: progress_q.put(("progress", rank, (c.samples, c.tokens, c.bytes))),
                       stop_event.is_set)
-        progress_q.put(("done", rank, None, None, None))
-    except StageError as e:
-        progress_q.put(("error", rank, str(e), e.hint, None))
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-        traceback.print_exc()
-        progress_q.put(("error", rank, f"{type(e).__name__}: {e}", None, None))
 
 
 def body(ctx: StageContext) -> dict:
@@ -247,11 +243,6 @@ def body(ctx: StageContext) -> dict:
     from pipeline.stages.extract_hf import text_config, validate_layer_ids
 
     sec = ctx.section
-    if sec.backend == "vllm-engine":
-        raise StageError("the vllm-engine backend (vLLM 0.11-0.16 driven in-process) is not "
-                         "built yet (only the compatibility layer it needs is: "
-                         "pipeline/vllm_compat.py)",
-                         hint='use backend = "vllm-server" (vLLM >= 0.17) or "hf"')
     data_dir = ctx.out_of("prepare") / "data"
     if not data_dir.exists():
         raise StageError(f"{data_dir} is missing", hint="run the prepare stage first")
@@ -265,7 +256,7 @@ def body(ctx: StageContext) -> dict:
                          hint="vLLM convention: id k is the residual stream after k layers") from None
     devices = ctx.devices
     # vLLM runs the model in bf16 by default whatever the stage's own device.
-    dtype = torch_dtype(ctx.cfg, devices[0].startswith("cuda") or sec.backend == "vllm-server")
+    dtype = torch_dtype(ctx.cfg, devices[0].startswith("cuda") or sec.backend.startswith("vllm"))
     hidden = mcfg.hidden_size
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_token = len(layer_ids) * hidden * elem + 8
@@ -334,6 +325,10 @@ def body(ctx: StageContext) -> dict:
         from pipeline.stages.extract_vllm import run_servers
         totals = run_servers(ctx, target, layer_ids, dtype, hidden, data_ids, todo, lengths,
                              folder, bytes_per_token, min_free, emit)
+    elif sec.backend == "vllm-engine":
+        from pipeline.stages.extract_engine import run_engines
+        totals = run_engines(ctx, target, layer_ids, dtype, data_dir, data_ids, todo, lengths,
+                             folder, bytes_per_token, min_free, emit)
     elif world == 1:
         from pipeline.stages.extract_hf import HFBackend
         backend = HFBackend.load(target, layer_ids, devices[0], dtype, trust)
@@ -359,6 +354,21 @@ def body(ctx: StageContext) -> dict:
             "hidden_states": str(folder)}
 
 
+@contextmanager
+def reporting(q, rank: int):
+    """The body of a data-parallel extract process: its end, or its error,
+    goes to `monitor` in the stage process."""
+    try:
+        yield
+        q.put(("done", rank, None))
+    except StageError as e:
+        q.put(("error", rank, (str(e), e.hint)))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        q.put(("error", rank, (f"{type(e).__name__}: {e}", None)))
+
+
 def _run_parallel(ctx, world, devices, target, layer_ids, dtype, trust, data_dir, todo, folder,
                   bytes_per_token, min_free, emit):
     """One process per device, samples dealt round-robin by length."""
@@ -378,33 +388,43 @@ def _run_parallel(ctx, world, devices, target, layer_ids, dtype, trust, data_dir
             threads if dev == "cpu" else 0))
         p.start()
         procs.append(p)
-    per_rank = {r: (0, 0, 0) for r in range(world)}
+    return monitor(ctx, procs, q, stop, emit, lambda r: f"extract worker {r}")
+
+
+def monitor(ctx, procs, q, stop, emit, name, on_event=None) -> tuple[int, int, int]:
+    """Follow data-parallel extract processes: their messages are
+    (kind, rank, payload) with kind progress / event / done / error. Totals
+    summed; the first error stops the others and is raised."""
+    per = {r: (0, 0, 0) for r in range(len(procs))}
     finished, errors = set(), []
-    while len(finished) < world:
+    while len(finished) < len(procs):
         if ctx.stop_requested:
             stop.set()
         try:
-            kind, rank, a, b, c = q.get(timeout=0.5)
+            kind, r, payload = q.get(timeout=0.5)
         except Exception:  # noqa: BLE001 - queue.Empty
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in finished]
-            for r in dead:
-                finished.add(r)
-                errors.append((f"extract worker {r} died (exit code {procs[r].exitcode})", None))
+            for r, p in enumerate(procs):
+                if not p.is_alive() and r not in finished:
+                    finished.add(r)
+                    errors.append((f"{name(r)} died (exit code {p.exitcode})", None))
+                    stop.set()
             continue
         if kind == "progress":
-            per_rank[rank] = (a, b, c)
-            emit(*[sum(v[k] for v in per_rank.values()) for k in range(3)])
+            per[r] = payload
+            emit(*[sum(v[k] for v in per.values()) for k in range(3)])
+        elif kind == "event" and on_event:
+            on_event(r, *payload)
         elif kind == "done":
-            finished.add(rank)
-        else:
-            finished.add(rank)
-            errors.append((a, b))
+            finished.add(r)
+        elif kind == "error":
+            finished.add(r)
+            errors.append(payload)
             stop.set()
     for p in procs:
         p.join()
     if errors:
         raise StageError(errors[0][0], hint=errors[0][1])
-    return tuple(sum(v[k] for v in per_rank.values()) for k in range(3))
+    return tuple(sum(v[k] for v in per.values()) for k in range(3))
 
 
 def main() -> None:
