@@ -19,9 +19,9 @@ One step's flat batch (gpu_model_runner._prepare_inputs, 0.11-0.16): the
 requests in `input_batch.req_ids` order, each with its scheduled token count,
 at positions num_computed .. num_computed+n-1. The stage sends the counts and
 first positions before each step; positions and token ids seen here are
-checked against them and the prepared sample, so a layout that ever differs fails the stage instead of
-writing shuffled rows. A request's file is written once its last prompt
-position has been seen. Only rank 0 captures: with tensor parallelism every
+checked against them and the prepared sample, so a layout that ever differs
+fails the stage instead of writing shuffled rows. A request's file is written
+once its last prompt position has been seen. Only rank 0 captures: with tensor parallelism every
 rank holds the same all-reduced activations.
 """
 
@@ -318,20 +318,38 @@ class HiddenStateCapture:
 
 
 def install_hooks(cap: Capture, base, layers, req_order) -> list:
-    """The hooks `cap` needs on a vLLM-style decoder (see the module doc)."""
-    hooks = [base.embed_tokens.register_forward_hook(
-        lambda _m, args, out: cap.on_embed(args[0], out))]
+    """The hooks `cap` needs on a vLLM-style decoder (see the module doc).
+    A hook never raises: an exception there would kill vLLM's worker, so it
+    is kept for the stage instead."""
+    def guarded(fn):
+        def hook(*a):
+            if cap.counts is None or cap.error:
+                return None
+            try:
+                fn(*a)
+            except Exception as e:  # noqa: BLE001
+                cap.error = f"capture hook: {type(e).__name__}: {e}"
+                cap.counts = None
+            return None
+        return hook
+
     first = layers[getattr(base, "start_layer", 0)]
     sig = inspect.signature(first.forward)
+    embed_sig = inspect.signature(base.embed_tokens.forward)
+
+    def embed(_m, args, kwargs, out):
+        ids = next(iter(embed_sig.bind_partial(*args, **kwargs).arguments.values()))
+        cap.on_embed(ids, out)
 
     def pre(_m, args, kwargs):
         cap.on_positions(sig.bind_partial(*args, **kwargs).arguments.get("positions"))
-    hooks.append(first.register_forward_pre_hook(pre, with_kwargs=True))
+    hooks = [base.embed_tokens.register_forward_hook(guarded(embed), with_kwargs=True),
+             first.register_forward_pre_hook(guarded(pre), with_kwargs=True)]
     last = len(layers)
     for k in sorted(set(cap.layer_ids) - {0}):
         def post(_m, _args, out, k=k):
             cap.on_layer(k, out)
             if k == last:
                 cap.end_step(req_order())
-        hooks.append(layers[k - 1].register_forward_hook(post))
+        hooks.append(layers[k - 1].register_forward_hook(guarded(post)))
     return hooks
