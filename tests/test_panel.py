@@ -369,6 +369,34 @@ async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
         assert "30.0%" in plain and "running 16" in plain
 
 
+async def test_kv_tab_shows_the_engine_report(tmp_path, stagekit):
+    """A kv_cache event as the vllm-engine backend writes it: from a
+    KVCacheConfig (Llama-3.1-8B-like at TP=2: 32 layers, 4 KV heads per rank,
+    page 32 KiB per layer per block)."""
+    from pipeline import vllm_compat
+    from tests import vllm_doubles as d
+    stagekit({})
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    spec = d.FullAttentionSpec(block_size=16, page_size_bytes=32768)
+    names = [f"layers.{i}" for i in range(32)]
+    kvc = d.KVCacheConfig(num_blocks=50_000, kv_cache_tensors=[
+        d.KVCacheTensor_0_24(50_000 * 32768, [n]) for n in names],
+        kv_cache_groups=[d.KVCacheGroupSpec(names, spec)])
+    w = EventWriter(rd.events_path("extract"))
+    w.emit("kv_cache", server=0, devices=[0, 1], **vllm_compat.kv_cache_event(kvc, 16, 4097))
+    w.close()
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("3")
+        await pilot.pause(0.3)
+        panel = app.query_one("#kvpanel")
+        plain = "\n".join(strip.text for strip in panel.render_lines(panel.region.reset_offset))
+        assert "50,000" in plain and "16 tokens" in plain and "800,000" in plain
+        assert "engine (server 0, GPUs [0, 1])" in plain
+        assert "FullAttentionSpec: 32 layers" in plain and "195.26x at 4097" in plain
+
+
 async def test_dialogs_can_stay_open_while_the_panel_updates(tmp_path, stagekit):
     """The 1 Hz redraw and the log poll keep following the run under an open
     dialog, and the run is seen to its end."""
