@@ -271,14 +271,13 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
         e3 = vllm_compat.eagle3_support(src, m.architecture)
         f.append(Finding("eagle3", BLOCK if e3.fires else OK, e3.detail,
                          "upgrade vLLM, or use the hf backend" if e3.fires else ""))
+        route = backend.removeprefix("vllm-")
         for a in vllm_compat.plan(src):
-            if a.key == "server_route":
-                continue  # the backends finding above already says it
+            if not a.fires or a.route != route or a.key == "server_route":
+                continue  # another backend's, or (server_route) said under backends
             if a.key == "kv_config_missing":
-                if a.fires and backend == "vllm-engine":
-                    f.append(Finding("compat", BLOCK, a.detail, "upgrade vLLM"))
-                continue
-            if a.fires:
+                f.append(Finding("compat", BLOCK, a.detail, "upgrade vLLM"))
+            else:
                 f.append(Finding("compat", OK, f"adapts: {a.detail}"))
 
     # -- KV-cache plan per GPU (vLLM backends)

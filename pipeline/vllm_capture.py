@@ -134,8 +134,7 @@ class Capture:
 
     def end_step(self, req_order: list[str]) -> None:
         """Queue the step's flat batch for the copy thread (the last hooked
-        layer calls this). Errors are kept for the stage, never raised: an
-        exception here would kill vLLM's worker."""
+        layer calls this)."""
         counts, self.counts = self.counts, None
         starts, self.starts = self.starts, {}
         flat, self.flat = self.flat, {}
@@ -147,9 +146,6 @@ class Capture:
             step = self._step(counts, starts, flat, req_order, ids, pos)
         except CaptureError as e:
             self.error = str(e)
-            return
-        except Exception as e:  # noqa: BLE001
-            self.error = f"{type(e).__name__}: {e}"
             return
         self._queue.put(step)
 
@@ -323,12 +319,10 @@ def install_hooks(cap: Capture, base, layers, req_order) -> list:
     is kept for the stage instead."""
     def guarded(fn):
         def hook(*a):
-            if cap.counts is None or cap.error:
-                return None
             try:
                 fn(*a)
             except Exception as e:  # noqa: BLE001
-                cap.error = f"capture hook: {type(e).__name__}: {e}"
+                cap.error = cap.error or f"capture hook: {type(e).__name__}: {e}"
                 cap.counts = None
             return None
         return hook

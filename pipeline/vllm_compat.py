@@ -60,6 +60,7 @@ class Adaptation:
     key: str
     fires: bool
     detail: str
+    route: str = "engine"   # the backend it concerns: engine, server, or any
 
 
 _fired: dict[str, str] = {}
@@ -149,13 +150,14 @@ def version_at_least(version: str, floor: str) -> bool:
 def plan(src, arch: str | None = None) -> list[Adaptation]:
     """What would fire against this vLLM (a VllmSource), and what is missing."""
     out: list[Adaptation] = []
+    if not any(src.function_params(m, "get_kv_cache_configs") is not None
+               for m in KV_CONFIG_MODULES):
+        out.append(Adaptation("kv_config_missing", True,
+                              "get_kv_cache_configs is not in this vLLM (absent before 0.11): "
+                              "the vllm-engine backend cannot run"))
     module = next((m for m in KV_CONFIG_MODULES
                    if src.function_params(m, "get_kv_cache_config_from_groups") is not None), None)
-    if module is None:
-        out.append(Adaptation("kv_config_missing", True,
-                              "get_kv_cache_config_from_groups is not in this vLLM (absent "
-                              "before 0.11): the vllm-engine backend cannot run"))
-    else:
+    if module is not None:
         params = src.function_params(module, "get_kv_cache_config_from_groups")
         style = kv_config_style(params)
         out.append(Adaptation("kv_config_module", module != KV_CONFIG_MODULES[-1],
@@ -208,13 +210,15 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
     out.append(Adaptation("server_route", not has_conn,
                           "no ExampleHiddenStatesConnector: the vllm-server backend needs "
                           f"vLLM >= {SERVER_ROUTE_SINCE}; use vllm-engine or hf" if not has_conn
-                          else "extract_hidden_states + ExampleHiddenStatesConnector present"))
+                          else "extract_hidden_states + ExampleHiddenStatesConnector present",
+                          "server"))
     if has_conn:
         lock = '".lock"' in (src.text(CONNECTOR_MODULE) or "")
         out.append(Adaptation("write_lock", lock,
                               "the connector holds <file>.lock while writing: the server "
                               "backend waits on it" if lock else
-                              "the connector writes before answering (no .lock before 0.22)"))
+                              "the connector writes before answering (no .lock before 0.22)",
+                              "server"))
     if arch:
         out.append(eagle3_support(src, arch))
     return out
@@ -224,16 +228,18 @@ def eagle3_support(src, arch: str) -> Adaptation:
     where = src.model_class(arch)
     if where is None:
         return Adaptation("eagle3", True, f"vLLM {src.version} has no model class for "
-                                          f"architecture {arch}")
+                                          f"architecture {arch}", "any")
     ok = src.implements(*where, "SupportsEagle3")
     if ok:
-        return Adaptation("eagle3", False, f"{arch} ({where[1]}) implements SupportsEagle3")
+        return Adaptation("eagle3", False, f"{arch} ({where[1]}) implements SupportsEagle3",
+                          "any")
     since = EAGLE3_SINCE.get(arch)
     when = (f"vLLM {since} adds it; upgrade vLLM" if since else
             "no vLLM release eagle-panel knows adds it")
     return Adaptation("eagle3", True, f"{arch} does not implement SupportsEagle3 in vLLM "
                                       f"{src.version}: EAGLE-3 aux hidden states cannot be "
-                                      f"taken from it ({when}); the hf backend still works")
+                                      f"taken from it ({when}); the hf backend still works",
+                      "any")
 
 
 # -- run-time adapters (the engine route; inspect the real objects) -----------

@@ -72,3 +72,11 @@ def parse_metrics(text: str) -> dict | None:
     usage = vals[key] / counts[key]
     return {"usage_perc": usage, "running": int(vals.get("vllm:num_requests_running", 0)),
             "waiting": int(vals.get("vllm:num_requests_waiting", 0))}
+
+
+def combine_usage(usages: list[dict]) -> dict:
+    """One `kv_usage` event for several servers / engines (data parallel):
+    usage averaged, requests summed."""
+    return {"usage_perc": sum(u["usage_perc"] for u in usages) / len(usages),
+            "running": sum(u["running"] for u in usages),
+            "waiting": sum(u["waiting"] for u in usages)}

@@ -93,7 +93,6 @@ class _Scheduling:
         self.preempted: set[str] = set()
         self.preemptions = 0
         self.kv_cache_manager = SimpleNamespace(usage=0.0)
-        self.max_concurrent = 0
 
     def add_request(self, r):
         assert r.sampling_params.max_tokens == 1
@@ -145,7 +144,6 @@ class _Scheduling:
         self.preempted.clear()
         for rid, n in counts.items():   # vLLM advances num_computed_tokens in schedule()
             self.requests[rid].num_computed_tokens += n
-        self.max_concurrent = max(self.max_concurrent, len(counts))
         return out
 
     def _free(self):
@@ -164,13 +162,17 @@ class _Scheduling:
         return {}
 
 
-class Scheduler_0_11(d.Scheduler_0_11, _Scheduling):
+class Scheduler_0_11(_Scheduling):
+    """vLLM 0.11.0's parameters (compared with the source in test_vllm_sources)."""
+
     def __init__(self, vllm_config, kv_cache_config, structured_output_manager,
                  mm_registry=None, include_finished_set=False, log_stats=False):
         self._setup(vllm_config, kv_cache_config)
 
 
-class Scheduler_0_12(d.Scheduler_0_12, _Scheduling):
+class Scheduler_0_12(_Scheduling):
+    """vLLM 0.12.0-0.16.0's parameters: block_size required."""
+
     def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size,
                  mm_registry=None, include_finished_set=False, log_stats=False):
         assert block_size == vllm_config.cache_config.block_size

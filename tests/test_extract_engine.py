@@ -15,7 +15,7 @@ from pipeline.builtin.tiny_model import ensure_built
 from pipeline.stages import extract
 from pipeline.stages.extract_hf import HFBackend
 from tests import standin_engine as se
-from tests.test_stages import finished, prepare, run_body
+from tests.test_stages import finished, hs_files, prepared_once, run_body
 
 N = 12
 
@@ -29,10 +29,7 @@ def config(tp: int = 1, devices: str = "", batch_tokens: int = 96, extra: str = 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engine_prepared")
-    code, rd, _ = run_body(tmp, "prepare", prepare.body, config())
-    assert code == 0
-    return tmp, rd
+    return prepared_once(tmp_path_factory, "engine_prepared", config())
 
 
 @pytest.fixture(autouse=True)
@@ -43,10 +40,6 @@ def fresh(request, monkeypatch):
         _, rd = request.getfixturevalue("prepared")
         for f in hs_files(rd):
             f.unlink()
-
-
-def hs_files(rd):
-    return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))
 
 
 def check_against_hf(rd, which=None):
@@ -74,8 +67,8 @@ def test_engine_route_writes_the_hf_numbers(prepared, monkeypatch, capsys, gener
     check_against_hf(rd)
     ex = se.LAST["executor"]
     assert ex.shut_down
-    sched_lengths = ex.vllm_config.scheduler_config
-    assert sched_lengths.async_scheduling is False and sched_lengths.enable_chunked_prefill
+    sched_cfg = ex.vllm_config.scheduler_config
+    assert sched_cfg.async_scheduling is False and sched_cfg.enable_chunked_prefill
     assert ex.vllm_config.compilation_config.__dict__ == (
         {"level": 0} if generation == "0.11" else {"level": None, "mode": 0})
     assert ex.vllm_config.model_config.enforce_eager is True

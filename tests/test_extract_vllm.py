@@ -15,7 +15,7 @@ from pipeline.builtin.tiny_model import ensure_built
 from pipeline.stages import extract
 from pipeline.stages.extract_hf import HFBackend
 from pipeline.stages.extract_vllm import SERVER_TOKEN_VAR, serve_argv
-from tests.test_stages import finished, prepare, run_body
+from tests.test_stages import finished, hs_files, prepared_once, run_body
 
 STANDIN = Path(__file__).resolve().parent / "standin_vllm.py"
 N = 12
@@ -35,10 +35,7 @@ def config(*server_args: str, tp: int = 1) -> str:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm_prepared")
-    code, rd, _ = run_body(tmp, "prepare", prepare.body, config())
-    assert code == 0
-    return tmp, rd
+    return prepared_once(tmp_path_factory, "vllm_prepared", config())
 
 
 @pytest.fixture(autouse=True)
@@ -68,10 +65,6 @@ def no_server_left() -> bool:
                 and status != "Z":
             return False
     return True
-
-
-def hs_files(rd):
-    return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))
 
 
 @pytest.mark.parametrize("version", ["0.22.0", "0.17.0"])

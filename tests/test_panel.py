@@ -344,13 +344,25 @@ async def test_doctor_screen_shows_the_report(tmp_path):
         assert app.screen.__class__.__name__ != "DoctorScreen"
 
 
-async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
-    """kv_cache events as the vllm-server backend writes them (two data-parallel
-    servers, fields from their log lines) and a kv_usage from /metrics."""
+def finished_run_events(tmp_path, stagekit):
+    """A finished run of test stages, and a writer to add extract events to it."""
     stagekit({})
     cli("run", "--wait", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs/t")
-    w = EventWriter(rd.events_path("extract"))
+    return rd, EventWriter(rd.events_path("extract"))
+
+
+async def kv_tab_text(app, pilot) -> str:
+    await pilot.press("3")
+    await pilot.pause(0.3)
+    panel = app.query_one("#kvpanel")
+    return "\n".join(strip.text for strip in panel.render_lines(panel.region.reset_offset))
+
+
+async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
+    """kv_cache events as the vllm-server backend writes them (two data-parallel
+    servers, fields from their log lines) and a kv_usage from /metrics."""
+    rd, w = finished_run_events(tmp_path, stagekit)
     for k in (0, 1):
         w.emit("kv_cache", server=k, devices=[2 * k, 2 * k + 1], num_blocks=None,
                block_size=None, bytes_per_block=None, total_bytes=int(110.47 * (1 << 30)),
@@ -360,10 +372,7 @@ async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
     w.close()
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
-        await pilot.press("3")
-        await pilot.pause(0.3)
-        panel = app.query_one("#kvpanel")
-        plain = "\n".join(strip.text for strip in panel.render_lines(panel.region.reset_offset))
+        plain = await kv_tab_text(app, pilot)
         assert "1,234,560" in plain and "150.70x at 8192" in plain and "110.5 GiB" in plain
         assert "2 (data parallel): 2,469,120 tokens" in plain
         assert "30.0%" in plain and "running 16" in plain
@@ -375,23 +384,17 @@ async def test_kv_tab_shows_the_engine_report(tmp_path, stagekit):
     page 32 KiB per layer per block)."""
     from pipeline import vllm_compat
     from tests import vllm_doubles as d
-    stagekit({})
-    cli("run", "--wait", cwd=tmp_path, check=0)
-    rd = RunDir(tmp_path / "runs/t")
+    rd, w = finished_run_events(tmp_path, stagekit)
     spec = d.FullAttentionSpec(block_size=16, page_size_bytes=32768)
     names = [f"layers.{i}" for i in range(32)]
     kvc = d.KVCacheConfig(num_blocks=50_000, kv_cache_tensors=[
         d.KVCacheTensor_0_24(50_000 * 32768, [n]) for n in names],
         kv_cache_groups=[d.KVCacheGroupSpec(names, spec)])
-    w = EventWriter(rd.events_path("extract"))
     w.emit("kv_cache", server=0, devices=[0, 1], **vllm_compat.kv_cache_event(kvc, 16, 4097))
     w.close()
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
-        await pilot.press("3")
-        await pilot.pause(0.3)
-        panel = app.query_one("#kvpanel")
-        plain = "\n".join(strip.text for strip in panel.render_lines(panel.region.reset_offset))
+        plain = await kv_tab_text(app, pilot)
         assert "50,000" in plain and "16 tokens" in plain and "800,000" in plain
         assert "engine (server 0, GPUs [0, 1])" in plain
         assert "FullAttentionSpec: 32 layers" in plain and "195.26x at 4097" in plain

@@ -44,6 +44,19 @@ def finished(events):
     return [e for e in events if e["type"] == "stage_finished"][-1]
 
 
+def prepared_once(tmp_path_factory, name: str, config: str):
+    """A run dir whose prepare stage is done, for a module's extract tests."""
+    tmp = tmp_path_factory.mktemp(name)
+    code, rd, _ = run_body(tmp, "prepare", prepare.body, config)
+    assert code == 0
+    return tmp, rd
+
+
+def hs_files(rd):
+    """The extract stage's hidden-state files, in name order."""
+    return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))
+
+
 # -- prepare ------------------------------------------------------------------
 
 def test_prepare_skips_malformed_rows_with_line_numbers(tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 from pipeline import vllm_compat
 from pipeline.stages.common import StageError
 from pipeline.vllm_capture import CLASS_PATH
+from pipeline.vllm_logs import combine_usage
 
 BLOCK_SIZE = 16
 GB = 1 << 30
@@ -110,7 +111,7 @@ def _loop(api, executor, scheduler, rpc, data_ids, todo, lengths, folder, bytes_
     active: dict[str, int] = {}           # request id -> bytes it will write
     sampling = api.SamplingParams(max_tokens=1, temperature=0.0)
     disk_stop = None
-    last_usage = [0.0, None]
+    usage_at, last_usage = 0.0, None
     poll = {"samples": 0, "tokens": 0, "bytes": 0}
     waiting_since = None   # since when finished requests wait for their files, no progress
 
@@ -171,13 +172,12 @@ def _loop(api, executor, scheduler, rpc, data_ids, todo, lengths, folder, bytes_
                                                       "finished files are kept")
         if not out.total_num_scheduled_tokens and not scheduler.requests:
             time.sleep(0.01)   # only files still being written
-        now = time.monotonic()
-        if now - last_usage[0] >= 2.0:
-            last_usage[0] = now
+        if time.monotonic() - usage_at >= 2.0:
+            usage_at = time.monotonic()
             usage = {"usage_perc": float(scheduler.kv_cache_manager.usage),
                      "running": len(scheduler.running), "waiting": len(scheduler.waiting)}
-            if usage != last_usage[1]:
-                last_usage[1] = usage
+            if usage != last_usage:
+                last_usage = usage
                 on_event("kv_usage", usage)
     check(rpc("eagle_poll", True))     # let the writer finish what is complete
     if disk_stop is not None:
@@ -225,9 +225,7 @@ def run_engines(ctx, target, layer_ids, dtype, data_dir, data_ids, todo, lengths
             ctx.events.emit("kv_cache", server=k, devices=groups[k], **ev)
         elif kind == "kv_usage":
             usage[k] = ev
-            ctx.events.emit("kv_usage", usage_perc=sum(u["usage_perc"] for u in usage.values())
-                            / len(usage), running=sum(u["running"] for u in usage.values()),
-                            waiting=sum(u["waiting"] for u in usage.values()))
+            ctx.events.emit("kv_usage", **combine_usage(list(usage.values())))
 
     if len(groups) == 1:
         return run_group(api_factory(), target, layer_ids, dtype_name, tp, sec, trust, data_ids,

@@ -36,7 +36,7 @@ from pathlib import Path
 from pipeline.events import tail_lines
 from pipeline.proctree import stop_tree
 from pipeline.stages.common import StageError
-from pipeline.vllm_logs import KvLogReader, parse_metrics
+from pipeline.vllm_logs import KvLogReader, combine_usage, parse_metrics
 
 SERVER_TOKEN_VAR = "EAGLE_PANEL_SERVER_TOKEN"
 
@@ -265,9 +265,7 @@ def run_servers(ctx, target: Path, layer_ids: list[int], dtype, hidden: int, dat
             last_usage[0] = now
             usage = [u for u in (s.metrics() for s in servers) if u]
             if usage:
-                agg = {"usage_perc": sum(u["usage_perc"] for u in usage) / len(usage),
-                       "running": sum(u["running"] for u in usage),
-                       "waiting": sum(u["waiting"] for u in usage)}
+                agg = combine_usage(usage)
                 if agg != last_usage[1]:
                     last_usage[1] = agg
                     ctx.events.emit("kv_usage", **agg)
