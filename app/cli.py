@@ -1,5 +1,9 @@
 """`eagle-panel`: the headless commands and the entry to the panel.
 
+Options go before or after the command (`eagle-panel --config F run` and
+`eagle-panel run --config F` are the same); without a command it opens the
+panel, so the panel's options work on the bare command too.
+
 Exit status: 0 ok, 1 a stage failed (doctor: a blocking finding), 2 bad input
 (config, run directory, arguments), 3 another launcher holds the run, 130 cancelled.
 """
@@ -11,84 +15,58 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from app import fmt
-from pipeline import config as config_mod
-from pipeline import runner
-from pipeline.config import STAGE_NAMES, ConfigError
-from pipeline.events import EventTail, last_event, tail_lines
-from pipeline.rundir import RunDir, RunDirError, list_runs
+from pipeline import __version__, control, runner
+from pipeline.config import ConfigError
+from pipeline.events import EventTail, EventType, last_event, tail_lines
+from pipeline.rundir import RunDir, RunDirError, Status, list_runs
+from pipeline.stage_graph import STAGE_NAMES
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_CANCELLED = 1, 2, 3, 130
 
 
-def _load_config(path: str | None) -> config_mod.Config:
-    return config_mod.load(path or config_mod.default_config_path())
-
-
-def _runs_dir(args) -> Path:
-    if getattr(args, "runs_dir", None):
-        return Path(args.runs_dir)
-    try:
-        return _load_config(args.config).runs_dir()
-    except ConfigError:
-        return config_mod.PROJECT_ROOT / "runs"
+def _runs_dir(args):
+    return control.runs_dir(args.config, args.runs_dir)
 
 
 def resolve_run(args, name: str | None) -> RunDir:
-    """RUN may be a path to a run directory or a run id under the runs dir;
-    no RUN means the newest run."""
-    if name:
-        p = Path(name)
-        if p.is_dir() and (p / "state.json").exists():
-            return RunDir(p)
-        return RunDir(_runs_dir(args) / name).require()
-    runs = list_runs(_runs_dir(args))
-    if not runs:
-        raise RunDirError(f"no runs in {_runs_dir(args)}; start one with `eagle-panel run`.")
-    return runs[0]
+    return control.resolve_run(_runs_dir(args), name)
 
 
 # -- commands ---------------------------------------------------------------
 
 def cmd_run(args) -> int:
-    cfg = _load_config(args.config)
-    rd = runner.prepare_run(cfg, args.run)
-    holder = runner.busy_launcher(rd)
-    if holder is not None:
-        print(f"{rd.id}: a launcher (pid {holder}) is already driving this run; "
-              "nothing new was started.", file=sys.stderr)
-        return EXIT_BUSY
-    return _start(rd, runner.load_run_config(rd), args.stage, args.force, args.wait)
+    cfg = control.load_config(args.config)
+    return _start(lambda: control.start(control.open_run(cfg, args.run), args.stage, args.force),
+                  args.wait)
 
 
 def cmd_resume(args) -> int:
     rd = resolve_run(args, args.run)
-    if runner.busy_launcher(rd) is not None:
-        print(f"{rd.id}: a launcher is already driving this run.", file=sys.stderr)
+    return _start(lambda: control.resume(rd), args.wait)
+
+
+def _start(begin, wait: bool) -> int:
+    try:
+        started = begin()
+    except control.Busy as e:
+        print(str(e), file=sys.stderr)
         return EXIT_BUSY
-    return _start(rd, runner.load_run_config(rd), None, False, args.wait)
-
-
-def _start(rd: RunDir, cfg, only, force, wait) -> int:
-    state = runner.refresh(rd)
-    steps = runner.plan(cfg, state, only, force)
-    for step in steps:
-        print(f"  {step.stage:8} {step.action:7} {step.why}")
-        if step.action == "blocked":
-            print(f"{rd.id}: cannot run {only}: {step.why}. Run the pipeline "
-                  "without --stage first.", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    if all(s.action == "skip" for s in steps):
+    except control.Blocked as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    rd = started.run
+    for step in started.steps:
+        print(f"  {step.stage:10} {step.action:7} {step.why}")
+    if started.nothing_to_do:
         print(f"{rd.id}: everything is up to date; nothing to run (--force re-runs).")
         return 0
-    proc = runner.start_driver(rd, only, force)
-    print(f"{rd.id}: started (driver pid {proc.pid}) in {rd.path}")
+    print(f"{rd.id}: started (driver pid {started.driver.pid}) in {rd.path}")
     if not wait:
         print(f"  watch: eagle-panel status {rd.id}   logs: eagle-panel logs {rd.id} STAGE -f")
         return 0
-    return watch(rd, proc)
+    return watch(rd, started.driver)
 
 
 def watch(rd: RunDir, proc=None, out=sys.stdout) -> int:
@@ -117,9 +95,9 @@ def watch(rd: RunDir, proc=None, out=sys.stdout) -> int:
         return EXIT_CANCELLED
     state = runner.refresh(rd)
     statuses = [state["stages"][s]["status"] for s in STAGE_NAMES]
-    if "failed" in statuses:
+    if Status.FAILED in statuses:
         return EXIT_FAILED
-    if "cancelled" in statuses:
+    if Status.CANCELLED in statuses:
         return EXIT_CANCELLED
     _print_summary(rd, state, out)
     return 0
@@ -127,36 +105,37 @@ def watch(rd: RunDir, proc=None, out=sys.stdout) -> int:
 
 def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
     t = ev.get("type")
-    if t == "progress":
+    if t == EventType.PROGRESS:
         now = time.monotonic()
         final = ev.get("total") and ev.get("done") == ev.get("total")
         if not final and now - last_progress.get(stage, 0) < 1.0:
             return
         last_progress[stage] = now
         print(f"[{stage}] {fmt.progress_text(ev)}", file=out, flush=True)
-    elif t in ("warning", "error"):
+    elif t in (EventType.WARNING, EventType.ERROR):
         hint = f" (hint: {ev['hint']})" if ev.get("hint") else ""
         print(f"[{stage}] {t.upper()}: {ev.get('message')}{hint}", file=out, flush=True)
-    elif t == "stage_started":
+    elif t == EventType.STAGE_STARTED:
         print(f"[{stage}] started (attempt {ev.get('attempt')})", file=out, flush=True)
-    elif t == "stage_finished":
+    elif t == EventType.STAGE_FINISHED:
         summary = ev.get("summary") or {}
         brief = ", ".join(f"{k}={v}" for k, v in summary.items()
                           if isinstance(v, (int, float, str)) and len(str(v)) < 80)
         print(f"[{stage}] {ev.get('status')} in {fmt.duration(ev.get('duration_s'))}"
               + (f": {brief}" if brief else ""), file=out, flush=True)
-    elif t == "artifact":
+    elif t == EventType.ARTIFACT:
         print(f"[{stage}] wrote {ev.get('kind')}: {ev.get('path')}", file=out, flush=True)
 
 
 def _print_summary(rd: RunDir, state: dict, out) -> None:
-    fin = last_event(rd.events_path("train"), ("stage_finished",))
-    summary = (fin or {}).get("summary") or {}
-    if summary.get("checkpoint"):
-        print(f"\ntrained draft: {summary['checkpoint']}", file=out)
-    if summary.get("acceptance_length") is not None:
-        print(f"estimated acceptance length (greedy chain, validation): "
-              f"{summary['acceptance_length']:.2f}", file=out)
+    for line in fmt.outcome_lines(stage_summary(rd, "train"), stage_summary(rd, "evaluate"),
+                                  state["stages"]["evaluate"]):
+        print(line, file=out)
+
+
+def stage_summary(rd: RunDir, stage: str) -> dict:
+    fin = last_event(rd.events_path(stage), (EventType.STAGE_FINISHED,))
+    return (fin or {}).get("summary") or {}
 
 
 def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
@@ -165,7 +144,7 @@ def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
     rows = []
     for s in STAGE_NAMES:
         st = state["stages"][s]
-        prog = last_event(rd.events_path(s), ("progress",)) if st["attempt"] else None
+        prog = last_event(rd.events_path(s), (EventType.PROGRESS,)) if st["attempt"] else None
         rows.append({
             "stage": s, "status": st["status"], "attempt": st["attempt"],
             "duration_s": fmt.stage_duration(st, now), "exit_code": st.get("exit_code"),
@@ -188,26 +167,22 @@ def cmd_status(args) -> int:
         return 0
     drv = f"driver pid {driver['pid']}" if runner.driver_alive(state) else "no launcher running"
     print(f"run {rd.id}  ({rd.path})  {drv}")
-    print(f"{'STAGE':8} {'STATUS':10} {'ATT':>3}  {'DURATION':>8}  {'EXIT':7} PROGRESS")
+    print(f"{'STAGE':10} {'STATUS':10} {'ATT':>3}  {'DURATION':>8}  {'EXIT':7} PROGRESS")
     for r in rows:
         exit_ = fmt.exit_text(r)
-        print(f"{r['stage']:8} {r['status']:10} {r['attempt']:>3}  "
+        print(f"{r['stage']:10} {r['status']:10} {r['attempt']:>3}  "
               f"{fmt.duration(r['duration_s']):>8}  {exit_:7} {fmt.progress_text(r['progress'])}")
         if r["reason"]:
-            print(f"{'':8} note: {r['reason']}")
+            print(f"{'':10} note: {r['reason']}")
+    for line in fmt.outcome_lines(stage_summary(rd, "train"), stage_summary(rd, "evaluate"),
+                                  state["stages"]["evaluate"]):
+        print(line)
     return 0
 
 
 def cmd_cancel(args) -> int:
     rd = resolve_run(args, args.run)
-    try:
-        cfg = runner.load_run_config(rd)
-        grace, term = cfg.runtime.cancel_grace_s, cfg.runtime.term_grace_s
-    except ConfigError:
-        grace, term = 30.0, 10.0
-    if args.grace is not None:
-        grace = args.grace
-    results = runner.cancel_run(rd, args.stage, grace, term)
+    results = control.cancel(rd, args.stage, args.grace)
     if not any(r.was_running for r in results):
         print(f"{rd.id}: nothing running" + (f" in {args.stage}" if args.stage else "") + ".")
         return 0
@@ -272,7 +247,7 @@ def cmd_runs(args) -> int:
 def cmd_doctor(args) -> int:
     from pipeline import doctor
     # GPU presence is one of doctor's findings, not a reason to refuse the config.
-    cfg = config_mod.load(args.config or config_mod.default_config_path(), gpu_count=None)
+    cfg = control.load_config(args.config, gpu_check=False)
     findings = doctor.diagnose(cfg)
     print(doctor.as_json(findings) if args.json else doctor.as_text(findings))
     return EXIT_FAILED if doctor.blocking(findings) else 0
@@ -289,79 +264,109 @@ def cmd_ui(args) -> int:
 
 # -- argument parsing ---------------------------------------------------------
 
+def _common() -> argparse.ArgumentParser:
+    """Options every command takes, before or after the command: given in
+    both places they must not overwrite each other, hence SUPPRESS."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", default=argparse.SUPPRESS,
+                   help="pipeline config (default: ./config.toml, else the bundled one)")
+    p.add_argument("--runs-dir", default=argparse.SUPPRESS,
+                   help="where runs live (default: [run] runs_dir of the config)")
+    return p
+
+
+def _panel_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--simulate-gpus", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="show N simulated GPUs (demo / machines without GPUs)")
+    p.add_argument("--interval", type=float, default=argparse.SUPPRESS,
+                   help="GPU sampling interval in seconds (default 1, at least 0.5)")
+    p.add_argument("--refresh", type=float, default=argparse.SUPPRESS,
+                   help="seconds between redraws of the GPU rows (default 2; history keeps "
+                        "every sample)")
+    return p
+
+
+DEFAULTS = {"config": None, "runs_dir": None, "simulate_gpus": 0, "interval": 1.0,
+            "refresh": 2.0, "run": None}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    common, panel = _common(), _panel_options()
     ap = argparse.ArgumentParser(
-        prog="eagle-panel",
+        prog="eagle-panel", parents=[common, panel],
         description="Run and watch the EAGLE-3 draft training pipeline. "
-                    "Without a command, opens the panel.")
-    ap.add_argument("--config", help="pipeline config (default: ./config.toml, else the bundled one)")
-    ap.add_argument("--runs-dir", help="where runs live (default: [run] runs_dir of the config)")
+                    "Without a command, opens the panel.",
+        epilog="Exit status: 0 ok, 1 a stage failed (doctor: a blocking finding), 2 bad "
+               "input, 3 another launcher is driving the run, 130 cancelled.")
+    ap.add_argument("--version", action="version", version=f"eagle-panel {__version__}")
     sub = ap.add_subparsers(dest="command")
 
-    p = sub.add_parser("run", help="start the pipeline (or one stage); returns at once unless --wait")
+    def command(name, func, help_):
+        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("run", cmd_run, "start the pipeline (or one stage); returns at once unless --wait")
     p.add_argument("--run", help="run id (default: [run] name); an existing run is continued")
     p.add_argument("--stage", choices=STAGE_NAMES, help="run only this stage")
     p.add_argument("--force", action="store_true", help="re-run even up-to-date stages, from scratch")
-    p.add_argument("--wait", action="store_true", help="stream progress; exit with the pipeline's status")
-    p.set_defaults(func=cmd_run)
+    p.add_argument("--wait", action="store_true",
+                   help="stream progress; exit with the pipeline's status")
 
-    p = sub.add_parser("status", help="stages, status, attempt, duration, exit, last progress")
+    p = command("status", cmd_status, "stages, status, attempt, duration, exit, last progress")
     p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("resume", help="restart from the first stage that has not succeeded")
-    p.add_argument("run", nargs="?")
-    p.add_argument("--wait", action="store_true")
-    p.set_defaults(func=cmd_resume)
+    p = command("resume", cmd_resume, "restart from the first stage that has not succeeded")
+    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
+    p.add_argument("--wait", action="store_true",
+                   help="stream progress; exit with the pipeline's status")
 
-    p = sub.add_parser("cancel", help="stop the running stage: SIGINT, then SIGTERM, then SIGKILL")
-    p.add_argument("run", nargs="?")
+    p = command("cancel", cmd_cancel, "stop the running stage: SIGINT, then SIGTERM, then SIGKILL")
+    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
     p.add_argument("--stage", choices=STAGE_NAMES, help="only this stage (default: the pipeline)")
     p.add_argument("--grace", type=float, help="seconds to wait after SIGINT "
                                                "(default: [runtime] cancel_grace_s)")
-    p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("logs", help="a stage's log")
+    p = command("logs", cmd_logs, "a stage's log")
     p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
     p.add_argument("stage", choices=STAGE_NAMES)
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("-n", "--lines", type=int, default=50)
-    p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("runs", help="list runs, newest first")
-    p.set_defaults(func=cmd_runs)
+    command("runs", cmd_runs, "list runs, newest first")
 
-    p = sub.add_parser("doctor", help="check the environment, GPUs, target model, vLLM "
+    p = command("doctor", cmd_doctor, "check the environments, GPUs, target model, vLLM "
                                       "compatibility, KV-cache and disk plans; exit 1 if blocked")
     p.add_argument("--json", action="store_true", help="machine-readable findings")
-    p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("ui", help="open the panel")
-    p.add_argument("run", nargs="?")
-    p.add_argument("--simulate-gpus", type=int, default=0, metavar="N",
-                   help="show N simulated GPUs (demo / machines without GPUs)")
-    p.add_argument("--interval", type=float, default=1.0,
-                   help="GPU sampling interval in seconds (at least 0.5)")
-    p.add_argument("--refresh", type=float, default=2.0,
-                   help="seconds between redraws of the GPU rows (history keeps every sample)")
+    p = sub.add_parser("ui", parents=[common, panel], help="open the panel",
+                       description="open the panel")
+    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
     p.set_defaults(func=cmd_ui)
     return ap
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = build_parser()
+def parse_args(argv: list[str]) -> argparse.Namespace:
     # `eagle-panel logs STAGE` (no RUN): argparse would take STAGE as RUN.
-    if len(argv) >= 1 and "logs" in argv:
+    if "logs" in argv:
         i = argv.index("logs")
         rest = [a for a in argv[i + 1:] if not a.startswith("-")]
         if len(rest) == 1 and rest[0] in STAGE_NAMES:
             argv = argv[:i + 1] + ["", *argv[i + 1:]]
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    for key, value in DEFAULTS.items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
     if not args.command:
-        args.run, args.simulate_gpus, args.interval, args.refresh = None, 0, 1.0, 2.0
         args.func = cmd_ui
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, RunDirError) as e:

@@ -51,3 +51,31 @@ def progress_text(ev: dict | None) -> str:
     if ev.get("eta_s") is not None:
         parts.append(f"ETA {duration(ev['eta_s'])}")
     return "  ".join(parts)
+
+
+def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str]:
+    """What a finished pipeline made: the draft, its acceptance length as
+    vLLM measured it beside train's estimate, and the speedup."""
+    lines = []
+    if train.get("checkpoint"):
+        lines += ["", f"trained draft: {train['checkpoint']}"]
+    est = train.get("acceptance_length")
+    measured = evaluate.get("acceptance_length")
+    if measured is not None:
+        per_pos = " ".join(f"{r:.2f}" for r in evaluate.get("per_position") or [])
+        lines.append(f"acceptance length: {measured:.2f} measured by vLLM (checkpoint "
+                     f"{evaluate.get('checkpoint')}, {evaluate.get('prompts')} prompts)"
+                     + (f", {evaluate['acceptance_estimate']:.2f} estimated by train"
+                        if evaluate.get("acceptance_estimate") is not None else "")
+                     + (f"; accepted at each draft position: {per_pos}" if per_pos else ""))
+        if evaluate.get("speedup"):
+            lines.append(f"decode: {evaluate['decode_tokens_per_s']:.0f} tokens/s with the draft, "
+                         f"{evaluate['baseline_tokens_per_s']:.0f} without: "
+                         f"{evaluate['speedup']:.2f}x")
+    elif est is not None:
+        lines.append(f"estimated acceptance length (greedy chain, validation): {est:.2f}")
+        if evaluate.get("skipped"):
+            lines.append(f"not measured: evaluate was skipped: {evaluate['skipped']}")
+        elif str(evaluate_state.get("reason") or "").startswith("off"):
+            lines.append(f"not measured: evaluate is {evaluate_state['reason']}")
+    return lines

@@ -26,11 +26,11 @@ from app.run_model import RunModel
 from app.screens.confirm import ConfirmScreen
 from app.screens.doctor import DoctorScreen
 from app.screens.help import HelpScreen
-from pipeline import config as config_mod
-from pipeline import runner
-from pipeline.config import STAGE_NAMES
+from pipeline import control, runner
+from pipeline.config import ConfigError
 from pipeline.events import ChangeWaiter
-from pipeline.rundir import RunDir, RunDirError, list_runs
+from pipeline.rundir import RunDir, RunDirError, Status, list_runs
+from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
 from widgets.gpu_table import GpuTable
 from widgets.kv_panel import KVCachePanel
@@ -133,6 +133,7 @@ class PanelApp(App):
         if self.model is not None:
             with self.lock:
                 self.model.poll()
+                self.query_one(StageTable).select(self.model.focus_stage())
             self._apply_model()
             self._select_log(self.query_one(StageTable).selected_stage)
         else:
@@ -154,7 +155,8 @@ class PanelApp(App):
                 self._stop.wait(0.5)
                 continue
             if waiter is None:
-                waiter = ChangeWaiter([self.rundir.path] + [self.rundir.stage_dir(s) for s in STAGE_NAMES])
+                waiter = ChangeWaiter([self.rundir.path]
+                                      + [self.rundir.stage_dir(s) for s in STAGE_NAMES])
             with self.lock:
                 if self.model.poll():
                     self._dirty = True
@@ -239,7 +241,7 @@ class PanelApp(App):
         t = Text(f"{stage}: ", style="bold")
         if self.model.state_error:
             t.append(self.model.state_error, style="bold red")
-        elif st.get("status") == "failed":
+        elif st.get("status") == Status.FAILED:
             err = info.last_error or {}
             t.append(err.get("message") or f"failed ({fmt.exit_text(st)})", style="bold red")
             if err.get("hint"):
@@ -254,7 +256,7 @@ class PanelApp(App):
                                if isinstance(v, (int, float)) and not isinstance(v, bool)) or
                      info.finished.get("status", ""), style="dim")
         else:
-            t.append(st.get("status", "pending"), style="dim")
+            t.append(st.get("status", Status.PENDING), style="dim")
         self.query_one("#detail", QuietStatic).set(t)
 
     def _draw_training(self, force: bool = False) -> None:
@@ -265,13 +267,18 @@ class PanelApp(App):
             t.append(f"step {prog.get('done')}/{prog.get('total')}  ")
             if prog.get("epoch") is not None:
                 t.append(f"epoch {prog['epoch']}  ")
-            if prog.get("eta_s") is not None and m.stages["train"].state.get("status") == "running":
+            if prog.get("eta_s") is not None and m.stages["train"].state.get("status") == Status.RUNNING:
                 t.append(f"ETA {fmt.duration(prog['eta_s'])}  ")
         lr = m.metrics.get(("train", "lr")) or m.metrics.get(("train", "lr_AdamW"))
         if lr is not None and len(lr):
             t.append(f"lr {lr.y[-1]:.2e}  ")
         acc = m.acceptance_estimate()
-        if acc is not None:
+        measured = m.acceptance_measured()
+        if measured is not None:
+            t.append(f"acceptance length {measured:.2f} (vLLM)", style="bold green")
+            if acc is not None:
+                t.append(f", est. {acc:.2f}")
+        elif acc is not None:
             t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
         if not t.plain:
             t.append("no training yet", style="dim")
@@ -296,14 +303,15 @@ class PanelApp(App):
             self._statuses[s] = status
             if before is None or before == status:
                 continue
-            if status == "failed":
+            if status == Status.FAILED:
                 self.bell()
                 self.notify(f"{s} failed ({fmt.exit_text(info.state)})", severity="error",
                             timeout=10)
         driving = self.model.driver_pid() is not None
-        if self._was_driving and not driving:
+        seen, self.model.driver_seen = self.model.driver_seen, False
+        if (self._was_driving or seen) and not driving:
             states = [self.model.stages[s].state.get("status") for s in STAGE_NAMES]
-            if all(x == "succeeded" for x in states):
+            if all(x in runner.DONE for x in states):
                 self.bell()
                 self.notify("pipeline finished: all stages succeeded", timeout=10)
         self._was_driving = driving
@@ -384,7 +392,8 @@ class PanelApp(App):
         elif what == "log":
             chart.log = not chart.log
         elif what == "metric":
-            chart.metric = "full_acc" if chart.metric == "loss" else "loss"
+            chart.metric = chart.METRICS[(chart.METRICS.index(chart.metric) + 1)
+                                         % len(chart.METRICS)]
         elif what == "split":
             chart.split = "val" if chart.split == "train" else "train"
         self.query_one(TabbedContent).active = "training"
@@ -396,22 +405,26 @@ class PanelApp(App):
         def load():
             if self.rundir is not None:
                 return runner.load_run_config(self.rundir)
-            return config_mod.load(self.config_path or config_mod.default_config_path(),
-                                   gpu_count=None)
+            return control.load_config(self.config_path and str(self.config_path),
+                                       gpu_check=False)
         self.push_screen(DoctorScreen(load))
 
     def action_run(self) -> None:
         try:
             if self.rundir is None:
-                cfg = config_mod.load(self.config_path)
-                self._attach(runner.prepare_run(cfg))
-            if runner.busy_launcher(self.rundir, wait=1.0) is not None:
-                self.notify("the pipeline is already running", timeout=3)
-                return
-            runner.start_driver(self.rundir)
-            self.notify(f"started {self.rundir.id}: stages that are not done run now", timeout=4)
-        except (config_mod.ConfigError, RunDirError) as e:
+                cfg = control.load_config(self.config_path and str(self.config_path))
+                self._attach(control.open_run(cfg))
+            started = control.resume(self.rundir, busy_wait=1.0)
+        except control.Busy:
+            self.notify("the pipeline is already running", timeout=3)
+            return
+        except (ConfigError, RunDirError, control.Blocked) as e:
             self.notify(str(e), severity="error", timeout=15)
+            return
+        if started.nothing_to_do:
+            self.notify(f"{self.rundir.id}: everything is up to date", timeout=4)
+        else:
+            self.notify(f"started {self.rundir.id}: stages that are not done run now", timeout=4)
 
     def _attach(self, run: RunDir) -> None:
         self.rundir = run
@@ -430,15 +443,14 @@ class PanelApp(App):
         def go(yes: bool | None) -> None:
             if not yes:
                 return
-            if runner.busy_launcher(self.rundir, wait=1.0) is not None:
+            try:
+                control.start(self.rundir, only=stage, force=True, busy_wait=1.0)
+            except control.Busy:
                 self.notify("cancel the running pipeline first", severity="warning", timeout=4)
                 return
-            st = runner.plan(runner.load_run_config(self.rundir), self.rundir.read_state(), stage)
-            blocked = [s for s in st if s.action == "blocked"]
-            if blocked:
-                self.notify(blocked[0].why, severity="warning", timeout=6)
+            except (control.Blocked, ConfigError, RunDirError) as e:
+                self.notify(str(e), severity="warning", timeout=6)
                 return
-            runner.start_driver(self.rundir, only=stage, force=True)
             self.notify(f"re-running {stage} from scratch", timeout=4)
 
         self.push_screen(ConfirmScreen(f"Re-run {stage} from scratch? Its outputs are deleted."), go)
@@ -461,13 +473,8 @@ class PanelApp(App):
 
     @work(thread=True, exclusive=True, group="cancel")
     def _cancel_worker(self) -> None:
-        try:
-            cfg = runner.load_run_config(self.rundir)
-            grace, term = cfg.runtime.cancel_grace_s, cfg.runtime.term_grace_s
-        except Exception:  # noqa: BLE001
-            grace, term = 30.0, 10.0
         self.call_from_thread(self.notify, "cancelling...", timeout=3)
-        results = runner.cancel_run(self.rundir, None, grace, term)
+        results = control.cancel(self.rundir)
         left = [f"{pid} {name}" for r in results for pid, name in r.survivors]
         if left:
             self.call_from_thread(self.notify, "could not stop: " + "; ".join(left),
@@ -478,14 +485,14 @@ class PanelApp(App):
 
 
 def run_panel(args) -> int:
-    from app.cli import _runs_dir, resolve_run
-    runs_dir = _runs_dir(args)
+    runs_dir = control.runs_dir(args.config, args.runs_dir)
     try:
-        run = resolve_run(args, args.run) if args.run else (list_runs(runs_dir) or [None])[0]
+        run = control.resolve_run(runs_dir, args.run) if args.run else \
+            (list_runs(runs_dir) or [None])[0]
     except RunDirError as e:
         print(f"eagle-panel: {e}")
         return 2
-    cfg_path = Path(args.config) if args.config else config_mod.default_config_path()
+    cfg_path = Path(args.config) if args.config else None
     app = PanelApp(run, cfg_path, simulate_gpus=args.simulate_gpus,
                    interval=getattr(args, "interval", 1.0), refresh=getattr(args, "refresh", 2.0),
                    runs_dir=runs_dir)

@@ -13,9 +13,9 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.config import STAGE_NAMES
-from pipeline.events import EventTail
-from pipeline.rundir import RunDir, RunDirError
+from pipeline.events import EventTail, EventType
+from pipeline.rundir import RunDir, RunDirError, Status
+from pipeline.stage_graph import STAGE_NAMES
 
 
 class Series:
@@ -65,6 +65,9 @@ class RunModel:
         self._state_sig = None
         self._polls = 0
         self.version = 0  # bumps on every change; widgets redraw on change only
+        # A launcher seen alive by any poll since the panel last looked: a
+        # pipeline can start and end between two redraws.
+        self.driver_seen = False
 
     def poll(self) -> bool:
         """Read what changed; True if anything did."""
@@ -94,6 +97,7 @@ class RunModel:
             from pipeline import runner
             self.state = runner.refresh(self.run)
             self.state_error = None
+            self.driver_seen |= runner.driver_alive(self.state)
         except RunDirError as e:
             self.state_error = str(e)
         for s, info in self.stages.items():
@@ -103,9 +107,9 @@ class RunModel:
     def _apply(self, stage: str, ev: dict) -> None:
         info = self.stages[stage]
         t = ev.get("type")
-        if t == "progress":
+        if t == EventType.PROGRESS:
             info.progress = ev
-        elif t == "metric":
+        elif t == EventType.METRIC:
             split = ev.get("split", "train")
             step = ev.get("step")
             if step is None:
@@ -113,20 +117,20 @@ class RunModel:
             for k, v in (ev.get("values") or {}).items():
                 if isinstance(v, (int, float)):
                     self.metrics.setdefault((split, k), Series()).add(step, float(v))
-        elif t == "error":
+        elif t == EventType.ERROR:
             info.last_error = ev
-        elif t == "warning":
+        elif t == EventType.WARNING:
             info.warnings.append(ev)
-        elif t == "stage_started":
+        elif t == EventType.STAGE_STARTED:
             info.started, info.finished, info.last_error, info.progress = ev, None, None, None
             info.kv_servers.clear()
-        elif t == "stage_finished":
+        elif t == EventType.STAGE_FINISHED:
             info.finished = ev
-        elif t == "kv_cache":
+        elif t == EventType.KV_CACHE:
             info.kv_cache = ev
             if "server" in ev:
                 info.kv_servers[ev["server"]] = ev
-        elif t == "kv_usage":
+        elif t == EventType.KV_USAGE:
             info.kv_usage = ev
 
     # derived views ------------------------------------------------------------
@@ -135,9 +139,21 @@ class RunModel:
         d = self.state.get("driver") or {}
         return d.get("pid") if self.state and runner.driver_alive(self.state) else None
 
+    def focus_stage(self) -> str:
+        """The stage a user opening the panel wants to see: the running one,
+        else the first that failed or was cancelled, else the last that ran
+        (a finished run's outcome), else the first."""
+        states = {s: info.state for s, info in self.stages.items()}
+        for want in ((Status.RUNNING,), (Status.FAILED, Status.CANCELLED)):
+            for s, st in states.items():
+                if st.get("status") in want:
+                    return s
+        ran = [s for s, st in states.items() if st.get("attempt")]
+        return ran[-1] if ran else STAGE_NAMES[0]
+
     def running_stage(self) -> str | None:
         for s, info in self.stages.items():
-            if info.state.get("status") == "running":
+            if info.state.get("status") == Status.RUNNING:
                 return s
         return None
 
@@ -146,13 +162,18 @@ class RunModel:
         list is empty in many containers; the assignment is what we know)."""
         held = {}
         for s, info in self.stages.items():
-            if info.state.get("status") == "running":
+            if info.state.get("status") == Status.RUNNING:
                 for d in info.state.get("devices") or []:
                     held[d] = s
         return held
 
     def metric_keys(self, split: str) -> list[str]:
         return sorted(k for sp, k in self.metrics if sp == split)
+
+    def acceptance_measured(self) -> float | None:
+        """The last acceptance length the evaluate stage measured."""
+        s = self.metrics.get(("eval", "acceptance_length"))
+        return s.y[-1] if s is not None and len(s) else None
 
     def acceptance_estimate(self) -> float | None:
         fin = self.stages["train"].finished

@@ -55,7 +55,7 @@ def smi_row(index: int) -> dict:
                           "--format=csv,noheader,nounits"], capture_output=True, text=True,
                          timeout=30).stdout.strip().split(", ")
     keys = ["mem_used_mib", "mem_total_mib", "util", "temp", "power", "power_limit"]
-    return {k: _num(v) for k, v in zip(keys, out)}
+    return {k: _num(v) for k, v in zip(keys, out, strict=True)}
 
 
 def smi_pcie(index: int) -> tuple[float | None, float | None]:

@@ -133,7 +133,8 @@ def main():
         # Tab switches, starting with one that changes what is shown.
         keys = (["1", "2"] if a.view == "gpus" else ["2", "1"]) * 10
         raw = key_latency(fd, keys)
-        by_key = {k: [round(v * 1000) for kk, v in zip(keys, raw) if kk == k] for k in set(keys)}
+        by_key = {k: [round(v * 1000) for kk, v in zip(keys, raw, strict=True) if kk == k]
+                  for k in set(keys)}
         lat = sorted(raw)
         os.write(fd, b"q")
         os.waitpid(pid, 0)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys

@@ -22,16 +22,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-STAGE_NAMES = ("prepare", "extract", "vocab", "train")
-# Each stage's inputs: its fingerprint folds in theirs, so a change upstream
-# invalidates everything downstream.
-STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "prepare": (),
-    "extract": ("prepare",),
-    "vocab": ("prepare",),
-    "train": ("prepare", "extract", "vocab"),
-}
+from pipeline import __version__
+from pipeline.builtin import conversations_path
+from pipeline.builtin.tiny_model import ensure_built
+from pipeline.paths import PROJECT_ROOT, VLLM_VENV
+from pipeline.stage_graph import STAGE_INPUTS
+
+GPU_STAGES = ("regenerate", "extract", "train", "evaluate")
 BUILTIN_MODEL = "builtin:tiny-llama"
 BUILTIN_DATA = "builtin:conversations"
 
@@ -63,13 +60,19 @@ class DataSection:
 @dataclass
 class GpusSection:
     devices: list[int] = field(default_factory=list)
+    # Which of them each GPU stage gets (default: all of `devices`).
+    regenerate: list[int] | None = None
     extract: list[int] | None = None
     train: list[int] | None = None
+    evaluate: list[int] | None = None
 
 
 @dataclass
 class RuntimeSection:
     python: str = ""
+    # The interpreter vLLM runs with: "" = the .venv-vllm that
+    # scripts/install.sh makes on a CPU machine, else `python`.
+    vllm_python: str = ""
     env: dict[str, str] = field(default_factory=dict)
     cancel_grace_s: float = 30.0
     term_grace_s: float = 10.0
@@ -81,6 +84,26 @@ class StageCommon:
     # and users can substitute their own.
     entry: str = ""
     env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ServerCommon(StageCommon):
+    """What a stage that starts its own vLLM server takes."""
+    serve_command: str = ""
+    server_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 1200.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class RegenerateSection(ServerCommon):
+    # Off by default for your data: the target answering its own prompts is
+    # what a draft should learn, but it costs a full generation pass.
+    enabled: bool = False
+    max_tokens: int = 256       # per assistant turn
+    temperature: float = 0.0    # 0 = greedy
+    seed: int = 0
+    concurrency: int = 8        # conversations in flight
 
 
 @dataclass
@@ -132,11 +155,27 @@ class TrainSection(StageCommon):
 
 
 @dataclass
+class EvaluateSection(ServerCommon):
+    enabled: bool = True
+    checkpoints: str = "last"   # last | best | all
+    num_speculative_tokens: int = 3
+    prompts: str = ""           # "" = the validation split's prompts; or a JSONL file
+    max_prompts: int = 64
+    max_tokens: int = 64
+    temperature: float = 0.0    # 0 = greedy; > 0 samples (seeded)
+    seed: int = 0
+    concurrency: int = 1        # requests in flight: the decode speed is measured at this load
+    baseline: bool = True       # also serve without the draft: the speedup
+
+
+@dataclass
 class StagesSection:
+    regenerate: RegenerateSection = field(default_factory=RegenerateSection)
     prepare: PrepareSection = field(default_factory=PrepareSection)
     extract: ExtractSection = field(default_factory=ExtractSection)
     vocab: VocabSection = field(default_factory=VocabSection)
     train: TrainSection = field(default_factory=TrainSection)
+    evaluate: EvaluateSection = field(default_factory=EvaluateSection)
 
 
 @dataclass
@@ -158,13 +197,24 @@ class Config:
         return self.stage(name).entry or f"pipeline.stages.{name}"
 
     def stage_devices(self, name: str) -> list[int]:
-        if name not in ("extract", "train"):
+        """The GPUs a stage is given ([] = the CPU); only GPU stages get any."""
+        if name not in GPU_STAGES:
             return []
         own = getattr(self.gpus, name)
         return list(self.gpus.devices if own is None else own)
 
+    def enabled(self, name: str) -> bool:
+        """Whether an optional stage is on (the others always are)."""
+        return bool(getattr(self.stage(name), "enabled", True))
+
     def python(self) -> str:
         return self.runtime.python or sys.executable
+
+    def vllm_python(self) -> str:
+        if self.runtime.vllm_python:
+            return self.runtime.vllm_python
+        own = VLLM_VENV / "bin" / "python"
+        return str(own) if own.exists() else self.python()
 
     def resolve(self, path: str) -> Path:
         """A path from the config, relative to the config file's folder."""
@@ -177,13 +227,11 @@ class Config:
     def target_path(self) -> Path:
         """The target model's folder (the built-in one is built on first use)."""
         if self.model.target == BUILTIN_MODEL:
-            from pipeline.builtin.tiny_model import ensure_built
             return ensure_built()
         return self.resolve(self.model.target)
 
     def data_path(self) -> Path:
         if self.data.path == BUILTIN_DATA:
-            from pipeline.builtin import conversations_path
             return conversations_path()
         return self.resolve(self.data.path)
 
@@ -200,13 +248,11 @@ class Config:
     def fingerprint(self, name: str, upstream: dict[str, str]) -> str:
         """Hash of what decides the stage's output: its section, the shared
         sections it reads, the fingerprints of its inputs and our version."""
-        from pipeline import __version__
-
         payload = {
             "stage": name,
             "section": self.section_dict(name),
             "model": dataclasses.asdict(self.model),
-            "data": dataclasses.asdict(self.data) if name == "prepare" else None,
+            "data": dataclasses.asdict(self.data) if name in ("regenerate", "prepare") else None,
             "devices": self.stage_devices(name),
             "inputs": {k: upstream.get(k, "") for k in STAGE_INPUTS[name]},
             "version": __version__,
@@ -304,11 +350,13 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
         raise ConfigError(f"{src}: `run.name` = {cfg.run.name!r} must be a plain folder name.")
     _choice(cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"), "model.dtype", src)
     _choice(cfg.data.format, ("auto", "messages", "sharegpt", "tokenized"), "data.format", src)
-    _choice(cfg.stages.extract.backend, ("hf", "vllm-server", "vllm-engine"),
+    _choice(cfg.stages.extract.backend, ("auto", "hf", "vllm-server", "vllm-engine"),
             "stages.extract.backend", src)
     _choice(cfg.stages.train.loss, ("auto", "eager", "fused"), "stages.train.loss", src)
     _choice(cfg.stages.train.attention, ("auto", "sdpa", "eager", "flex"),
             "stages.train.attention", src)
+    _choice(cfg.stages.evaluate.checkpoints, ("last", "best", "all"),
+            "stages.evaluate.checkpoints", src)
     for where, value in (
         ("stages.prepare.seq_length", cfg.stages.prepare.seq_length),
         ("stages.extract.batch_tokens", cfg.stages.extract.batch_tokens),
@@ -321,6 +369,12 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
         ("stages.extract.tensor_parallel", cfg.stages.extract.tensor_parallel),
         ("stages.extract.max_inflight", cfg.stages.extract.max_inflight),
         ("stages.extract.max_num_seqs", cfg.stages.extract.max_num_seqs),
+        ("stages.regenerate.max_tokens", cfg.stages.regenerate.max_tokens),
+        ("stages.regenerate.concurrency", cfg.stages.regenerate.concurrency),
+        ("stages.evaluate.num_speculative_tokens", cfg.stages.evaluate.num_speculative_tokens),
+        ("stages.evaluate.max_prompts", cfg.stages.evaluate.max_prompts),
+        ("stages.evaluate.max_tokens", cfg.stages.evaluate.max_tokens),
+        ("stages.evaluate.concurrency", cfg.stages.evaluate.concurrency),
     ):
         if value <= 0:
             raise ConfigError(f"{src}: `{where}` must be positive, got {value}.")
@@ -333,6 +387,15 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
     if cfg.runtime.cancel_grace_s < 0 or cfg.runtime.term_grace_s < 0:
         raise ConfigError(f"{src}: `runtime.cancel_grace_s` and `runtime.term_grace_s` "
                           "must not be negative.")
+    for where, value in (("stages.regenerate.temperature", cfg.stages.regenerate.temperature),
+                         ("stages.evaluate.temperature", cfg.stages.evaluate.temperature)):
+        if value < 0:
+            raise ConfigError(f"{src}: `{where}` must be 0 (greedy) or positive, got {value}.")
+    if cfg.stages.evaluate.prompts and not cfg.resolve(cfg.stages.evaluate.prompts).is_file():
+        raise ConfigError(
+            f"{src}: `stages.evaluate.prompts` = {cfg.stages.evaluate.prompts!r}: "
+            f"{cfg.resolve(cfg.stages.evaluate.prompts)} is not a file. Give a JSONL file of "
+            'chats (`messages`) or prompts (`prompt`), or "" for the validation split.')
     if any(i < 0 for i in cfg.stages.extract.layer_ids):
         raise ConfigError(f"{src}: `stages.extract.layer_ids` must be layer numbers >= 0.")
 
@@ -350,14 +413,14 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
                 "Give a local path (relative paths are relative to the config file), "
                 "or use the built-in default."
             )
-    if cfg.runtime.python:
-        py = Path(cfg.runtime.python)
-        if not (py.is_file() and os.access(py, os.X_OK)):
+    for key in ("python", "vllm_python"):
+        value = getattr(cfg.runtime, key)
+        py = Path(value)
+        if value and not (py.is_file() and os.access(py, os.X_OK)):
             raise ConfigError(
-                f"{src}: `runtime.python` = {cfg.runtime.python!r} is not an executable "
-                "file. Point it at the interpreter of your ML environment "
-                "(e.g. /opt/venv/bin/python), or leave it empty to use eagle-panel's own."
-            )
+                f"{src}: `runtime.{key}` = {value!r} is not an executable file. Point it at "
+                "the interpreter of your ML environment (e.g. /opt/venv/bin/python), or "
+                "leave it empty for the default.")
 
     devices = cfg.gpus.devices
     tp, ext = cfg.stages.extract.tensor_parallel, cfg.stage_devices("extract")
@@ -368,7 +431,7 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
             "Change one of them.")
     if len(set(devices)) != len(devices):
         raise ConfigError(f"{src}: `gpus.devices` lists a GPU twice: {devices}.")
-    for stage in ("extract", "train"):
+    for stage in GPU_STAGES:
         own = getattr(cfg.gpus, stage)
         if own is not None and not set(own) <= set(devices):
             raise ConfigError(

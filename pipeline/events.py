@@ -4,16 +4,139 @@ Writer: one `os.write` per event on an O_APPEND descriptor, so concurrent
 writers never interleave inside a line and a crash loses at most the line
 being written. Reader: remembers a byte offset, returns only complete lines
 and keeps a half-written last line for the next poll.
+The event types and their fields are the contract between the stages and
+every reader (README: "Events"): `EventType` names them, one TypedDict per
+type describes its fields, and the writer refuses an unknown type or a
+missing required field, so a typo fails where it is written.
 Standard library only (stages import it from any interpreter).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
 import time
 from pathlib import Path
+from typing import Any, TypedDict
+
+
+class EventType(str, enum.Enum):
+    STAGE_STARTED = "stage_started"
+    PROGRESS = "progress"
+    METRIC = "metric"
+    KV_CACHE = "kv_cache"
+    KV_USAGE = "kv_usage"
+    ARTIFACT = "artifact"
+    WARNING = "warning"
+    ERROR = "error"
+    STAGE_FINISHED = "stage_finished"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# -- the fields of each event type (optional ones in the *Extra base) --------
+
+class StageStartedEvent(TypedDict):
+    stage: str
+    attempt: int
+    argv: list[str]
+    devices: list[int]
+
+
+class _ProgressExtra(TypedDict, total=False):
+    rate: float | None
+    eta_s: float | None
+    epoch: Any
+    tokens_per_s: float
+    bytes_written: int
+    bytes_per_token: int
+    disk_needed_bytes: int
+    disk_free_bytes: int
+
+
+class ProgressEvent(_ProgressExtra):
+    done: int
+    total: int | None
+    unit: str
+
+
+class _MetricExtra(TypedDict, total=False):
+    epoch: Any
+    split: str            # "train" (the default) | "val"
+
+
+class MetricEvent(_MetricExtra):
+    step: int | None
+    values: dict[str, float]
+
+
+class _KvCacheExtra(TypedDict, total=False):
+    server: int
+    devices: list[int]
+    pool: str | None
+
+
+class KvCacheEvent(_KvCacheExtra):
+    num_blocks: int | None
+    block_size: int | None
+    bytes_per_block: int | None
+    total_bytes: int | None
+    tokens_capacity: int | None
+    max_concurrency: float | None
+    max_model_len: int | None
+    groups: list[dict]
+    source: str           # "engine" | "log" | "plan"
+
+
+class KvUsageEvent(TypedDict):
+    usage_perc: float
+    running: int
+    waiting: int
+
+
+class ArtifactEvent(TypedDict):
+    path: str
+    kind: str
+    bytes: int
+
+
+class _MessageExtra(TypedDict, total=False):
+    hint: str | None
+
+
+class MessageEvent(_MessageExtra):   # warning / error
+    message: str
+
+
+class _FinishedExtra(TypedDict, total=False):
+    source: str
+
+
+class StageFinishedEvent(_FinishedExtra):
+    status: str
+    duration_s: float
+    summary: dict
+
+
+FIELDS: dict[EventType, type] = {
+    EventType.STAGE_STARTED: StageStartedEvent, EventType.PROGRESS: ProgressEvent,
+    EventType.METRIC: MetricEvent, EventType.KV_CACHE: KvCacheEvent,
+    EventType.KV_USAGE: KvUsageEvent, EventType.ARTIFACT: ArtifactEvent,
+    EventType.WARNING: MessageEvent, EventType.ERROR: MessageEvent,
+    EventType.STAGE_FINISHED: StageFinishedEvent,
+}
+
+
+def check_event(type: EventType | str, fields: dict) -> EventType:
+    """The event's type, once it is a known one with its required fields."""
+    kind = EventType(type)   # ValueError names an unknown type
+    missing = sorted(FIELDS[kind].__required_keys__ - fields.keys())
+    if missing:
+        raise ValueError(f"a {kind.value} event needs {', '.join(missing)}")
+    return kind
 
 def _clean(value):
     # JSON has no NaN/inf; a diverged loss must still be a valid line.
@@ -32,17 +155,18 @@ class EventWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def emit(self, type: str, **fields) -> dict:
-        event = {"t": time.time(), "type": type, **fields}
+    def emit(self, type: EventType | str, **fields) -> dict:
+        kind = check_event(type, fields)
+        event = {"t": time.time(), "type": kind.value, **fields}
         line = json.dumps(_clean(event), separators=(",", ":"), default=str) + "\n"
         os.write(self._fd, line.encode())
         return event
 
     def warning(self, message: str, hint: str | None = None, **fields) -> dict:
-        return self.emit("warning", message=message, hint=hint, **fields)
+        return self.emit(EventType.WARNING, message=message, hint=hint, **fields)
 
     def error(self, message: str, hint: str | None = None, **fields) -> dict:
-        return self.emit("error", message=message, hint=hint, **fields)
+        return self.emit(EventType.ERROR, message=message, hint=hint, **fields)
 
     def close(self) -> None:
         if self._fd >= 0:

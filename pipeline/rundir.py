@@ -7,6 +7,7 @@ whatever interpreter `[runtime] python` names.
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import json
 import os
@@ -15,7 +16,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.config import STAGE_NAMES
+from pipeline.stage_graph import STAGE_NAMES
+
+
+class Status(str, enum.Enum):
+    """A stage's status in state.json (stored as the plain string)."""
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SKIPPED = "skipped"      # turned off, or nothing to run it with (it says why)
+
+    def __str__(self) -> str:
+        return self.value
+
 
 class RunDirError(Exception):
     """A run directory that is missing, not a run, or has a corrupt state file."""
@@ -79,7 +94,7 @@ def signal_name(signum: int) -> str:
 
 def new_stage_state() -> dict:
     return {
-        "status": "pending", "attempt": 0, "pid": None, "pgid": None,
+        "status": Status.PENDING, "attempt": 0, "pid": None, "pgid": None,
         "create_time": None, "supervisor_pid": None, "supervisor_create_time": None,
         "started_at": None, "ended_at": None, "exit_code": None, "signal": None,
         "fingerprint": None, "devices": [], "token": None, "cancel_requested": False,
@@ -165,6 +180,8 @@ class RunDir:
                 f"{self.state_path}: corrupt state file ({e}). It was left untouched; "
                 "inspect it, restore it, or start a new run with --run NEW_NAME."
             ) from None
+        for stage in STAGE_NAMES:   # a run made before a stage existed
+            state["stages"].setdefault(stage, new_stage_state())
         return state
 
     @contextlib.contextmanager

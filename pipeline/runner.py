@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline.config import PROJECT_ROOT, STAGE_INPUTS, STAGE_NAMES, Config
+from pipeline.config import Config
+from pipeline.paths import pythonpath_with_project
 from pipeline.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, wait_gone
-from pipeline.rundir import RunDir, proc_alive, proc_start_ticks
+from pipeline.rundir import RunDir, Status, proc_alive, proc_start_ticks
+from pipeline.stage_graph import STAGE_INPUTS, STAGE_NAMES
 
 POLL_S = 0.2
 
@@ -54,7 +56,7 @@ def refresh(rd: RunDir) -> dict:
     # launched right now, as long as the launcher doing it is alive.
     launching = driver_alive(state)
     dead = [s for s, st in state["stages"].items()
-            if st["status"] == "running" and not stage_alive(st)
+            if st["status"] == Status.RUNNING and not stage_alive(st)
             and not (st.get("supervisor_pid") is None and launching)]
     if not dead:
         return state
@@ -62,9 +64,9 @@ def refresh(rd: RunDir) -> dict:
         launching = driver_alive(state)
         for s in dead:
             st = state["stages"][s]
-            if st["status"] == "running" and not stage_alive(st) and not (
+            if st["status"] == Status.RUNNING and not stage_alive(st) and not (
                     st.get("supervisor_pid") is None and launching):
-                st.update(status="cancelled" if st.get("cancel_requested") else "failed",
+                st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
                           ended_at=st.get("ended_at") or time.time(),
                           reason="the stage and its supervisor are gone without recording an "
                                  "exit (machine restart or supervisor killed)")
@@ -83,8 +85,11 @@ def fingerprints(cfg: Config) -> dict[str, str]:
 @dataclass
 class Step:
     stage: str
-    action: str  # "run" | "skip"
+    action: str  # "run" | "skip" | "off" (an optional stage turned off) | "blocked"
     why: str
+
+
+DONE = (Status.SUCCEEDED, Status.SKIPPED)
 
 
 def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False) -> list[Step]:
@@ -96,20 +101,30 @@ def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False)
         upstream_stale = [u for u in STAGE_INPUTS[s] if u in stale]
         selected = only is None or only == s
         if not selected:
-            if only is not None and s in STAGE_INPUTS[only] and st["status"] != "succeeded":
+            if only is not None and s in STAGE_INPUTS[only] and st["status"] not in DONE:
                 steps.append(Step(s, "blocked", f"{only} needs {s}, which has not succeeded"))
+            continue
+        if not cfg.enabled(s):
+            off = f"off ([stages.{s}] enabled = false)"
+            if st["status"] == Status.SKIPPED and st.get("fingerprint") == fps[s]:
+                steps.append(Step(s, "skip", off))
+            else:
+                steps.append(Step(s, "off", off))
             continue
         if force:
             steps.append(Step(s, "run", "forced re-run"))
-        elif st["status"] == "succeeded" and st.get("fingerprint") == fps[s] and not upstream_stale:
-            steps.append(Step(s, "skip", f"up to date (fingerprint {fps[s]})"))
+        elif st["status"] in DONE and st.get("fingerprint") == fps[s] and not upstream_stale:
+            steps.append(Step(s, "skip", f"up to date (fingerprint {fps[s]})" if
+                              st["status"] == Status.SUCCEEDED else
+                              f"skipped before: {st.get('reason') or 'see its log'} "
+                              "(--force, or run --stage, tries again)"))
             continue
-        elif st["status"] == "succeeded":
+        elif st["status"] in DONE:
             steps.append(Step(s, "run", "config changed (fingerprint "
                                         f"{st.get('fingerprint')} -> {fps[s]})"))
-        elif st["status"] in ("failed", "cancelled"):
+        elif st["status"] in (Status.FAILED, Status.CANCELLED):
             steps.append(Step(s, "run", f"resume after {st['status']} attempt {st['attempt']}"))
-        elif st["status"] == "running":
+        elif st["status"] == Status.RUNNING:
             steps.append(Step(s, "run", "already running: wait for it"))
         else:
             steps.append(Step(s, "run", "not run yet"))
@@ -123,7 +138,7 @@ def _stage_env(cfg: Config, stage: str, attempt: int) -> dict[str, str]:
     env = os.environ.copy()
     env.update(cfg.runtime.env)
     env.update(cfg.stage(stage).env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath_with_project(env.get("PYTHONPATH"))
     env["PYTHONUNBUFFERED"] = "1"
     # The supervisor hands the token to the stage only: a scan for the token
     # must find the stage's processes, never the supervisor recording them.
@@ -151,7 +166,7 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
     """Start one stage attempt under its supervisor; returns the stage state.
     The caller must hold the run's launcher lock."""
     st = rd.read_state()["stages"][stage]
-    if st["status"] == "running" and stage_alive(st):
+    if st["status"] == Status.RUNNING and stage_alive(st):
         raise RuntimeError(f"{stage} is already running (pid {st['pid']})")
     if force or st.get("out_fingerprint") != fingerprint:
         _reset_outputs(rd, stage)
@@ -159,7 +174,7 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
     token = f"{rd.id}/{stage}/{attempt}/{secrets.token_hex(4)}"
     argv = [cfg.python(), "-m", cfg.stage_entry(stage), "--run-dir", str(rd.path),
             "--config", str(rd.config_path)]
-    rd.update_stage(stage, status="running", attempt=attempt, pid=None, pgid=None,
+    rd.update_stage(stage, status=Status.RUNNING, attempt=attempt, pid=None, pgid=None,
                     create_time=None, started_at=time.time(), ended_at=None, exit_code=None,
                     signal=None, fingerprint=fingerprint, out_fingerprint=fingerprint,
                     devices=cfg.stage_devices(stage), token=token, cancel_requested=False,
@@ -186,7 +201,7 @@ def wait_stage(rd: RunDir, stage: str, poll: float = POLL_S) -> dict:
     while True:
         state = refresh(rd)
         st = state["stages"][stage]
-        if st["status"] != "running":
+        if st["status"] != Status.RUNNING:
             return st
         time.sleep(poll)
 
@@ -214,17 +229,23 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
             if step.action == "skip":
                 print(f"[{step.stage}] skipped: {step.why}", flush=True)
                 continue
+            if step.action == "off":
+                print(f"[{step.stage}] {step.why}", flush=True)
+                rd.update_stage(step.stage, status=Status.SKIPPED, fingerprint=fps[step.stage],
+                                reason=step.why, started_at=None, ended_at=None,
+                                exit_code=None, signal=None)
+                continue
             if rd.read_state().get("cancel_requested"):
                 result = 130
                 break
             st = rd.read_state()["stages"][step.stage]
-            if not (st["status"] == "running" and stage_alive(st)):
+            if not (st["status"] == Status.RUNNING and stage_alive(st)):
                 print(f"[{step.stage}] starting: {step.why}", flush=True)
                 launch(rd, cfg, step.stage, fps[step.stage], force)
             st = wait_stage(rd, step.stage)
             print(f"[{step.stage}] {st['status']}", flush=True)
-            if st["status"] != "succeeded":
-                result = 130 if st["status"] == "cancelled" else 1
+            if st["status"] not in DONE:
+                result = 130 if st["status"] == Status.CANCELLED else 1
                 break
     finally:
         with rd.mutate_state() as state:
@@ -273,7 +294,7 @@ def busy_launcher(rd: RunDir, wait: float = 3.0) -> int | None:
         holder = rd.lock_holder()
         if holder is None:
             return None
-        running = any(st["status"] == "running" for st in refresh(rd)["stages"].values())
+        running = any(st["status"] == Status.RUNNING for st in refresh(rd)["stages"].values())
         if running or time.monotonic() >= deadline:
             return holder
         time.sleep(0.1)
@@ -287,7 +308,7 @@ def start_driver(rd: RunDir, only: str | None = None, force: bool = False) -> su
     if force:
         args.append("--force")
     env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath_with_project(env.get("PYTHONPATH"))
     log = open(rd.path / "driver.log", "ab")
     with log:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -309,7 +330,7 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
     """SIGINT (graceful: training saves a checkpoint), then SIGTERM, then
     SIGKILL to the stage's whole process tree."""
     st = refresh(rd)["stages"][stage]
-    if st["status"] != "running":
+    if st["status"] != Status.RUNNING:
         return CancelResult(stage, False, [], [])
     rd.update_stage(stage, cancel_requested=True)
     # The supervisor records the pid right after it starts the stage.
@@ -331,7 +352,7 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
     survivors = [(p, proc_name(p)) for p in find()]
     # Let the supervisor record the end before we report.
     end = time.monotonic() + 5
-    while time.monotonic() < end and rd.read_state()["stages"][stage]["status"] == "running":
+    while time.monotonic() < end and rd.read_state()["stages"][stage]["status"] == Status.RUNNING:
         if not proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")):
             refresh(rd)
             break
@@ -346,14 +367,15 @@ def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -
         with rd.mutate_state() as state:
             state["cancel_requested"] = True
     targets = [stage] if stage else [s for s in STAGE_NAMES
-                                     if rd.read_state()["stages"][s]["status"] == "running"]
+                                     if rd.read_state()["stages"][s]["status"] == Status.RUNNING]
     return [cancel_stage(rd, s, grace, term_grace) for s in targets]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.runner")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("drive", help="run the pipeline of a run directory (detached by `eagle-panel run`)")
+    d = sub.add_parser("drive", help="run the pipeline of a run directory "
+                                     "(detached by `eagle-panel run`)")
     d.add_argument("--run-dir", required=True)
     d.add_argument("--stage", choices=STAGE_NAMES)
     d.add_argument("--force", action="store_true")

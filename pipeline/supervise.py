@@ -17,21 +17,24 @@ import subprocess
 import sys
 import time
 
-from pipeline.events import EventWriter, last_event
+from pipeline.events import EventType, EventWriter, last_event, tail_lines
+from pipeline.failures import explain_exit, quote_error
 from pipeline.proctree import TOKEN_VAR, stop_tree
-from pipeline.rundir import RunDir, proc_start_ticks, signal_name
+from pipeline.rundir import RunDir, Status, proc_start_ticks, signal_name
 
 
 def _classify(code: int, cancel_requested: bool, events_path) -> tuple[str, int | None, str | None]:
     exit_code = code if code >= 0 else None
     sig = signal_name(-code) if code < 0 else None
     if code == 0:
-        finished = last_event(events_path, ("stage_started", "stage_finished"))
-        said_done = bool(finished and finished.get("type") == "stage_finished"
-                         and finished.get("status") == "succeeded")
-        if not cancel_requested or said_done:
-            return "succeeded", exit_code, sig
-    return ("cancelled" if cancel_requested else "failed"), exit_code, sig
+        finished = last_event(events_path, (EventType.STAGE_STARTED, EventType.STAGE_FINISHED))
+        said = finished.get("status") if finished and \
+            finished.get("type") == EventType.STAGE_FINISHED else None
+        if said == Status.SKIPPED:
+            return Status.SKIPPED, exit_code, sig
+        if not cancel_requested or said == Status.SUCCEEDED:
+            return Status.SUCCEEDED, exit_code, sig
+    return (Status.CANCELLED if cancel_requested else Status.FAILED), exit_code, sig
 
 
 def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
@@ -44,7 +47,7 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     env = os.environ.copy()
     env[TOKEN_VAR] = st["token"]
     events = EventWriter(rd.events_path(stage))
-    events.emit("stage_started", stage=stage, attempt=st["attempt"], argv=argv,
+    events.emit(EventType.STAGE_STARTED, stage=stage, attempt=st["attempt"], argv=argv,
                 devices=st["devices"])
     t0 = time.time()
     try:
@@ -56,8 +59,9 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     except OSError as e:
         print(f"eagle-panel: cannot start {argv[0]}: {e}", file=sys.stderr, flush=True)
         events.error(f"cannot start the stage: {e}", hint="check [runtime] python in config.toml")
-        events.emit("stage_finished", status="failed", duration_s=0.0, summary={"error": str(e)})
-        rd.update_stage(stage, status="failed", exit_code=127, ended_at=time.time(),
+        events.emit(EventType.STAGE_FINISHED, status=Status.FAILED, duration_s=0.0,
+                    summary={"error": str(e)})
+        rd.update_stage(stage, status=Status.FAILED, exit_code=127, ended_at=time.time(),
                         reason=f"could not start: {e}")
         return 127
 
@@ -84,20 +88,29 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     reason = None
     if survivors:
         reason = f"processes still alive after SIGKILL: {survivors}"
-    finished = last_event(rd.events_path(stage), ("stage_started", "stage_finished"))
-    if not finished or finished.get("type") != "stage_finished":
-        detail = f"exit code {exit_code}" if sig is None else f"killed by {sig}"
-        own_error = last_event(rd.events_path(stage), ("stage_started", "error"))
-        if status == "failed" and not (own_error and own_error["type"] == "error"):
-            events.error(f"stage {stage} {detail}",
+    finished = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.STAGE_FINISHED))
+    if not finished or finished.get("type") != EventType.STAGE_FINISHED:
+        own_error = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.ERROR))
+        if status == Status.FAILED and not (own_error and own_error["type"] == EventType.ERROR):
+            events.error(f"stage {stage} {explain_exit(code)}; from its log:\n"
+                         f"{quote_error(attempt_log(rd, stage))}",
                          hint=f"see {rd.log_path(stage)}; `eagle-panel resume` continues from here")
-        events.emit("stage_finished", status=status, duration_s=round(time.time() - t0, 3),
+        events.emit(EventType.STAGE_FINISHED, status=status, duration_s=round(time.time() - t0, 3),
                     summary={"exit_code": exit_code, "signal": sig}, source="supervisor")
     events.close()
     rd.update_stage(stage, status=status, exit_code=exit_code, signal=sig,
                     ended_at=time.time(), reason=reason,
                     max_rss_kb=usage.ru_maxrss if usage is not None else None)
     return 0
+
+
+def attempt_log(rd: RunDir, stage: str) -> list[str]:
+    """The end of the stage's log, from this attempt's header on."""
+    raw, _ = tail_lines(rd.log_path(stage), 300)
+    lines = [b.decode(errors="replace") for b in raw]
+    start = max((i for i, ln in enumerate(lines) if ln.startswith("===== eagle-panel:")),
+                default=-1)
+    return lines[start + 1:]
 
 
 def _restore_signals():

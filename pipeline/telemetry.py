@@ -2,7 +2,7 @@
 
 `NvmlSource` reads nvidia-ml-py. Every call tolerates NotSupported and a lost
 GPU (the field becomes None), and slow fields are cached: PCIe throughput
-blocks ~20 ms per counter (FACTS.md), so it is read every `slow_interval`
+blocks ~20 ms per counter (docs/FACTS.md), so it is read every `slow_interval`
 seconds, not every sample. `SimulatedSource` produces plausible numbers for
 demos and tests on machines without GPUs; everything it returns is marked
 simulated, and the panel says so wherever it shows them.
@@ -86,19 +86,22 @@ class NvmlSource:
                     s.error = "GPU is lost"
                     out.append(s)
                     continue
-            util = self._call(lambda: nv.nvmlDeviceGetUtilizationRates(h))
+            util = self._call(lambda h=h: nv.nvmlDeviceGetUtilizationRates(h))
             s.util = float(util.gpu) if util is not None else None
-            s.temp = self._call(lambda: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))
-            mw = self._call(lambda: nv.nvmlDeviceGetPowerUsage(h))
+            s.temp = self._call(
+                lambda h=h: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))
+            mw = self._call(lambda h=h: nv.nvmlDeviceGetPowerUsage(h))
             s.power = mw / 1000 if mw is not None else None
             if i not in self._limits:  # constant: read once
-                lim = self._call(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
+                lim = self._call(lambda h=h: nv.nvmlDeviceGetEnforcedPowerLimit(h))
                 self._limits[i] = lim / 1000 if lim is not None else None
             s.power_limit = self._limits[i]
             t, rx, tx = self._slow.get(i, (-math.inf, None, None))
             if now - t >= self.slow_interval:
-                rx = self._call(lambda: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES))
-                tx = self._call(lambda: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES))
+                rx = self._call(
+                    lambda h=h: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES))
+                tx = self._call(
+                    lambda h=h: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES))
                 rx, tx = (rx * 1024 if rx is not None else None), (tx * 1024 if tx is not None else None)
                 self._slow[i] = (now, rx, tx)
             s.pcie_rx, s.pcie_tx = rx, tx

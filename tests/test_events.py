@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from pipeline.events import EventTail, EventWriter, last_event, read_events, tail_lines
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_writer_lines_are_json_and_nan_safe(tmp_path):
@@ -83,7 +83,7 @@ def test_concurrent_writers_no_lost_or_duplicated_events(tmp_path):
     code = ("import sys; from pipeline.events import EventWriter\n"
             "w = EventWriter(sys.argv[1]); k = int(sys.argv[2])\n"
             "for i in range(int(sys.argv[3])):\n"
-            "    w.emit('metric', writer=k, seq=i, values={'pad': 'x' * (i % 300)})\n")
+            "    w.emit('metric', step=i, writer=k, seq=i, values={'pad': 'x' * (i % 300)})\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(p), str(k), str(n_events)], env=env)
              for k in range(n_writers)]
@@ -97,3 +97,20 @@ def test_concurrent_writers_no_lost_or_duplicated_events(tmp_path):
     for k in range(n_writers):
         assert [s for w, s in pairs if w == k] == list(range(n_events))
     assert len(read_events(p)) == n_writers * n_events
+
+
+def test_writer_refuses_unknown_types_and_missing_fields(tmp_path):
+    """The event contract is checked where an event is written: a typo in a
+    type, or a missing required field, is an error, not a line readers skip."""
+    import pytest
+
+    from pipeline.events import EventType, check_event
+    with EventWriter(tmp_path / "e.jsonl") as w:
+        with pytest.raises(ValueError, match="progres"):
+            w.emit("progres", done=1, total=2, unit="x")
+        with pytest.raises(ValueError, match="needs total, unit"):
+            w.emit(EventType.PROGRESS, done=1)
+        w.emit(EventType.PROGRESS, done=1, total=None, unit="x")
+    assert [e["type"] for e in read_events(tmp_path / "e.jsonl")] == ["progress"]
+    assert check_event("kv_usage", {"usage_perc": 0.1, "running": 1, "waiting": 0}) \
+        is EventType.KV_USAGE

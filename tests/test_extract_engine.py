@@ -1,26 +1,32 @@
-"""The vllm-engine extract backend against tests/standin_engine.py, a
-STAND-IN for vLLM 0.11-0.16's scheduler, executor and model runner (vLLM
-cannot run here). The capture extension is the real one, mixed into the
-stand-in worker as vLLM does; the hidden states come from a real forward of
-the tiny target, so the files are checked against the hf backend's numbers
-bit for bit, through chunked prefill, KV-block waits and a reordered batch."""
+"""The vllm-engine extract backend against tests/fakes/standin_engine.py, a
+STAND-IN for vLLM 0.11-0.16's scheduler, executor and model runner on GPUs
+(the releases the engine route targets have no CPU build that runs the
+capture here: see the README). The capture extension is the real one, mixed
+into the stand-in worker as vLLM does; the hidden states come from a real
+forward of the tiny target, so the files are checked against the hf
+backend's numbers bit for bit, through chunked prefill, KV-block waits and a
+reordered batch. The installed vLLM the stage probes is a STAND-IN too (a
+GPU build of 0.16 in this interpreter)."""
 
+import sys
 import time
 
 import pytest
 import torch
 
-from pipeline import vllm_compat
 from pipeline.builtin.tiny_model import ensure_built
 from pipeline.stages import extract
 from pipeline.stages.extract_hf import HFBackend
-from tests import standin_engine as se
-from tests.test_stages import finished, hs_files, prepared_once, run_body
+from pipeline.vllm import compat as vllm_compat
+from tests.fakes import standin_engine as se
+from tests.helpers import finished, hs_files, prepared_once, run_body
+
+pytestmark = pytest.mark.integration
 
 N = 12
 
 
-def config(tp: int = 1, devices: str = "", batch_tokens: int = 96, extra: str = "") -> str:
+def config(tp: int = 1, devices: str = "0", batch_tokens: int = 96, extra: str = "") -> str:
     gpus = f"[gpus]\ndevices = [{devices}]\n" if devices else ""
     return (f"{gpus}[data]\nmax_samples = {N}\n[stages.extract]\nbackend = \"vllm-engine\"\n"
             f"layer_ids = [0, 2, 3]\nbatch_tokens = {batch_tokens}\nmax_num_seqs = 3\n"
@@ -34,6 +40,9 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def fresh(request, monkeypatch):
+    from pipeline.vllm.environment import VllmEnv
+    monkeypatch.setattr(extract, "probe", lambda python: VllmEnv(
+        sys.executable, version="0.16.0", dist="vllm", vllm_dir=None, cpu_flags=["avx2"]))
     monkeypatch.setattr(vllm_compat, "_fired", {})
     se.LAST.clear()
     if "prepared" in request.fixturenames:
@@ -144,8 +153,8 @@ def test_a_request_vllm_ends_short_or_a_lost_file_fails_the_stage(prepared, monk
     """Guards against hanging: a request vLLM finishes before all its prompt
     positions were captured fails at once; one whose file never comes fails
     after STUCK_S."""
-    from pipeline.stages import extract_engine
-    from pipeline.vllm_capture import Capture
+    from pipeline.vllm import engine as extract_engine
+    from pipeline.vllm.capture import Capture
     tmp, rd = prepared
     monkeypatch.setattr(vllm_compat, "load_engine_api", se.api_0_16)
     monkeypatch.setattr(se.Scheduler_0_12, "finish_early", True)
@@ -216,7 +225,7 @@ def test_data_parallel_engines_share_the_samples(prepared, monkeypatch):
 def test_the_decoder_is_found_through_multimodal_wrappers():
     import torch.nn as nn
 
-    from pipeline.vllm_capture import CaptureError, find_base_model
+    from pipeline.vllm.capture import CaptureError, find_base_model
 
     class Decoder(nn.Module):
         def __init__(self):

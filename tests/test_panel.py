@@ -1,5 +1,6 @@
 """The panel under Pilot, driven by real runs of test stages (tests.stagekit)."""
 
+import re
 import time
 
 import pytest
@@ -8,11 +9,13 @@ from app.panel import PanelApp
 from pipeline.events import EventWriter
 from pipeline.rundir import RunDir, proc_alive
 from pipeline.telemetry import Telemetry
-from tests.conftest import cli, wait_for
+from tests.helpers import cli, kv_tab_text, screen_text, wait_for
 from widgets.gpu_table import GpuTable
 from widgets.log_view import LogTail, LogView, collapse_cr
 from widgets.loss_chart import LossChart
 from widgets.stage_table import StageTable
+
+pytestmark = pytest.mark.integration
 
 
 def cell(app, stage, col):
@@ -50,8 +53,8 @@ async def test_shows_a_failed_run_and_resumes_it(tmp_path, stagekit):
     async with app.run_test(size=(80, 24)) as pilot:
         assert cell(app, "extract", "Status") == "failed"
         assert cell(app, "prepare", "Status") == "succeeded"
-        await pilot.press("down")  # select extract: its error and hint show
-        await pilot.pause(0.2)
+        # the failed stage is selected on opening: its error and hint show
+        assert app.query_one(StageTable).selected_stage == "extract"
         detail = str(app.query_one("#detail").render())
         assert "first attempt fails on purpose" in detail
         await pilot.press("r")
@@ -89,7 +92,7 @@ async def test_force_rerun_of_the_selected_stage(tmp_path, stagekit):
     rd = RunDir(tmp_path / "runs/t")
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.press("down", "down")  # vocab
+        await pilot.press("up", "up")  # from the last stage that ran (evaluate) to vocab
         await pilot.press("F")
         await pilot.pause(0.2)
         await pilot.press("y")
@@ -154,6 +157,40 @@ async def test_tabs_gpus_kv_and_training(tmp_path, stagekit):
         await pilot.press("e", "o", "a", "v")
         assert chart.smooth and chart.log and chart.metric == "full_acc" and chart.split == "val"
         assert "acceptance length (est.) 1.50" in str(app.query_one("#train-info").render())
+
+
+@pytest.mark.parametrize("rows", [24, 30])
+async def test_every_gpu_is_on_screen_at_80_columns(tmp_path, stagekit, rows):
+    """8 GPUs under six stages and a failed stage's three-line error, host
+    stats on: at 80x24 every GPU is on screen (two share a line: the tab is
+    too short for one per line), at 80x30 one per line; the host line is cut,
+    never wrapped."""
+    stagekit({"prepare": "fail:2"})
+    cli("run", "--wait", cwd=tmp_path, check=1)
+    rd = RunDir(tmp_path / "runs/t")
+    rd.update_stage("prepare", reason="a third line of detail under the hint")
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(80, rows)) as pilot:
+        await pilot.press("2")
+        await until(pilot, lambda: app.query_one(GpuTable).snapshot is not None, what="sample")
+        app.query_one(GpuTable).update_from(app.snapshot, {0: "extract"}, {
+            "disk_needed_bytes": 123 << 30})
+        await pilot.pause(0.3)
+        text = screen_text(app)
+        assert "hint:" in text and "a third line of detail" in text   # the detail is tall
+        shown = set(re.findall(r"(?:^| )(\d)\* ", text, re.M))
+        assert shown == set("01234567"), text
+        assert len(re.findall(r"^ \d\* ", text, re.M)) == (4 if rows == 24 else 8), text
+        host = [ln for ln in text.splitlines() if ln.startswith(" host")]
+        assert len(host) == 1 and "CPU" in host[0]
+        assert "of hidden states to write" in host[0] or host[0].rstrip().endswith("…"), host
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(160, 48)) as pilot:   # room: one GPU per line
+        await pilot.press("2")
+        await until(pilot, lambda: app.query_one(GpuTable).snapshot is not None, what="sample")
+        await pilot.pause(0.3)
+        text = screen_text(app)
+        assert len(re.findall(r"^ \d\* ", text, re.M)) == 8, text
 
 
 async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
@@ -352,13 +389,6 @@ def finished_run_events(tmp_path, stagekit):
     return rd, EventWriter(rd.events_path("extract"))
 
 
-async def kv_tab_text(app, pilot) -> str:
-    await pilot.press("3")
-    await pilot.pause(0.3)
-    panel = app.query_one("#kvpanel")
-    return "\n".join(strip.text for strip in panel.render_lines(panel.region.reset_offset))
-
-
 async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
     """kv_cache events as the vllm-server backend writes them (two data-parallel
     servers, fields from their log lines) and a kv_usage from /metrics."""
@@ -382,15 +412,15 @@ async def test_kv_tab_shows_the_engine_report(tmp_path, stagekit):
     """A kv_cache event as the vllm-engine backend writes it: from a
     KVCacheConfig (Llama-3.1-8B-like at TP=2: 32 layers, 4 KV heads per rank,
     page 32 KiB per layer per block)."""
-    from pipeline import vllm_compat
-    from tests import vllm_doubles as d
+    from pipeline.vllm import kv
+    from tests.fakes import vllm_doubles as d
     rd, w = finished_run_events(tmp_path, stagekit)
     spec = d.FullAttentionSpec(block_size=16, page_size_bytes=32768)
     names = [f"layers.{i}" for i in range(32)]
     kvc = d.KVCacheConfig(num_blocks=50_000, kv_cache_tensors=[
         d.KVCacheTensor_0_24(50_000 * 32768, [n]) for n in names],
         kv_cache_groups=[d.KVCacheGroupSpec(names, spec)])
-    w.emit("kv_cache", server=0, devices=[0, 1], **vllm_compat.kv_cache_event(kvc, 16, 4097))
+    w.emit("kv_cache", server=0, devices=[0, 1], **kv.kv_cache_event(kvc, 16, 4097))
     w.close()
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:

@@ -12,14 +12,16 @@ import pytest
 from app.panel import PanelApp
 from pipeline.rundir import RunDir, atomic_write_json
 from pipeline.telemetry import Telemetry
-from tests.conftest import cli
+from tests.helpers import cli
+
+pytestmark = pytest.mark.integration
 
 T0 = 1_790_000_000.0
 
 
 @pytest.fixture(scope="module")
 def snap_run(tmp_path_factory):
-    from tests.conftest import stagekit_config
+    from tests.helpers import stagekit_config
     tmp = tmp_path_factory.mktemp("snap")
     stagekit_config(tmp, {"train": "events:400", "extract": "sleep:0.3"})
     cli("run", "--wait", cwd=tmp, check=0)

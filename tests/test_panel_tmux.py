@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 
 
 def tmux(*args):

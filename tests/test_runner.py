@@ -11,7 +11,13 @@ import pytest
 
 from pipeline.proctree import stage_processes
 from pipeline.rundir import RunDir, proc_alive
-from tests.conftest import ROOT, cli, wait_for
+from pipeline.stage_graph import STAGE_NAMES
+from tests.helpers import ROOT, cli, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+ALL = list(STAGE_NAMES)
 
 
 def starts(tmp_path):
@@ -28,17 +34,16 @@ def test_full_run_then_skip_by_fingerprint(tmp_path, stagekit):
     p = cli("run", "--wait", cwd=tmp_path, check=0)
     assert "[train] succeeded" in p.stdout
     st = state_of(tmp_path)
-    assert [st["stages"][s]["status"] for s in ("prepare", "extract", "vocab", "train")] == \
-        ["succeeded"] * 4
+    assert [st["stages"][s]["status"] for s in ALL] == ["succeeded"] * 6
     assert all(st["stages"][s]["exit_code"] == 0 for s in st["stages"])
-    assert starts(tmp_path) == ["prepare", "extract", "vocab", "train"]
+    assert starts(tmp_path) == ALL
 
     p = cli("run", "--wait", cwd=tmp_path, check=0)
     assert "up to date" in p.stdout and "nothing to run" in p.stdout
-    assert len(starts(tmp_path)) == 4
+    assert len(starts(tmp_path)) == 6
 
     status = json.loads(cli("status", "--json", cwd=tmp_path, check=0).stdout)
-    assert [r["status"] for r in status["stages"]] == ["succeeded"] * 4
+    assert [r["status"] for r in status["stages"]] == ["succeeded"] * 6
     assert status["stages"][0]["attempt"] == 1
 
 
@@ -48,10 +53,10 @@ def test_changed_section_invalidates_downstream_only(tmp_path, stagekit):
     # vocab's section changes: vocab and train (which reads it) re-run.
     cfg = tmp_path / "config.toml"
     cfg.write_text(cfg.read_text().replace(
-        '[stages.vocab]\nentry = "tests.stagekit"',
-        '[stages.vocab]\ndraft_vocab_size = 77\nentry = "tests.stagekit"'))
+        '[stages.vocab]\nentry = "tests.fakes.stagekit"',
+        '[stages.vocab]\ndraft_vocab_size = 77\nentry = "tests.fakes.stagekit"'))
     p = cli("run", "--wait", cwd=tmp_path, check=0)
-    assert starts(tmp_path)[4:] == ["vocab", "train"], p.stdout
+    assert starts(tmp_path)[6:] == ["vocab", "train", "evaluate"], p.stdout
     assert "config changed" in p.stdout
     st = state_of(tmp_path)["stages"]
     assert st["prepare"]["attempt"] == 1 and st["vocab"]["attempt"] == 2
@@ -59,7 +64,27 @@ def test_changed_section_invalidates_downstream_only(tmp_path, stagekit):
     cfg.write_text(cfg.read_text().replace(
         '[stages.prepare]\nentry', '[stages.prepare]\nseq_length = 99\nentry'))
     cli("run", "--wait", cwd=tmp_path, check=0)
-    assert starts(tmp_path)[6:] == ["prepare", "extract", "vocab", "train"]
+    assert starts(tmp_path)[9:] == ["prepare", "extract", "vocab", "train", "evaluate"]
+    assert state_of(tmp_path)["stages"]["regenerate"]["attempt"] == 1   # upstream: untouched
+
+
+def test_a_stage_turned_off_is_skipped_and_its_reader_goes_on(tmp_path, stagekit):
+    """regenerate off (its default): recorded as skipped with the reason,
+    never started; prepare runs; turning it on later runs it and what reads it."""
+    cfg = stagekit()
+    cfg.write_text(cfg.read_text().replace("enabled = true\n", "", 1))
+    p = cli("run", "--wait", cwd=tmp_path, check=0)
+    assert "regenerate off     off ([stages.regenerate] enabled = false)" in p.stdout
+    st = state_of(tmp_path)["stages"]
+    assert st["regenerate"]["status"] == "skipped" and st["regenerate"]["attempt"] == 0
+    assert "enabled = false" in st["regenerate"]["reason"]
+    assert starts(tmp_path) == ALL[1:]
+    p = cli("run", "--wait", cwd=tmp_path, check=0)
+    assert "nothing to run" in p.stdout
+    cfg.write_text(cfg.read_text().replace("[stages.regenerate]\n",
+                                           "[stages.regenerate]\nenabled = true\n", 1))
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    assert starts(tmp_path)[5:] == ALL   # on: it runs, and so does everything after it
 
 
 def test_failure_stops_pipeline_and_resume_continues(tmp_path, stagekit):
@@ -70,7 +95,8 @@ def test_failure_stops_pipeline_and_resume_continues(tmp_path, stagekit):
     assert st["extract"]["status"] == "failed" and st["extract"]["exit_code"] == 1
     assert st["vocab"]["status"] == "pending"
     p = cli("resume", "--wait", cwd=tmp_path, check=0)
-    assert starts(tmp_path) == ["prepare", "extract", "extract", "vocab", "train"]
+    assert starts(tmp_path) == ["regenerate", "prepare", "extract", "extract", "vocab", "train",
+                                "evaluate"]
     st = state_of(tmp_path)["stages"]
     assert st["extract"]["attempt"] == 2 and st["extract"]["status"] == "succeeded"
 
@@ -97,7 +123,7 @@ def test_launcher_killed_stage_still_records_exit(tmp_path, stagekit):
     # The next stage was not started: the driver is gone; resume picks up.
     assert rd.read_state()["stages"]["extract"]["status"] == "pending"
     cli("resume", "--wait", cwd=tmp_path, check=0)
-    assert starts(tmp_path) == ["prepare", "extract", "vocab", "train"]
+    assert starts(tmp_path) == ALL
 
 
 def test_relaunch_adopts_a_running_stage_instead_of_starting_it_twice(tmp_path, stagekit):
@@ -169,16 +195,16 @@ def test_concurrent_launchers_start_a_stage_once(tmp_path, stagekit):
     codes = sorted(p.returncode for p in procs)
     assert codes.count(0) >= 1, outs
     assert set(codes) <= {0, 3}, outs
-    assert starts(tmp_path) == ["prepare", "extract", "vocab", "train"]
+    assert starts(tmp_path) == ALL
 
 
 def test_supervisor_cleans_up_leftover_processes(tmp_path, stagekit):
-    stagekit({"prepare": "grandchild:0.2"})
-    cli("run", "--stage", "prepare", "--wait", cwd=tmp_path, check=0)
+    stagekit({"regenerate": "grandchild:0.2"})
+    cli("run", "--stage", "regenerate", "--wait", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs" / "t")
-    grandchild = int((rd.stage_dir("prepare") / "grandchild.pid").read_text())
+    grandchild = int((rd.stage_dir("regenerate") / "grandchild.pid").read_text())
     assert not proc_alive(grandchild, None)
-    st = rd.read_state()["stages"]["prepare"]
+    st = rd.read_state()["stages"]["regenerate"]
     assert stage_processes(st["token"], None) == []
 
 
@@ -248,4 +274,4 @@ def test_corrupt_state_is_reported_not_reset(tmp_path, stagekit, bad):
         p = cli(*args, cwd=tmp_path, check=2)
         assert "corrupt state file" in p.stderr, (args, p.stderr)
     assert state_path.read_text() == bad
-    assert len(starts(tmp_path)) == 4
+    assert len(starts(tmp_path)) == 6

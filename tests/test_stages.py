@@ -3,58 +3,27 @@
 import http.server
 import json
 import shutil
-import signal
-import textwrap
 import threading
 
 import pytest
 import torch
 
+from pipeline import hsfile
 from pipeline.builtin import broken_conversations_path, conversations_path
 from pipeline.builtin.make_conversations import BROKEN
 from pipeline.builtin.tiny_model import ensure_built
-from pipeline.events import read_events
-from pipeline.rundir import RunDir
-from pipeline.stages import extract, prepare, train, vocab
+from pipeline.stages import extract, extract_hf, prepare, train, vocab
 from pipeline.stages.chat_mask import LocalRenderer, RowError, normalize
-from pipeline.stages.common import run_stage
 from pipeline.stages.extract_hf import validate_layer_ids
+from tests.helpers import finished, run_body
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(ensure_built()))
-
-
-def run_body(tmp_path, stage, body, config: str, run="r"):
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(textwrap.dedent(config))
-    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    try:
-        code = run_stage(stage, body, ["--run-dir", str(tmp_path / run), "--config", str(cfg)])
-    finally:
-        signal.signal(signal.SIGINT, old[0])
-        signal.signal(signal.SIGTERM, old[1])
-    rd = RunDir(tmp_path / run)
-    return code, rd, read_events(rd.events_path(stage))
-
-
-def finished(events):
-    return [e for e in events if e["type"] == "stage_finished"][-1]
-
-
-def prepared_once(tmp_path_factory, name: str, config: str):
-    """A run dir whose prepare stage is done, for a module's extract tests."""
-    tmp = tmp_path_factory.mktemp(name)
-    code, rd, _ = run_body(tmp, "prepare", prepare.body, config)
-    assert code == 0
-    return tmp, rd
-
-
-def hs_files(rd):
-    """The extract stage's hidden-state files, in name order."""
-    return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))
 
 
 # -- prepare ------------------------------------------------------------------
@@ -150,7 +119,7 @@ def test_boundary_method_on_a_template_that_rewrites_history(tok):
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "second one"}]
     rows = LocalRenderer(t).rows(msgs)
     assert len(rows) == 2  # one row per assistant turn
-    texts = [t.decode([i for i, m in zip(r.input_ids, r.loss_mask) if m]) for r in rows]
+    texts = [t.decode([i for i, m in zip(r.input_ids, r.loss_mask, strict=True) if m]) for r in rows]
     assert texts == ["first answer<|eot_id|>", "second one<|eot_id|>"]
     stable = LocalRenderer(tok).rows(msgs)
     assert len(stable) == 1
@@ -171,7 +140,7 @@ class RenderStandIn(http.server.BaseHTTPRequestHandler):
     with the same tokenizer's chat template and answers token ids."""
     tokenizer = None
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path != "/v1/chat/completions/render":
             self.send_response(404)
@@ -258,7 +227,7 @@ def test_layer_ids_are_validated():
 
 def test_length_batches_bound_padded_tokens():
     lengths = [10, 200, 30, 190, 5, 100]
-    batches = extract.length_batches(list(range(6)), lengths, 400)
+    batches = extract_hf.length_batches(list(range(6)), lengths, 400)
     assert sorted(i for b in batches for i in b) == list(range(6))
     assert all(lengths[b[0]] * len(b) <= 400 or len(b) == 1 for b in batches)
 
@@ -300,7 +269,7 @@ def test_extract_validation_detects_damage_and_workers_agree(prepared):
            for i in range(24)}
     from datasets import load_from_disk
     ids = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)[0]["input_ids"]
-    ok = extract.validate_file(hs / "hs_0.safetensors", ids, 4, 128, torch.float32)
+    ok = hsfile.validate_file(hs / "hs_0.safetensors", ids, 4, 128, torch.float32)
     assert ok is None
     # Damage three files three ways; a resume must find and redo exactly those.
     (hs / "hs_1.safetensors").write_bytes((hs / "hs_1.safetensors").read_bytes()[:500])
@@ -311,8 +280,8 @@ def test_extract_validation_detects_damage_and_workers_agree(prepared):
     wrong = dict(ref[3])
     wrong["token_ids"] = wrong["token_ids"] + 1
     save_file(wrong, str(hs / "hs_3.safetensors"))
-    assert "non-finite" in extract.validate_file(hs / "hs_2.safetensors",
-                                                 ref[2]["token_ids"].tolist(), 4, 128, torch.float32)
+    assert "non-finite" in hsfile.validate_file(hs / "hs_2.safetensors",
+                                                ref[2]["token_ids"].tolist(), 4, 128, torch.float32)
     code, _, evs = run_body(tmp, "extract", extract.body, cfg)
     summary = finished(evs)["summary"]
     assert code == 0 and summary["computed"] == 3 and summary["reused"] == 21
@@ -382,17 +351,27 @@ class _Forward:
         return hs
 
 
+def shard_job(folder, rows, lengths):
+    """The ExtractJob for extract_hf.extract_shard on two hand-made rows."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.extract_job import DiskGuard, ExtractJob
+    return ExtractJob(target=None, layer_ids=[1, 2], dtype=torch.float32, hidden=4,
+                      trust_remote_code=False, rows=rows, lengths=lengths, todo=[0, 1],
+                      folder=folder, bytes_per_token=40, disk=DiskGuard(folder, 0),
+                      section=SimpleNamespace(batch_tokens=100, tensor_parallel=1, workers=0),
+                      devices=[], log_dir=folder)
+
+
 def test_non_finite_hidden_states_stop_the_stage_but_padding_does_not(tmp_path):
-    from pipeline.stages.common import StageError
+    from pipeline.errors import StageError
     rows = [[1] * 5, [2] * 3]          # sample 1 is padded to 5 positions
     lengths = [5, 3]
     # NaN in sample 1's padding (position 4): not part of any file, not an error.
-    done = extract.extract_shard(_Forward((2, 4)), rows, [0, 1], lengths, tmp_path, 100, 40, 0,
-                                 lambda c: None, lambda: False)
+    done = extract_hf.extract_shard(_Forward((2, 4)), shard_job(tmp_path, rows, lengths))
     assert done.samples == 2 and len(list(tmp_path.glob("hs_*.safetensors"))) == 2
     for f in tmp_path.glob("hs_*"):
         f.unlink()
     with pytest.raises(StageError, match="sample 1: the target produced non-finite"):
-        extract.extract_shard(_Forward((2, 1)), rows, [0, 1], lengths, tmp_path, 100, 40, 0,
-                              lambda c: None, lambda: False)
+        extract_hf.extract_shard(_Forward((2, 1)), shard_job(tmp_path, rows, lengths))
     assert not (tmp_path / "hs_1.safetensors").exists()

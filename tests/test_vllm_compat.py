@@ -4,9 +4,10 @@ against lines in vLLM's formats."""
 
 import pytest
 
-from pipeline import vllm_compat as c
-from pipeline.vllm_logs import KvLogReader, parse_metrics
-from tests import vllm_doubles as d
+from pipeline.vllm import compat as c
+from pipeline.vllm import kv
+from pipeline.vllm.kv import KvLogReader, parse_metrics
+from tests.fakes import vllm_doubles as d
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +91,7 @@ def test_kv_cache_event_from_both_tensor_layouts():
                                                         [f"l{i}" for i in range(layers)],
                                                         page * blocks, page)], groups)
     for cfg in (old, new):
-        ev = c.kv_cache_event(cfg, 16, 8192)
+        ev = kv.kv_cache_event(cfg, 16, 8192)
         assert ev["total_bytes"] == page * layers * blocks == 20_971_520_000
         assert ev["bytes_per_block"] == page * layers
         assert ev["tokens_capacity"] == 160_000
@@ -103,7 +104,7 @@ def test_kv_cache_event_from_both_tensor_layouts():
                                    d.KVCacheTensor_0_29(page * 16 * blocks, [f"m{i}" for i in
                                                                              range(16)], page, 0)],
                           groups * 2)
-    assert c.kv_cache_event(two, 16, 8192)["total_bytes"] == page * 16 * blocks
+    assert kv.kv_cache_event(two, 16, 8192)["total_bytes"] == page * 16 * blocks
 
 
 # Lines as vLLM prints them (format strings of the named versions).

@@ -1,6 +1,6 @@
 """The compatibility layer's assumptions, checked against vLLM's real source
-releases (fetched and cached by tests/vllm_releases.py, read with ast, never
-installed): what `vllm_compat.plan` decides for each release, and that the
+releases (fetched and cached by tests/fakes/vllm_releases.py, read with ast, never
+installed): what `compat.plan` decides for each release, and that the
 test doubles have that release's exact parameter lists. Skipped, with the
 reason, only when the package index cannot be reached."""
 
@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from pipeline import vllm_compat
-from pipeline.vllm_logs import KvLogReader
-from tests import vllm_doubles as d
-from tests import vllm_releases
+from pipeline.vllm import compat as vllm_compat
+from pipeline.vllm.kv import KvLogReader
+from tests.fakes import vllm_doubles as d
+from tests.fakes import vllm_releases
 
 FIXED = ["0.11.0", "0.12.0", "0.16.0", "0.17.0", "0.18.0", "0.22.0", "0.29.0"]
 
@@ -33,7 +33,7 @@ def params(fn) -> list[str]:
     return [p for p in inspect.signature(fn).parameters if p != "self"]
 
 
-# What fires, per release (FACTS.md's drift table, re-read here).
+# What fires, per release (docs/FACTS.md's drift table, re-read here).
 EXPECTED = {
     "0.11.0": dict(kv_config_specs=True, scheduler_initvars=False, scheduler_block_size=False,
                    request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True,
@@ -45,11 +45,13 @@ EXPECTED = {
                    request_no_eos=False, kv_tensor_shared_allocation=False, server_route=True,
                    sample_tokens=True, compilation_mode=True, async_scheduling=True),
     "0.17.0": dict(kv_config_specs=False, request_no_eos=True, server_route=False,
-                   write_lock=False),
-    "0.18.0": dict(request_no_eos=True, server_route=False, write_lock=False),
+                   write_lock=False, own_connector=False),
+    "0.18.0": dict(request_no_eos=True, server_route=False, write_lock=False,
+                   own_connector=False),
     "0.22.0": dict(request_no_eos=True, server_route=False, write_lock=True,
-                   kv_tensor_shared_allocation=False),
-    "0.29.0": dict(kv_tensor_shared_allocation=True, kv_config_module=False, write_lock=True),
+                   kv_tensor_shared_allocation=False, own_connector=False),
+    "0.29.0": dict(kv_tensor_shared_allocation=True, kv_config_module=False, write_lock=True,
+                   own_connector=True),
 }
 
 
@@ -69,6 +71,7 @@ def test_newest_release_still_matches_the_layer(newest):
     assert "kv_config_missing" not in got
     assert got["scheduler_initvars"] and got["scheduler_block_size"] and got["request_no_eos"]
     assert got["server_route"] is False and got["write_lock"] is True
+    assert got["own_connector"] is True   # pipeline/vllm/connector.py still has what it extends
     assert got["eagle3"] is False  # implemented: nothing to warn about
     if vllm_compat.version_at_least(newest, "0.33.0"):
         assert got["kv_config_module"] is True  # moved to v1.core.kv_cache_planning
@@ -86,7 +89,7 @@ def test_eagle3_support_begins_where_the_table_says(arch):
 
 
 def test_doubles_have_each_releases_parameters():
-    s11, s12, s17 = vllm_releases.source("0.11.0"), vllm_releases.source("0.12.0"), vllm_releases.source("0.17.0")
+    s11, s12, s17 = (vllm_releases.source(v) for v in ("0.11.0", "0.12.0", "0.17.0"))
     kv = "get_kv_cache_config_from_groups"
     assert s11.function_params("v1.core.kv_cache_utils", kv) == params(d.kv_config_0_11)
     assert s12.function_params("v1.core.kv_cache_utils", kv) == params(d.kv_config_0_12)
@@ -106,7 +109,8 @@ def test_doubles_have_each_releases_parameters():
     assert f12["max_model_len"] is True and f12["is_encoder_decoder"] is True
     assert list(s11.dataclass_fields("v1.kv_cache_interface", "KVCacheTensor")) == list(
         d.KVCacheTensor_0_24.__dataclass_fields__)
-    assert list(vllm_releases.source("0.29.0").dataclass_fields("v1.kv_cache_interface", "KVCacheTensor")) == \
+    s29 = vllm_releases.source("0.29.0")
+    assert list(s29.dataclass_fields("v1.kv_cache_interface", "KVCacheTensor")) == \
         list(d.KVCacheTensor_0_29.__dataclass_fields__)
 
 
@@ -173,7 +177,7 @@ def fields_anywhere(src, cls, modules):
 def test_engine_route_names_exist_in_each_release(version):
     """Every vLLM name, parameter and field the vllm-engine backend and its
     test stand-in rely on, read from the release's source."""
-    from tests import standin_engine as se
+    from tests.fakes import standin_engine as se
     src = vllm_releases.source(version)
     init = src.text("config") or ""
     for name in ("CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "ModelConfig",
@@ -283,8 +287,7 @@ def test_engine_route_worker_and_layout_assumptions(version):
         assert got[:3] == ["positions", "hidden_states", "residual"], (version, cls, got)
     for module, cls in (("model_executor.models.llama", "LlamaModel"),
                         ("model_executor.models.deepseek_v2", "DeepseekV2Model")):
-        text = src.text(module)
-        assert "self.embed_tokens = " in text and "self.layers" in text
+        assert {"embed_tokens", "layers"} <= src.class_members(module, cls), (version, cls)
     deco = src.text("compilation.decorators")
     assert "if self.do_not_compile or torch.compiler.is_compiling():" in deco
     assert "return self.forward(*args, **kwargs)" in deco

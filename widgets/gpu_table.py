@@ -1,8 +1,11 @@
 """GPUs: memory bar, utilization, temperature, power, PCIe, a 0-100 history,
 and which stage holds each GPU; a host line under them.
 
-One line widget per GPU, redrawn only when its text changes (a GPU whose
-numbers hold still costs nothing over SSH)."""
+One line widget per row, redrawn only when its text changes (a GPU whose
+numbers hold still costs nothing over SSH). Every GPU stays on screen: when
+the tab is too short for one GPU per line (8 GPUs at 80x24 under six
+stages), two GPUs share a line in a compact form. The host line is cut to
+the width, never wrapped."""
 
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ def _cell(t, width: int, right: bool = False) -> Text:
 
 
 class GpuTable(Vertical):
+    # 1fr: the table knows the height it has (the pane's), to choose the layout.
     DEFAULT_CSS = """
-    GpuTable { height: auto; }
+    GpuTable { height: 1fr; }
     GpuTable > QuietStatic { height: auto; }
+    #gpu-rows { height: auto; }
     """
 
     def __init__(self, history: int = 60, **kw):
@@ -62,24 +67,46 @@ class GpuTable(Vertical):
         if self.snapshot is not None:
             self.update_from(self.snapshot, self.holders, self.forecast)
 
+    def two_columns(self, n_gpus: int, banner: bool, sim: bool) -> bool:
+        """True when one GPU per line would not fit the height the tab has."""
+        height = self.size.height
+        other = 2 + int(banner) + int(sim)   # header, host line, banner, note
+        return height > 0 and n_gpus + other > height
+
     def update_from(self, snap, holders: dict[int, str], forecast: dict | None) -> None:
         self.record(snap)
         self.holders, self.forecast = holders, forecast
         wide = self.size.width >= 120
+        sim = snap.source == "simulated"
+        gpus = snap.gpus
+        pairs = self.two_columns(len(gpus), bool(snap.banner), sim)
+        lines = [gpus[i:i + 2] for i in range(0, len(gpus), 2)] if pairs else [[g] for g in gpus]
         rows = self.query_one("#gpu-rows", Vertical)
-        while len(self._rows) < len(snap.gpus):
+        while len(self._rows) < len(lines):
             line = QuietStatic()
             self._rows.append(line)
             rows.mount(line)
-        sim = snap.source == "simulated"
-        self.query_one("#gpu-banner", QuietStatic).set(
-            Text(snap.banner, style="yellow") if snap.banner else Text(""))
-        self.query_one("#gpu-header", QuietStatic).set(self._header(wide, sim) if snap.gpus else Text(""))
-        for line, g in zip(self._rows, snap.gpus):
-            line.set(self._row(g, wide, sim))
-        self.query_one("#gpu-note", QuietStatic).set(
-            Text("* SIMULATED numbers (--simulate-gpus), not a real GPU", style="bold magenta")
-            if sim else Text(""))
+        banner = self.query_one("#gpu-banner", QuietStatic)
+        banner.display = bool(snap.banner)   # an empty line would still take a row
+        banner.set(Text(snap.banner or "", style="yellow"))
+        header = self._header_pairs() if pairs else self._header(wide, sim)
+        self.query_one("#gpu-header", QuietStatic).set(header if gpus else Text(""))
+        half = max(20, (self.size.width - 2) // 2)
+        for line, group in zip(self._rows, lines, strict=False):   # spare rows stay hidden
+            line.display = True
+            if pairs:
+                t = Text()
+                for g in group:
+                    t.append_text(_cell(self._compact(g, sim), half))
+                line.set(t)
+            else:
+                line.set(self._row(group[0], wide, sim))
+        for line in self._rows[len(lines):]:
+            line.display = False   # rows of the other layout: they would still take height
+        note = self.query_one("#gpu-note", QuietStatic)
+        note.display = sim
+        note.set(Text("* SIMULATED numbers (--simulate-gpus), not a real GPU",
+                      style="bold magenta"))
         self.query_one("#gpu-host", QuietStatic).set(self._host_line())
 
     @staticmethod
@@ -129,6 +156,28 @@ class GpuTable(Vertical):
             t.append(" ")
         return t
 
+    def _header_pairs(self) -> Text:
+        half = max(20, (self.size.width - 2) // 2)
+        one = _cell(" GPU Memory           Util Temp Stage", half)
+        return Text.assemble(one, one.copy(), style="bold")
+
+    def _compact(self, g, sim: bool) -> Text:
+        """One GPU in half a line: index, memory bar and figures, util, temp, stage."""
+        t = Text(" ")
+        t.append_text(_cell(f"{g.index}" + ("*" if sim else ""), 3))
+        if g.error:
+            t.append(g.error, style="bold red")
+            return t
+        frac = g.mem_used / g.mem_total if g.mem_used is not None and g.mem_total else None
+        t.append_text(bar(frac, 5))
+        t.append(f" {g.mem_used / GiB:3.0f}/{g.mem_total / GiB:3.0f}G" if frac is not None
+                 else "    -   ")
+        t.append_text(_cell("-" if g.util is None else f"{g.util:.0f}%", 5, right=True))
+        t.append_text(_cell("-" if g.temp is None else f"{g.temp:.0f}C", 5, right=True))
+        t.append(" ")
+        t.append(self.holders.get(g.index, ""), style="bold cyan")
+        return t
+
     def _host_line(self) -> Text:
         h = self.snapshot.host if self.snapshot else None
         line = Text(" host ", style="bold")
@@ -136,12 +185,14 @@ class GpuTable(Vertical):
             return line
         line.append(f"CPU {h.cpu_percent:.0f}%  RAM {h.mem_used / GiB:.1f}/{h.mem_total / GiB:.1f}G")
         if h.disk_free is not None:
-            line.append(f"  disk free {fmt.nbytes(h.disk_free)}")
+            line.append(f"  disk {fmt.nbytes(h.disk_free)} free")
         fc = self.forecast
         if fc and fc.get("disk_needed_bytes") is not None:
             need = fc["disk_needed_bytes"]
             style = "bold red" if h.disk_free is not None and need > h.disk_free else ""
-            line.append(f"  hidden states still to write {fmt.nbytes(need)}", style=style)
+            line.append(f", {fmt.nbytes(need)} of hidden states to write", style=style)
+        if self.size.width > 0 and line.cell_len > self.size.width - 2:
+            line.truncate(self.size.width - 2, overflow="ellipsis")
         return line
 
     def plain(self) -> str:

@@ -33,9 +33,10 @@ class KVCachePanel(Static):
             ("token capacity", f"{kv.get('tokens_capacity'):,}" if kv.get("tokens_capacity") else "-"),
             ("max concurrency", f"{kv.get('max_concurrency'):.2f}x at {kv.get('max_model_len')} tokens"
              if kv.get("max_concurrency") else "-"),
-            ("source", str(kv.get("source", "-")) + (f" (server {kv['server']}, GPUs "
-                                                     f"{kv.get('devices')})" if "server" in kv
-                                                     else "")),
+            ("source", str(kv.get("source", "-"))
+             + (f", {kv['pool']} memory" if kv.get("pool") else "")
+             + (f" (server {kv['server']}, GPUs {kv.get('devices') or '- (CPU)'})"
+                if "server" in kv else "")),
         ]
         for k, v in rows:
             t.add_row(k, v)

@@ -102,12 +102,14 @@ def plot(series: list[tuple[str, np.ndarray, np.ndarray]], width: int, height: i
 
 
 class LossChart(Widget):
-    """Loss or accuracy per TTT step (train, and validation when shown)."""
+    """Loss or accuracy per TTT step (train, and validation when shown), or
+    the acceptance length vLLM measured per checkpoint beside train's estimate."""
 
     DEFAULT_CSS = "LossChart { height: 1fr; min-height: 6; }"
     smooth = reactive(False)
     log = reactive(False)
-    metric = reactive("loss")   # "loss" | "full_acc"
+    metric = reactive("loss")   # "loss" | "full_acc" | "acceptance"
+    METRICS = ("loss", "full_acc", "acceptance")
     split = reactive("train")
 
     def __init__(self, **kw):
@@ -133,6 +135,12 @@ class LossChart(Widget):
         m = self.model
         if m is None:
             return []
+        if self.metric == "acceptance":
+            return [(label, np.frombuffer(m.metrics[("eval", k)].x, dtype=float),
+                     np.frombuffer(m.metrics[("eval", k)].y, dtype=float))
+                    for k, label in (("acceptance_length", "measured"),
+                                     ("acceptance_estimate", "estimate"))
+                    if ("eval", k) in m.metrics]
         keys = [k for k in m.metric_keys(self.split)
                 if k.startswith(self.metric + "_") and k[len(self.metric) + 1:].isdigit()]
         keys.sort(key=lambda k: int(k.rsplit("_", 1)[1]))
@@ -146,8 +154,10 @@ class LossChart(Widget):
 
     def render(self):
         w, h = self.size.width, self.size.height
-        title = Text(f"{self.split} {self.metric}", style="bold")
-        title.append(f"   [e] EMA {'on' if self.smooth else 'off'}  [o] log {'on' if self.log else 'off'}"
-                     f"  [a] loss/accuracy  [v] train/val", style="dim")
+        title = Text("acceptance length per checkpoint" if self.metric == "acceptance"
+                     else f"{self.split} {self.metric}", style="bold")
+        title.append(f"   [e] EMA {'on' if self.smooth else 'off'}  "
+                     f"[o] log {'on' if self.log else 'off'}"
+                     f"  [a] loss/acc/acceptance  [v] train/val", style="dim")
         lines = [title, *plot(self.series(), w, max(2, h - 1), self.smooth, self.log)]
         return Text("\n").join(lines[:h])

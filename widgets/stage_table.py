@@ -1,4 +1,4 @@
-"""The four stages: status, attempt, duration, progress with rate and ETA, exit.
+"""The stages: status, attempt, duration, progress with rate and ETA, exit.
 
 One line widget per stage, each redrawn only when its text changes: over
 SSH the bytes sent are the cost, and a whole-table repaint every second for
@@ -15,20 +15,23 @@ from textual.containers import Vertical
 from textual.message import Message
 
 from app import fmt
-from pipeline.config import STAGE_NAMES
+from pipeline.rundir import Status
+from pipeline.stage_graph import STAGE_NAMES
 from widgets.bars import progress_bar
 from widgets.quiet import QuietStatic
 
-STATUS_STYLE = {"pending": "dim", "running": "bold cyan", "succeeded": "green",
-                "failed": "bold red", "cancelled": "yellow"}
+STATUS_STYLE = {Status.PENDING: "dim", Status.SKIPPED: "dim", Status.RUNNING: "bold cyan",
+                Status.SUCCEEDED: "green",
+                Status.FAILED: "bold red", Status.CANCELLED: "yellow"}
 # column: (title, width); the last column takes what is left
-COLUMNS = (("Stage", 8), ("Status", 10), ("Att", 3), ("Time", 7), ("Progress", 20),
+ENDED = (Status.FAILED, Status.CANCELLED, Status.SUCCEEDED, Status.SKIPPED)
+COLUMNS = (("Stage", 10), ("Status", 10), ("Att", 3), ("Time", 7), ("Progress", 18),
            ("Rate / ETA", 16), ("Exit", 7))
 
 
 class StageTable(Vertical, can_focus=True):
     DEFAULT_CSS = """
-    StageTable { height: 5; }
+    StageTable { height: auto; }
     StageTable > QuietStatic { height: 1; }
     StageTable > .header { text-style: bold; background: $boost; }
     StageTable > .selected { background: $accent 30%; }
@@ -56,6 +59,9 @@ class StageTable(Vertical, can_focus=True):
     @property
     def selected_stage(self) -> str:
         return STAGE_NAMES[self.cursor_row]
+
+    def select(self, stage: str) -> None:
+        self.action_move(STAGE_NAMES.index(stage) - self.cursor_row)
 
     def action_move(self, delta: int) -> None:
         new = min(len(STAGE_NAMES) - 1, max(0, self.cursor_row + delta))
@@ -89,7 +95,7 @@ class StageTable(Vertical, can_focus=True):
         for s in STAGE_NAMES:
             info = model.stages[s]
             st = info.state
-            status = st.get("status", "pending")
+            status = st.get("status", Status.PENDING)
             prog = info.progress if st.get("attempt") else None
             styled = {
                 "Stage": s,
@@ -98,8 +104,8 @@ class StageTable(Vertical, can_focus=True):
                 "Time": fmt.duration(fmt.stage_duration(st, now)) if st.get("started_at") else "",
                 "Progress": self._progress(prog),
                 "Rate / ETA": self._rate(prog, status),
-                "Exit": Text(fmt.exit_text(st) if status in ("failed", "cancelled", "succeeded")
-                             else "", style="red" if status == "failed" else ""),
+                "Exit": Text(fmt.exit_text(st) if status in ENDED
+                             else "", style="red" if status == Status.FAILED else ""),
             }
             self.cells[s] = {k: (v.plain if isinstance(v, Text) else v) for k, v in styled.items()}
             self.query_one(f"#row-{s}", QuietStatic).set(self._row_text(styled))
@@ -115,7 +121,7 @@ class StageTable(Vertical, can_focus=True):
 
     @staticmethod
     def _rate(ev, status) -> str:
-        if not ev or status != "running":
+        if not ev or status != Status.RUNNING:
             return ""
         parts = []
         if ev.get("rate"):

@@ -98,7 +98,8 @@ class LocalRenderer:
         for j, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            pre, upto = self.text(msgs[:j], True) if j else self._empty_prompt(), self.text(msgs[:j + 1], False)
+            pre = self.text(msgs[:j], True) if j else self._empty_prompt()
+            upto = self.text(msgs[:j + 1], False)
             if pre is None or not (upto.startswith(pre) and full.startswith(upto)):
                 stable = False
             spans.append((j, len(pre or ""), len(upto)))

@@ -18,22 +18,23 @@ from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.config import Config
-from pipeline.events import EventWriter
-from pipeline.rundir import RunDir, atomic_write_bytes
+from pipeline.errors import StageError
+from pipeline.events import EventType, EventWriter
+from pipeline.rundir import RunDir, Status, atomic_write_bytes
+
+__all__ = ["StageError", "Interrupted", "Skipped", "StageContext", "main_for", "run_stage",
+           "torch_dtype"]
 
 EXIT_INTERRUPTED = 130
 
 
-class StageError(Exception):
-    """A problem the user can fix: reported as an `error` event with a hint."""
-
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.hint = hint
-
-
 class Interrupted(Exception):
     """A stop was requested (SIGINT/SIGTERM) and the stage stopped cleanly."""
+
+
+class Skipped(Exception):
+    """Nothing to run the stage with here (no usable vLLM): it ends as
+    `skipped`, not failed, and says why in one line."""
 
 
 @dataclass
@@ -71,7 +72,7 @@ class StageContext:
         elapsed = max(time.time() - self.started, 1e-9)
         rate = extra.pop("rate", None) or (done - extra.pop("done_before", 0)) / elapsed
         eta = (total - done) / rate if total and rate > 0 else None
-        self.events.emit("progress", done=done, total=total, unit=unit, rate=rate,
+        self.events.emit(EventType.PROGRESS, done=done, total=total, unit=unit, rate=rate,
                          eta_s=eta, **extra)
 
     def write_json(self, path: Path, obj) -> None:
@@ -130,15 +131,19 @@ def run_stage(name: str, body, argv=None) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    status, summary, code = "failed", {}, 1
+    status, summary, code = Status.FAILED, {}, 1
     try:
         summary = body(ctx) or {}
-        status, code = "succeeded", 0
+        status, code = Status.SUCCEEDED, 0
     except Interrupted:
-        status, code = "cancelled", EXIT_INTERRUPTED
+        status, code = Status.CANCELLED, EXIT_INTERRUPTED
         summary = {"stopped": "on request; resume continues from here"}
+    except Skipped as e:
+        print(f"{name}: skipped: {e}", flush=True)
+        ctx.events.warning(f"skipped: {e}")
+        status, code, summary = Status.SKIPPED, 0, {"skipped": str(e)}
     except KeyboardInterrupt:
-        status, code = "cancelled", EXIT_INTERRUPTED
+        status, code = Status.CANCELLED, EXIT_INTERRUPTED
     except StageError as e:
         print(f"{name}: error: {e}", file=sys.stderr, flush=True)
         if e.hint:
@@ -150,7 +155,7 @@ def run_stage(name: str, body, argv=None) -> int:
         ctx.events.error(f"{type(e).__name__}: {e}",
                          hint=f"see {ctx.run.log_path(name)} for the traceback")
         summary = {"error": f"{type(e).__name__}: {e}"}
-    ctx.events.emit("stage_finished", status=status,
+    ctx.events.emit(EventType.STAGE_FINISHED, status=status,
                     duration_s=round(time.time() - ctx.started, 3), summary=summary)
     ctx.events.close()
     return code

@@ -6,11 +6,21 @@ Layer ids follow vLLM: id k is the residual stream after k decoder layers
 norm), so files from this backend and from vLLM are interchangeable. HF's
 `output_hidden_states` puts the final norm on its last entry, so the layers
 are captured with hooks instead, which also keeps only the layers asked for.
+
+`run(job)` is the backend: batches of similar length through the model on
+the CPU or one GPU, or one spawned process per GPU (data parallel). A
+writer saves batch n while the model runs batch n+1 (on CUDA through pinned
+memory and async copies).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from pipeline.hsfile import Counters, Writer
+from pipeline.stages.extract_job import ExtractJob
+from pipeline.stages.extract_parallel import reporting, run_parallel
 
 
 def text_config(config):
@@ -114,3 +124,91 @@ class HFBackend:
     def close(self):
         for h in self._hooks:
             h.remove()
+
+
+def length_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group samples of similar length so that padding stays small:
+    longest first, each batch at most batch_tokens padded tokens."""
+    order = sorted(indices, key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and lengths[cur[0]] * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def extract_shard(backend: HFBackend, job: ExtractJob, writer_threads: int | None = None) -> Counters:
+    """Run `job.todo` through the model and write the files."""
+    import torch
+    if writer_threads is None:
+        writer_threads = 2 if backend.device.type == "cuda" else 0
+    writer = Writer(job.folder, threads=writer_threads, release=job.disk.release)
+    disk_full = False
+    job.on_progress(writer.done)   # loaded: extraction starts now
+    try:
+        for batch in length_batches(job.todo, job.lengths, job.section.batch_tokens):
+            if job.should_stop():
+                break
+            ids = [job.rows[i] for i in batch]
+            nbytes = job.bytes_per_token * sum(len(r) for r in ids)
+            if not job.disk.reserve(nbytes):
+                disk_full = True
+                break
+            hs = backend.forward(ids)
+            # One reduction for the whole batch (NaN and inf survive a sum; fp32
+            # accumulation cannot overflow on real activations), on the device
+            # where the tensor is: measured 4% of the CPU loop as a per-sample
+            # isfinite pass, and a full host pass in the writer on CUDA.
+            finite = torch.isfinite(hs.sum(dtype=torch.float32))
+            if hs.device.type == "cuda":
+                host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
+                host.copy_(hs, non_blocking=True)
+                finite_host = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)
+                finite_host.copy_(finite, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                host, finite_host, ready = hs, finite, None
+            writer.submit(host, finite_host, ready, list(zip(batch, ids, strict=True)), nbytes)
+            job.on_progress(writer.done)
+    finally:
+        writer.close()
+    job.on_progress(writer.done)
+    if disk_full:
+        raise job.disk.error()
+    return writer.done
+
+
+def _worker(rank: int, job: ExtractJob, q, stop, devices: list[str], torch_threads: int) -> None:
+    """One data-parallel extractor process (spawned; one per GPU)."""
+    import torch
+    device = devices[rank]
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    with reporting(q, rank):
+        job.should_stop = stop.is_set
+        job.on_progress = lambda c: q.put(("progress", rank, c.as_tuple()))
+        backend = HFBackend.load(job.target, job.layer_ids, device, job.dtype,
+                                 job.trust_remote_code)
+        extract_shard(backend, job)
+
+
+def run(job: ExtractJob) -> Counters:
+    """The hf backend: in this process on the CPU or one GPU; one process
+    per GPU (or per `workers` on the CPU) otherwise."""
+    devices = [f"cuda:{i}" for i in range(len(job.devices))] or ["cpu"]
+    world = len(devices) if job.devices else max(1, job.section.workers)
+    if world == 1:
+        backend = HFBackend.load(job.target, job.layer_ids, devices[0], job.dtype,
+                                 job.trust_remote_code)
+        return extract_shard(backend, job)
+    order = sorted(job.todo)
+    shards = [order[r::world] for r in range(world)]
+    threads = max(1, (os.cpu_count() or 1) // world)
+    per_rank = devices if job.devices else ["cpu"] * world
+    return run_parallel(job, shards, _worker, lambda r: f"extract worker {r}",
+                        (per_rank, 0 if job.devices else threads))

@@ -10,54 +10,17 @@ so a killed stage resumes at the first unfinished chunk.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from pathlib import Path
 
+from pipeline.events import EventType
 from pipeline.stages.chat_mask import EndpointRenderer, LocalRenderer, RowError, normalize
 from pipeline.stages.common import StageContext, StageError, main_for
+from pipeline.stages.sources import count_rows, iter_raw, regenerated_rows
 
 CHUNK_ROWS = 200
 MAX_LISTED = 50
-
-
-def iter_raw(path: Path):
-    """(row number, parsed object or RowError): JSONL line numbers from 1, or
-    row indices of a datasets folder."""
-    if path.is_dir():
-        try:
-            from datasets import load_from_disk
-            ds = load_from_disk(str(path))
-        except Exception as e:  # noqa: BLE001
-            raise StageError(f"{path}: not a readable datasets folder ({e})",
-                             hint="give a JSONL file or a folder saved with save_to_disk") from None
-        if hasattr(ds, "keys"):  # a DatasetDict: take the train split
-            ds = ds["train"] if "train" in ds else ds[next(iter(ds.keys()))]
-        for i, row in enumerate(ds):
-            yield i, row
-        return
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield n, RowError(f"invalid UTF-8 at byte {e.start}")
-                continue
-            if not text.strip():
-                yield n, RowError("empty line")
-                continue
-            try:
-                yield n, json.loads(text)
-            except ValueError as e:
-                yield n, RowError(f"bad JSON ({e.msg} at column {e.colno})")
-
-
-def count_rows(path: Path) -> int:
-    if path.is_dir():
-        return sum(1 for _ in iter_raw(path))
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)
 
 
 def load_tokenizer(ctx: StageContext):
@@ -104,9 +67,12 @@ def process_chunk(rows, renderer, seq_length: int, fmt: str):
 def body(ctx: StageContext) -> dict:
     import torch
     sec = ctx.section
-    src = ctx.cfg.data_path()
-    fmt = ctx.cfg.data.format
-    limit = ctx.cfg.data.max_samples or None
+    src, fmt, limit = ctx.cfg.data_path(), ctx.cfg.data.format, ctx.cfg.data.max_samples or None
+    regenerated = regenerated_rows(ctx.run)
+    if ctx.cfg.enabled("regenerate") and regenerated.exists():
+        # The target's own answers, as token ids (max_samples was applied there).
+        src, fmt, limit = regenerated, "tokenized", None
+        print(f"prepare: reading the target's regenerated answers, {src}", flush=True)
     if sec.render_endpoint:
         renderer = EndpointRenderer(sec.render_endpoint, sec.render_timeout_s)
         try:
@@ -179,8 +145,8 @@ def body(ctx: StageContext) -> dict:
 
     write_dataset(ctx.out / "data", ids, masks)
     freq = Counter()
-    for row, mask in zip(ids, masks):
-        freq.update(t for t, m in zip(row, mask) if m)
+    for row, mask in zip(ids, masks, strict=True):
+        freq.update(t for t, m in zip(row, mask, strict=True) if m)
     tmp = ctx.out / ".token_freq.pt.tmp"
     torch.save(dict(freq), tmp)
     os.replace(tmp, ctx.out / "token_freq.pt")
@@ -191,7 +157,7 @@ def body(ctx: StageContext) -> dict:
                "distinct_tokens": len(freq), "max_seq_len": max(len(r) for r in ids),
                "data": str(ctx.out / "data")}
     ctx.write_json(ctx.out / "summary.json", summary)
-    ctx.events.emit("artifact", path=str(ctx.out / "data"), kind="dataset",
+    ctx.events.emit(EventType.ARTIFACT, path=str(ctx.out / "data"), kind="dataset",
                     bytes=sum(p.stat().st_size for p in (ctx.out / "data").rglob("*") if p.is_file()))
     return summary
 

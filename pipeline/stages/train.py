@@ -19,11 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline.events import EventType
 from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
 from pipeline.stages.train_shims import latest_checkpoint, set_aside_incomplete
 
 # torch versions whose compile of speculators' fused loss is known to fail
-# (FACTS.md: torch 2.11, "ListVariable(...) is already tracked for mutation").
+# (docs/FACTS.md: torch 2.11, "ListVariable(...) is already tracked for mutation").
 FUSED_LOSS_BROKEN = ("2.11",)
 
 
@@ -121,14 +122,15 @@ class MetricEvents(logging.Handler):
         for k in ("tokens_per_s", "step_ms"):
             if k in prof:
                 values[k] = prof[k]
-        self.ctx.events.emit("metric", step=step, epoch=msg.get("epoch"), split="train",
+        self.ctx.events.emit(EventType.METRIC, step=step, epoch=msg.get("epoch"), split="train",
                              values=values)
         if "loss" in values:
             self.first_loss = values["loss"] if self.first_loss is None else self.first_loss
             self.last_loss = values["loss"]
         if self.first_step is None:
             self.first_step = step
-        self.ctx.progress(step + 1, self.total_steps, "steps",
+        total = max(self.total_steps, step + 1) if self.total_steps else None
+        self.ctx.progress(step + 1, total, "steps",
                           done_before=self.first_step, epoch=msg.get("epoch"),
                           steps_per_epoch=self.steps_per_epoch)
 
@@ -136,7 +138,7 @@ class MetricEvents(logging.Handler):
         values = {(k[:-6] if k.endswith("_epoch") else k): v for k, v in msg["val"].items()
                   if isinstance(v, (int, float))}
         self.last_val = values
-        self.ctx.events.emit("metric", step=step, epoch=msg.get("epoch"), split="val",
+        self.ctx.events.emit(EventType.METRIC, step=step, epoch=msg.get("epoch"), split="val",
                              values=values)
 
 
@@ -193,7 +195,7 @@ def body(ctx: StageContext) -> dict:
     val = dict(metrics.last_val) if metrics and metrics.last_val else read_val_metrics(final)
     accept = acceptance_length(val, ctx.section.ttt_steps)
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
-    ctx.events.emit("artifact", path=str(final), kind="checkpoint", bytes=size)
+    ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
     summary = {"checkpoint": str(final), "acceptance_length": accept,
                "val_loss": val.get("loss"), "train_argv": "speculators train " + " ".join(argv)}
     if metrics and metrics.first_loss is not None:

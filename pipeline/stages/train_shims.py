@@ -2,7 +2,7 @@
 module, by subclassing and by replacing names in speculators' module
 namespaces at run time (never by editing site-packages).
 
-CPU (FACTS.md): the Trainer assumes an accelerator in three places —
+CPU (docs/FACTS.md): the Trainer assumes an accelerator in three places —
   1. `model.to(local_rank)` with an int rank (means cuda:N)  -> the CPU device
   2. `_StepTimer` calls `torch.accelerator.synchronize()`    -> skipped without one
   3. the checkpointer loads onto `get_current_device()`      -> "cpu"
@@ -99,6 +99,17 @@ def install(cpu: bool, hooks) -> None:
             self._epoch = epoch
             self._epoch_origin = self.global_step - (
                 self._resume_local_step if epoch == self.current_epoch else 0)
+            # The packed batches are drawn anew each epoch and their number
+            # changes with them: the total is re-counted from this epoch's
+            # (later epochs estimated alike), so progress never ends at 118/117.
+            sampler = self.train_loader.batch_sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            per_epoch = len(self.train_loader)
+            total = self._epoch_origin + per_epoch * (self.config.num_epochs - epoch)
+            if self.config.max_steps:
+                total = min(total, self.config.max_steps)
+            hooks.on_total_steps(total, per_epoch)
             return super().train_epoch(epoch, **kwargs)
 
         def run_training(self):
@@ -131,7 +142,7 @@ def install(cpu: bool, hooks) -> None:
         tr_mod.get_local_rank = lambda: cpu_device
         ck_mod.get_current_device = lambda: "cpu"
 
-        class CpuStepTimer(tr_mod._StepTimer):  # noqa: SLF001
+        class CpuStepTimer(tr_mod._StepTimer):
             def mark(self, name):
                 if self.enabled:
                     self._marks[name] = time.perf_counter()
@@ -139,7 +150,7 @@ def install(cpu: bool, hooks) -> None:
             def now(self):
                 return time.perf_counter() if self.enabled else None
 
-        tr_mod._StepTimer = CpuStepTimer  # noqa: SLF001
+        tr_mod._StepTimer = CpuStepTimer
         real_autocast = torch.autocast
 
         def autocast(device_type, *args, **kwargs):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from pipeline.events import EventType
 from pipeline.rundir import atomic_write_bytes
 from pipeline.stages.common import StageContext, StageError, main_for
 
@@ -61,7 +62,7 @@ def body(ctx: StageContext) -> dict:
                            hint="a larger draft_vocab_size raises coverage")
     for kind, name in (("d2t", f"d2t-{n}.npy"), ("t2d", f"t2d-{n}.npy")):
         p = ctx.out / name
-        ctx.events.emit("artifact", path=str(p), kind=kind, bytes=p.stat().st_size)
+        ctx.events.emit(EventType.ARTIFACT, path=str(p), kind=kind, bytes=p.stat().st_size)
     summary = {"draft_vocab_size": n, "target_vocab_size": target_vocab,
                "distinct_supervised_tokens": len(freq), "coverage": round(coverage, 6),
                "d2t": str(ctx.out / f"d2t-{n}.npy"), "t2d": str(ctx.out / f"t2d-{n}.npy")}

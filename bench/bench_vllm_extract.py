@@ -1,0 +1,145 @@
+"""Extraction through the real vLLM server: the capture's overhead, and the
+hf backend beside it (same prepared samples, same machine).
+
+    python bench/bench_vllm_extract.py [--samples 0] [--inflight 16] [--rounds 2]
+
+1. capture: the extract stage with backend "vllm-server" (a real `vllm serve`
+   of the tiny target with `extract_hidden_states` and eagle-panel's connector
+   writing and the stage validating every file); tokens/s from the server being
+   ready to the last file checked (the stage's own summary).
+2. no capture: the same server command without the speculative and KV-transfer
+   configs, answering the same prompt-only requests (max_tokens 1) with the
+   same concurrency: what vLLM does anyway. Ratio capture / no capture: the
+   capture's cost (target >= 0.9x).
+3. hf: the extract stage with backend "hf" on the same samples.
+Uses .venv-vllm (scripts/install.sh); on a GPU server set [runtime] vllm_python
+through VLLM_PYTHON=... and the same script measures there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
+
+CONFIG = """
+[run]
+name = "bench"
+runs_dir = "runs"
+[runtime]
+vllm_python = "{vllm_python}"
+[data]
+max_samples = {samples}
+[stages.extract]
+backend = "{backend}"
+layer_ids = [1, 2, 3]
+max_inflight = {inflight}
+"""
+
+
+def stage(tmp: Path, name: str, backend: str, a) -> dict:
+    from pipeline.events import read_events
+    (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
+        vllm_python=a.vllm_python, samples=a.samples, backend=backend, inflight=a.inflight)))
+    env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
+    subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",
+                    str(tmp / "runs/bench"), "--config", str(tmp / "config.toml")],
+                   env=env, check=True, capture_output=True)
+    ev = [e for e in read_events(tmp / "runs/bench" / name / "events.jsonl")
+          if e["type"] == "stage_finished"][-1]
+    return ev["summary"]
+
+
+def no_capture(tmp: Path, a) -> float:
+    """The same server and requests, without the extraction flags: tokens/s."""
+    from pipeline.builtin.tiny_model import ensure_built
+    from pipeline.stages.extract_job import RowIds
+    from pipeline.vllm.environment import cpu_kv_space_gib, probe, process_env
+    from pipeline.vllm.server import VllmServer, free_port, serve_argv
+    env = probe(a.vllm_python)
+    rows = RowIds(tmp / "runs/bench/prepare/out/data")
+    lengths = rows.lengths()
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    port, key = free_port(), secrets.token_hex(8)
+    max_len = max(lengths) + 8
+    argv = serve_argv(env.python, "", ensure_built(), port, key, 1, "float32", max_len, False,
+                      ["--no-enable-chunked-prefill"], eager=env.cpu_build)
+    server = VllmServer(0, argv, port, key, [], tmp / "plain.log",
+                        process_env(env, [], cpu_kv_space_gib(a.inflight * max_len, 1 << 16)))
+    server.start()
+    try:
+        server.wait_ready(600, lambda: False)
+        todo = list(order)
+        lock = threading.Lock()
+        tokens = [0]
+
+        def client():
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop(0)
+                ids = rows[i]
+                server.post("/v1/completions", {"model": str(ensure_built()), "prompt": ids,
+                                                "max_tokens": 1, "temperature": 0.0}, 600)
+                with lock:
+                    tokens[0] += len(ids)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(a.inflight)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return tokens[0] / (time.perf_counter() - t0)
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=0, help="rows of the bundled data (0 = all)")
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON",
+                                                            str(VLLM_VENV / "bin" / "python")))
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    try:
+        stage(tmp, "prepare", "hf", a)
+        hs = tmp / "runs/bench/extract/out/hidden_states"
+        results = {"capture": [], "no capture": [], "hf": []}
+        for r in range(a.rounds):
+            for backend, label in (("vllm-server", "capture"), ("hf", "hf")):
+                shutil.rmtree(hs, ignore_errors=True)
+                s = stage(tmp, "extract", backend, a)
+                results[label].append(s["tokens_per_s"])
+                print(f"round {r}: {label:10} {s['tokens_per_s']:9,.0f} tokens/s "
+                      f"({s['tokens']:,} tokens, {s['computed']} samples)", flush=True)
+            tps = no_capture(tmp, a)
+            results["no capture"].append(tps)
+            print(f"round {r}: {'no capture':10} {tps:9,.0f} tokens/s", flush=True)
+        best = {k: max(v) for k, v in results.items()}
+        print(f"\nbest of {a.rounds}: capture {best['capture']:,.0f}, no capture "
+              f"{best['no capture']:,.0f}, hf {best['hf']:,.0f} tokens/s")
+        print(f"capture / no capture: {best['capture'] / best['no capture']:.2f}x "
+              f"(target >= 0.9x); capture / hf: {best['capture'] / best['hf']:.2f}x")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The hidden-state file format, shared by every extract backend, the vLLM
+connector and the train stage's checks:
+
+    hs_{i}.safetensors
+        hidden_states [seq_len, n_aux + 1, hidden]   (the target's dtype)
+        token_ids     [seq_len]                      (int64)
+
+i is the row of prepare/out/data. A file is written to a temp name in the
+same folder and renamed, so a file that exists under its final name is
+whole; `validate_file` says whether it is also the right one (shape, dtype,
+token ids, finite values). torch and safetensors are imported on use: the
+module is loaded by stages and by vLLM's workers, never by the panel.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import StageError
+
+
+def hs_path(folder: Path, i: int) -> Path:
+    return Path(folder) / f"hs_{i}.safetensors"
+
+
+def temp_path(final: Path) -> Path:
+    """A temp name beside `final`, unique per process and thread; a leftover
+    (a kill mid-write) matches `.*.tmp` and never looks finished."""
+    return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def remove_leftovers(folder: Path) -> int:
+    """Delete temp files a kill left behind; returns how many."""
+    n = 0
+    for stale in Path(folder).glob(".*.tmp"):
+        stale.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+def write_sample(final: Path, hidden_states, token_ids) -> int:
+    """Write one sample atomically; returns the bytes of its tensors."""
+    import torch
+    from safetensors.torch import save_file
+    final = Path(final)
+    tmp = temp_path(final)
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    hs = hidden_states.contiguous()
+    try:
+        save_file({"hidden_states": hs, "token_ids": ids}, str(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return hs.numel() * hs.element_size() + 8 * ids.numel()
+
+
+def validate_file(path: Path, token_ids, n_layers: int, hidden: int, dtype) -> str | None:
+    """None if the file is a complete, correct sample; else what is wrong."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        data = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        return f"unreadable ({e})"
+    hs, ids = data.get("hidden_states"), data.get("token_ids")
+    if hs is None or ids is None:
+        return "missing hidden_states or token_ids"
+    want = (len(token_ids), n_layers, hidden)
+    if tuple(hs.shape) != want:
+        return f"shape {tuple(hs.shape)} != {want}"
+    if hs.dtype != dtype:
+        return f"dtype {hs.dtype} != {dtype}"
+    if not torch.equal(ids, torch.as_tensor(token_ids, dtype=ids.dtype)):
+        return "token ids differ from the prepared data"
+    if not bool(torch.isfinite(hs).all()):
+        return "non-finite values"
+    return None
+
+
+@dataclass
+class Counters:
+    """What a backend wrote: samples, their tokens, and bytes on disk."""
+    samples: int = 0
+    tokens: int = 0
+    bytes: int = 0
+
+    def add(self, other: "Counters") -> None:
+        self.samples += other.samples
+        self.tokens += other.tokens
+        self.bytes += other.bytes
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return self.samples, self.tokens, self.bytes
+
+
+class Writer:
+    """Background threads that save finished batches while the next forward runs."""
+
+    def __init__(self, folder: Path, threads: int = 2, depth: int = 3, release=None):
+        # threads=0 writes inline: on a CPU-only run the forward already uses
+        # every core, and writer threads only contend with it (measured: 0.82x
+        # of a bare forward inline vs 0.75x with two threads on 2 cores).
+        self.folder = Path(folder)
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.done = Counters()
+        self.written: list[int] = []   # sample indices, in the order their files landed
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        # Called with a batch's bytes once it is on disk (or failed): the
+        # disk guard's reservation ends there.
+        self._release = release or (lambda _n: None)
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, hs_host, finite, ready, items, nbytes: int) -> None:
+        """hs_host [batch, seq, layers, hidden]; finite: the batch-wide check;
+        ready: a CUDA event to wait for (async copies) or None; items:
+        (sample index, token ids) per batch row."""
+        if self.error:
+            raise self.error
+        if self._threads:
+            self.q.put((hs_host, finite, ready, items, nbytes))
+        else:
+            self._write(hs_host, finite, ready, items, nbytes)
+            if self.error:
+                raise self.error
+
+    def _run(self) -> None:
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            self._write(*job)
+
+    def _write(self, hs_host, finite, ready, items, nbytes) -> None:
+        import torch
+        try:
+            if ready is not None:
+                ready.synchronize()
+            all_finite = bool(finite)
+            for b, (i, ids) in enumerate(items):
+                t = hs_host[b, :len(ids)]
+                # The batch-wide check can also trip on padding: look closer.
+                if not all_finite and not bool(torch.isfinite(t).all()):
+                    raise StageError(f"sample {i}: the target produced non-finite hidden "
+                                     "states", hint="check [model] dtype (try bfloat16 or "
+                                                    "float32) and the model weights")
+                size = write_sample(hs_path(self.folder, i), t, ids)
+                with self._lock:
+                    self.done.samples += 1
+                    self.done.tokens += len(ids)
+                    self.done.bytes += size
+                    self.written.append(i)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self.error = e
+        finally:
+            self._release(nbytes)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self.q.put(None)
+        for t in self._threads:
+            t.join()
+        if self.error:
+            raise self.error

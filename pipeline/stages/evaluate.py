@@ -1,0 +1,277 @@
+"""Stage 5, evaluate: the acceptance length vLLM measures when it serves the
+trained draft — the number users judge a draft by (train only estimates it).
+
+    evaluate/out/checkpoints/<name>.json  one checkpoint's measurement (atomic)
+    evaluate/out/baseline.json            the same prompts without a draft
+    evaluate/out/results.json             all of it, with the exact vLLM commands (last)
+
+For each checkpoint ([stages.evaluate] checkpoints = last | best | all): a
+`vllm serve <target>` with `--speculative-config {"method": "eagle3",
+"model": <checkpoint>, "num_speculative_tokens": k}`, the held-out prompts
+(the prompts of the validation split train held out, or a JSONL file), greedy
+unless a temperature is set, `concurrency` at a time; /metrics read before and
+after (pipeline.vllm.metrics): acceptance length, the acceptance rate at each
+draft position, decode tokens/s. Then the same server flags without the draft,
+same prompts: the speedup. Each measurement is saved as it ends, so a killed
+evaluate redoes only what it had not finished; every server's process tree
+is stopped however the stage ends. Without a usable vLLM it is skipped and
+says why: the pipeline ends at train, with its estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shlex
+import threading
+import time
+from pathlib import Path
+
+from pipeline.events import EventType
+from pipeline.model_info import kv_bytes_per_token, read_model
+from pipeline.stages.common import Skipped, StageContext, StageError, main_for
+from pipeline.stages.train import acceptance_length, read_val_metrics
+from pipeline.stages.train_shims import complete_checkpoint
+from pipeline.vllm.environment import probe
+from pipeline.vllm.metrics import acceptance, spec_counters
+from pipeline.vllm.server import make_server, serving
+
+
+def checkpoints(save_path: Path, which: str) -> list[Path]:
+    """The checkpoint folders to measure, oldest first."""
+    epochs = sorted((d for d in save_path.iterdir() if d.name.isdigit() and not d.is_symlink()
+                     and complete_checkpoint(d)), key=lambda d: int(d.name)) \
+        if save_path.is_dir() else []
+    if not epochs:
+        return []
+    if which == "all":
+        return epochs
+    best = save_path / "checkpoint_best"
+    if which == "best" and best.exists():
+        return [best.resolve()]
+    return [epochs[-1]]
+
+
+def checkpoint_id(folder: Path) -> dict:
+    """What identifies a checkpoint's contents (a re-trained one differs)."""
+    state = json.loads((folder / "training_state.json").read_text())
+    return {"name": folder.name, "global_step": state.get("global_step"),
+            "bytes": (folder / "model.safetensors").stat().st_size}
+
+
+def validation_prompts(ctx: StageContext) -> list[list[int]]:
+    """The prompts of the rows train validated on: speculators keeps rows
+    [int(n x train_ratio), n) of the prepared data for validation; a row's
+    prompt is everything before its first supervised token."""
+    from datasets import load_from_disk
+    ds = load_from_disk(str(ctx.out_of("prepare") / "data")).with_format(None)
+    start = int(len(ds) * ctx.cfg.stages.train.train_ratio)
+    if start >= len(ds):
+        start = 0   # no validation split: all rows (said in the summary)
+    prompts, seen = [], set()
+    for row in ds.select(range(start, len(ds))):
+        mask = row["loss_mask"]
+        first = mask.index(1) if 1 in mask else len(mask)
+        prompt = tuple(row["input_ids"][:first])
+        if prompt and prompt not in seen:
+            seen.add(prompt)
+            prompts.append(list(prompt))
+    return prompts
+
+
+def file_prompts(path: Path) -> list:
+    """A JSONL file's prompts: chats (`messages`, a final assistant turn
+    dropped) or plain text (`prompt`)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise StageError(f"{path} line {n}: not JSON ({e})",
+                                 hint="one JSON object per line: `messages` or `prompt`") from None
+            if isinstance(row.get("messages"), list):
+                msgs = list(row["messages"])
+                while msgs and msgs[-1].get("role") == "assistant":
+                    msgs.pop()
+                out.append({"messages": msgs})
+            elif isinstance(row.get("prompt"), str):
+                out.append({"prompt": row["prompt"]})
+            else:
+                raise StageError(f"{path} line {n}: no `messages` list or `prompt` text",
+                                 hint="one JSON object per line: `messages` or `prompt`")
+    return out
+
+
+def generate(server, model: str, prompts: list, sec, should_stop) -> dict:
+    """Send every prompt (`concurrency` at a time); tokens and wall time."""
+    work: queue.Queue = queue.Queue()
+    for p in prompts:
+        work.put(p)
+    lock = threading.Lock()
+    done = {"completion_tokens": 0, "requests": 0}
+    errors: list[BaseException] = []
+
+    def client():
+        while not errors and not should_stop():
+            try:
+                p = work.get_nowait()
+            except queue.Empty:
+                return
+            params = {"model": model, "max_tokens": sec.max_tokens,
+                      "temperature": sec.temperature, "seed": sec.seed}
+            try:
+                if isinstance(p, dict) and "messages" in p:
+                    r = server.post("/v1/chat/completions", {**params, **p},
+                                    sec.request_timeout_s)
+                else:
+                    prompt = p["prompt"] if isinstance(p, dict) else p
+                    r = server.post("/v1/completions", {**params, "prompt": prompt},
+                                    sec.request_timeout_s)
+            except OSError as e:
+                errors.append(server.died() or e)
+                return
+            with lock:
+                done["completion_tokens"] += r["usage"]["completion_tokens"]
+                done["requests"] += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(sec.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done["seconds"] = time.perf_counter() - t0
+    if errors:
+        e = errors[0]
+        raise e if isinstance(e, StageError) else StageError(
+            f"a request to the vLLM server failed: {e}", hint="see the server log")
+    done["decode_tokens_per_s"] = done["completion_tokens"] / max(done["seconds"], 1e-9)
+    return done
+
+
+class Evaluation:
+    def __init__(self, ctx: StageContext, env, prompts: list, max_len: int):
+        self.ctx, self.env, self.prompts, self.max_len = ctx, env, prompts, max_len
+        self.sec = ctx.section
+        self.target = ctx.cfg.target_path()
+        self.devices = ctx.cfg.stage_devices("evaluate")
+        self.dtype = ctx.cfg.dtype_name(bool(self.devices))
+        elem = 4 if self.dtype == "float32" else 2
+        # the target's KV plus the draft's (one layer): a generous plan
+        self.kv_per_token = 2 * kv_bytes_per_token(read_model(self.target),
+                                                   max(1, len(self.devices)), elem)
+        self.k = 0
+
+    def measure(self, draft: Path | None) -> dict:
+        """One server (with the draft, or without), the prompts through it."""
+        sec = self.sec
+        flags = list(sec.server_args)
+        if draft is not None:
+            spec = {"method": "eagle3", "model": str(draft),
+                    "num_speculative_tokens": sec.num_speculative_tokens}
+            flags = ["--speculative-config", json.dumps(spec)] + flags
+        name = draft.name if draft is not None else "baseline"
+        server = make_server(self.k, self.env, self.target, self.devices,
+                             self.ctx.run.stage_dir("evaluate") / f"vllm-{name}.log", self.dtype,
+                             self.max_len, self.ctx.cfg.model.trust_remote_code, flags,
+                             sec.serve_command, sec.concurrency * self.max_len, self.kv_per_token,
+                             what=f"vLLM server ({'draft ' + name if draft else 'no draft'})")
+        self.k += 1
+        command = shlex.join(["<api key>" if a == server.api_key else a for a in server.argv])
+        with serving(server, sec.startup_timeout_s, lambda: self.ctx.stop_requested,
+                     self.ctx.cfg.runtime.term_grace_s):
+            self.ctx.check_stop()
+            before = spec_counters(server.metrics_text() or "")
+            run = generate(server, str(self.target), self.prompts, sec,
+                           lambda: self.ctx.stop_requested)
+            after = spec_counters(server.metrics_text() or "")
+        self.ctx.check_stop()   # cut short by a stop: not a measurement
+        return {**run, **(acceptance(before, after) if draft is not None else {}),
+                "vllm_command": command, "prompts": len(self.prompts)}
+
+
+def body(ctx: StageContext) -> dict:
+    sec = ctx.section
+    env = probe(ctx.cfg.vllm_python())
+    why = env.unusable(ctx.cfg.stage_devices("evaluate"))
+    if why:
+        raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
+    save = ctx.out_of("train") / "checkpoints"
+    chosen = checkpoints(save, sec.checkpoints)
+    if not chosen:
+        raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
+    if sec.prompts:
+        prompts = file_prompts(ctx.cfg.resolve(sec.prompts))
+        max_len = int(read_model(ctx.cfg.target_path()).max_position or 4096)
+    else:
+        prompts = validation_prompts(ctx)
+        max_len = max(len(p) for p in prompts) + sec.max_tokens + 8 if prompts else 0
+    prompts = prompts[:sec.max_prompts]
+    if not prompts:
+        raise StageError("no prompts to evaluate with",
+                         hint="give [stages.evaluate] prompts a JSONL file")
+    folder = ctx.out / "checkpoints"
+    folder.mkdir(exist_ok=True)
+    ev = Evaluation(ctx, env, prompts, max_len)
+    ttt = ctx.cfg.stages.train.ttt_steps
+    total = len(chosen) + int(sec.baseline)
+    results = {}
+    for n, ckpt in enumerate(chosen):
+        ident = checkpoint_id(ckpt)
+        path = folder / f"{ckpt.name}.json"
+        old = json.loads(path.read_text()) if path.exists() else None
+        if old and old.get("checkpoint") == ident:
+            results[ckpt.name] = old
+            print(f"evaluate: checkpoint {ckpt.name} already measured", flush=True)
+        else:
+            m = ev.measure(ckpt)
+            m["checkpoint"] = ident
+            m["estimate"] = acceptance_length(read_val_metrics(ckpt), ttt)
+            ctx.write_json(path, m)
+            results[ckpt.name] = m
+            print(f"evaluate: checkpoint {ckpt.name}: acceptance length "
+                  f"{m['acceptance_length']:.3f} (estimate {m['estimate']}) over "
+                  f"{m['drafts']} drafts, {m['decode_tokens_per_s']:.1f} tokens/s", flush=True)
+        m = results[ckpt.name]
+        ctx.events.emit(EventType.METRIC, step=ident["global_step"], epoch=ckpt.name,
+                        split="eval", values={
+                            "acceptance_length": m["acceptance_length"],
+                            "acceptance_estimate": m["estimate"],
+                            **{f"accept_rate_{k}": r for k, r in enumerate(m["per_position"])}})
+        ctx.progress(n + 1, total, "measurements")
+    baseline = None
+    if sec.baseline:
+        path = ctx.out / "baseline.json"
+        baseline = json.loads(path.read_text()) if path.exists() else None
+        if baseline is None or baseline.get("prompts") != len(prompts):
+            baseline = ev.measure(None)
+            ctx.write_json(path, baseline)
+        ctx.progress(total, total, "measurements")
+    last = results[chosen[-1].name]
+    speedup = (last["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
+               if baseline and baseline["decode_tokens_per_s"] else None)
+    report = {"checkpoints": results, "baseline": baseline, "speedup": speedup,
+              "num_speculative_tokens": sec.num_speculative_tokens,
+              "temperature": sec.temperature, "concurrency": sec.concurrency,
+              "prompts": "validation split" if not sec.prompts else sec.prompts}
+    ctx.write_json(ctx.out / "results.json", report)
+    ctx.events.emit(EventType.ARTIFACT, path=str(ctx.out / "results.json"), kind="evaluation",
+                    bytes=(ctx.out / "results.json").stat().st_size)
+    return {"checkpoint": chosen[-1].name, "acceptance_length": last["acceptance_length"],
+            "acceptance_estimate": last["estimate"],
+            "per_position": [round(r, 4) for r in last["per_position"] if r is not None],
+            "decode_tokens_per_s": round(last["decode_tokens_per_s"], 1),
+            "baseline_tokens_per_s": round(baseline["decode_tokens_per_s"], 1) if baseline else None,
+            "speedup": round(speedup, 3) if speedup else None, "prompts": len(prompts),
+            "results": str(ctx.out / "results.json")}
+
+
+def main() -> None:
+    main_for("evaluate", body)
+
+
+if __name__ == "__main__":
+    main()

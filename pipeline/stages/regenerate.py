@@ -1,0 +1,211 @@
+"""Stage 0 (optional), regenerate: the target answers the conversations'
+user turns itself, through vLLM — what speculators 0.9's
+`regenerate-responses` does. A draft should learn the target's own
+distribution, not someone else's answers.
+
+    regenerate/out/rows.jsonl   one row per regenerated assistant turn:
+        input_ids  the prompt as vLLM rendered it + the tokens the target generated
+        loss_mask  0 over the prompt, 1 over the generated tokens
+        messages   the conversation so far, with the target's answer as text
+        source     the line (or row) of [data] it comes from
+    prepare reads it instead of [data] (tokens as generated: no re-tokenizing).
+
+Each conversation keeps its system and tool turns and its user turns; its
+assistant turns are dropped and generated anew, turn after turn (each sees the
+target's own earlier answers). A conversation whose prompt outgrows
+[stages.prepare] seq_length stops there (prepare would cut it anyway).
+Conversations go in chunks, each saved atomically, so a killed stage redoes
+at most the chunk it was in; rows that fail are listed with the reason.
+Without a usable vLLM the stage is skipped and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+
+from pipeline.events import EventType
+from pipeline.model_info import kv_bytes_per_token, read_model
+from pipeline.stages.chat_mask import RowError, normalize
+from pipeline.stages.common import Skipped, StageContext, StageError, main_for
+from pipeline.stages.sources import iter_raw, regenerated_rows
+from pipeline.vllm.environment import probe
+from pipeline.vllm.server import make_server, serving
+
+CHUNK = 50
+MAX_LISTED = 50
+
+
+def conversations(ctx: StageContext):
+    """(row number, messages or RowError) of [data], at most max_samples."""
+    limit = ctx.cfg.data.max_samples or None
+    for k, (n, obj) in enumerate(iter_raw(ctx.cfg.data_path())):
+        if limit is not None and k >= limit:
+            return
+        try:
+            if isinstance(obj, RowError):
+                raise obj
+            kind, *rest = normalize(obj, ctx.cfg.data.format)
+            if kind != "messages":
+                raise RowError("pre-tokenized rows have no conversation to regenerate")
+            yield n, rest[0]
+        except RowError as e:
+            yield n, e
+
+
+def regenerate_one(server, model: str, msgs: list[dict], sec, limit: int) -> list[dict]:
+    """The target's answers to one conversation's user turns: one row each."""
+    rows, prefix = [], []
+    for m in msgs:
+        if m["role"] == "assistant":
+            continue   # the target answers instead
+        prefix.append(m)
+        if m["role"] != "user":
+            continue
+        body = {"model": model, "messages": prefix, "max_tokens": sec.max_tokens,
+                "temperature": sec.temperature, "seed": sec.seed, "return_token_ids": True}
+        resp = server.post("/v1/chat/completions", body, sec.request_timeout_s)
+        choice = resp["choices"][0]
+        prompt, out = resp.get("prompt_token_ids"), choice.get("token_ids")
+        if prompt is None or out is None:
+            raise StageError("the vLLM server answers without token ids",
+                             hint="regenerate needs a vLLM whose chat API takes "
+                                  "return_token_ids (vLLM >= 0.11)")
+        answer = choice["message"].get("content") or ""
+        prefix = prefix + [{"role": "assistant", "content": answer}]
+        rows.append({"input_ids": prompt + out, "loss_mask": [0] * len(prompt) + [1] * len(out),
+                     "messages": list(prefix)})   # a copy: prefix grows with the next turn
+        if len(prompt) + len(out) >= limit:
+            break   # prepare keeps seq_length tokens: later turns would be cut
+    return rows
+
+
+def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> dict:
+    """Regenerate a chunk's conversations (`concurrency` at a time)."""
+    work: queue.Queue = queue.Queue()
+    for item in items:
+        work.put(item)
+    results: dict[int, list] = {}
+    failed: list[tuple[int, str]] = []
+    fatal: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client():
+        while not fatal and not should_stop():
+            try:
+                n, msgs = work.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msgs, RowError):
+                with lock:
+                    failed.append((n, str(msgs)))
+                continue
+            try:
+                rows = regenerate_one(server, model, msgs, sec, limit)
+            except StageError as e:
+                fatal.append(e)
+                return
+            except OSError as e:   # HTTP errors: this conversation only, unless the server died
+                if server.died() is not None:
+                    fatal.append(server.died())
+                    return
+                with lock:
+                    failed.append((n, f"the server refused it ({e})"))
+                continue
+            with lock:
+                results[n] = [dict(r, source=n) for r in rows]
+
+    threads = [threading.Thread(target=client, daemon=True)
+               for _ in range(min(sec.concurrency, len(items)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if fatal:
+        raise fatal[0]
+    return {"rows": [r for n in sorted(results) for r in results[n]], "failed": sorted(failed)}
+
+
+def body(ctx: StageContext) -> dict:
+    sec = ctx.section
+    env = probe(ctx.cfg.vllm_python())
+    devices = ctx.cfg.stage_devices("regenerate")
+    why = env.unusable(devices)
+    if why:
+        raise Skipped(f"{why}; prepare uses [data] as it is")
+    items = list(conversations(ctx))
+    if not items:
+        raise StageError(f"{ctx.cfg.data_path()}: no conversations",
+                         hint="check [data] path and max_samples")
+    chunks = ctx.out / ".chunks"
+    chunks.mkdir(exist_ok=True)
+    parts = [items[i:i + CHUNK] for i in range(0, len(items), CHUNK)]
+    todo = [k for k in range(len(parts)) if not (chunks / f"chunk_{k:06d}.json").exists()]
+    if len(todo) < len(parts):
+        print(f"regenerate: resuming, {len(parts) - len(todo)}/{len(parts)} chunks already "
+              "done", flush=True)
+    target = ctx.cfg.target_path()
+    limit = ctx.cfg.stages.prepare.seq_length
+    if todo:
+        dtype = ctx.cfg.dtype_name(bool(devices))
+        elem = 4 if dtype == "float32" else 2
+        max_len = limit + sec.max_tokens + 8
+        server = make_server(0, env, target, devices, ctx.run.stage_dir("regenerate") / "vllm.log",
+                             dtype, max_len, ctx.cfg.model.trust_remote_code,
+                             list(sec.server_args), sec.serve_command,
+                             sec.concurrency * max_len,
+                             kv_bytes_per_token(read_model(target), max(1, len(devices)), elem),
+                             what="vLLM server (regenerate)")
+        model = str(target)
+        with serving(server, sec.startup_timeout_s, lambda: ctx.stop_requested,
+                     ctx.cfg.runtime.term_grace_s):
+            ctx.check_stop()
+            t0 = time.time()
+            done_before = sum(len(parts[k]) for k in range(len(parts)) if k not in todo)
+            done = 0
+            for k in todo:
+                result = run_chunk(server, model, parts[k], sec, limit,
+                                   lambda: ctx.stop_requested)
+                ctx.check_stop()   # a chunk cut short by a stop is not saved
+                ctx.write_json(chunks / f"chunk_{k:06d}.json", result)
+                done += len(parts[k])
+                ctx.progress(done_before + done, len(items), "conversations",
+                             rate=done / (time.time() - t0))
+    rows, failed = [], []
+    for k in range(len(parts)):
+        part = json.loads((chunks / f"chunk_{k:06d}.json").read_text())
+        rows += part["rows"]
+        failed += part["failed"]
+    if failed:
+        listed = "; ".join(f"row {n}: {r}" for n, r in failed[:10])
+        ctx.events.warning(f"{len(failed)} of {len(items)} conversations were not regenerated: "
+                           f"{listed}" + (" ..." if len(failed) > 10 else ""),
+                           hint="the others were; prepare uses what was regenerated",
+                           rows=[{"row": n, "reason": r} for n, r in failed[:MAX_LISTED]])
+    if not rows:
+        raise StageError("no conversation could be regenerated",
+                         hint=f"see {ctx.run.log_path('regenerate')}")
+    out = regenerated_rows(ctx.run)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    ctx.events.emit(EventType.ARTIFACT, path=str(out), kind="dataset", bytes=out.stat().st_size)
+    tokens = sum(sum(r["loss_mask"]) for r in rows)
+    return {"conversations": len(items), "regenerated": len(items) - len(failed),
+            "failed": len(failed), "rows": len(rows), "generated_tokens": tokens,
+            "rows_file": str(out)}
+
+
+def main() -> None:
+    main_for("regenerate", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""One `vllm serve` process, the way every stage that talks to vLLM starts
+it: on loopback only, with a random API key, its GPUs (or the CPU build's
+platform and KV size), its log in the run directory, health polled, its
+KV-cache report and /metrics read, and its whole process tree stopped at
+the end (vLLM's EngineCore and workers can outlive a killed parent and keep
+their GPU memory: they are found by a token in their environment).
+
+When it dies, the error quotes the log lines that explain it and names a
+death by signal in words (pipeline.failures).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shlex
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipeline.errors import StageError
+from pipeline.events import tail_lines
+from pipeline.failures import explain_exit, quote_error
+from pipeline.proctree import stop_tree
+from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
+from pipeline.vllm.kv import KvLogReader, parse_metrics
+
+SERVER_TOKEN_VAR = "EAGLE_PANEL_SERVER_TOKEN"
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(python: str, serve_command: str, target: Path, port: int, api_key: str,
+               tp: int, dtype: str, max_model_len: int, trust: bool, extra: list[str],
+               eager: bool = False) -> list[str]:
+    """`vllm serve` for one server; `extra` holds the stage's own flags
+    (speculative / KV-transfer configs) and then the user's server_args."""
+    base = shlex.split(serve_command) if serve_command else [
+        python, "-m", "pipeline.vllm.launch", "serve"]
+    argv = [*base, str(target), "--host", "127.0.0.1", "--port", str(port),
+            "--api-key", api_key, "--tensor-parallel-size", str(tp), "--dtype", dtype,
+            "--max-model-len", str(max_model_len)]
+    if trust:
+        argv.append("--trust-remote-code")
+    if eager and not any(a.startswith(("--enforce-eager", "-O", "--compilation-config"))
+                         for a in extra):
+        argv.append("--enforce-eager")
+    return argv + list(extra)
+
+
+def served_model_name(target: Path, server_args: list[str]) -> str:
+    args = list(server_args)
+    if "--served-model-name" in args[:-1]:
+        return args[args.index("--served-model-name") + 1]
+    return str(target)
+
+
+class VllmServer:
+    """One vLLM server process tree on a set of GPUs (or the CPU)."""
+
+    def __init__(self, k: int, argv: list[str], port: int, api_key: str, devices: list[int],
+                 log_path: Path, env: dict[str, str], what: str = "vLLM server"):
+        self.k, self.argv, self.devices, self.log_path = k, argv, devices, Path(log_path)
+        self.env, self.api_key, self.what = env, api_key, what
+        self.url = f"http://127.0.0.1:{port}"
+        self.token = secrets.token_hex(8)
+        self.proc: subprocess.Popen | None = None
+        self.kv = KvLogReader()
+        self.kv_reported = False
+        self._log_pos = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.what} {self.k}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._log_pos = log.tell()
+            printable = [("<api key>" if a == self.api_key else a) for a in self.argv]
+            print(f"{self.name} on GPUs {self.devices or '- (CPU)'}: {shlex.join(printable)}",
+                  flush=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**self.env, SERVER_TOKEN_VAR: self.token}, start_new_session=True)
+
+    # -- its log ---------------------------------------------------------------
+    def new_log_lines(self) -> list[str]:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_pos)
+                data = f.read()
+        except OSError:
+            return []
+        cut = data.rfind(b"\n") + 1
+        self._log_pos += cut
+        return data[:cut].decode(errors="replace").splitlines()
+
+    def kv_report(self) -> dict | None:
+        """The `kv_cache` event's fields, once, when the log has shown them."""
+        for line in self.new_log_lines():
+            self.kv.feed(line)
+        if self.kv_reported or self.kv.event() is None:
+            return None
+        self.kv_reported = True
+        return {**self.kv.event(), "server": self.k, "devices": self.devices}
+
+    def failure(self, what: str, hint: str) -> StageError:
+        lines, _ = tail_lines(self.log_path, 300)
+        quoted = quote_error([b.decode(errors="replace") for b in lines])
+        return StageError(f"{self.name} {what}; from its log ({self.log_path}):\n{quoted}",
+                          hint=hint)
+
+    def died(self) -> StageError | None:
+        """The error to report if the process has ended."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return self.failure(explain_exit(self.proc.returncode),
+                            "fix what the log says (model path, memory, vLLM version: "
+                            "`eagle-panel doctor`), then resume; finished work is kept")
+
+    # -- HTTP ---------------------------------------------------------------------
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float, should_stop, poll=None) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if poll:
+                poll()
+            err = self.died()
+            if err is not None:
+                raise self.failure(f"{explain_exit(self.proc.returncode)} while starting",
+                                   err.hint)
+            if should_stop():
+                return
+            if time.monotonic() > deadline:
+                raise self.failure(f"did not answer /health within {timeout:.0f} s",
+                                   "raise startup_timeout_s for a very large model")
+            time.sleep(0.5)
+
+    def post(self, path: str, body: dict, timeout: float) -> dict:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json",
+                     "Authorization": f"Bearer {self.api_key}"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def metrics_text(self) -> str | None:
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+                return r.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def usage(self) -> dict | None:
+        """The `kv_usage` event's fields from /metrics, with the server's number."""
+        text = self.metrics_text()
+        parsed = parse_metrics(text) if text else None
+        return {**parsed, "server": self.k} if parsed else None
+
+    def stop(self, grace: float = 10.0) -> list[int]:
+        """Stop the whole tree; returns pids that survived SIGKILL."""
+        if self.proc is None:
+            return []
+        left = stop_tree(self.token, self.proc.pid, term_grace=grace, kill_grace=5.0,
+                         var=SERVER_TOKEN_VAR)
+        try:
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        return left
+
+
+def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path: Path,
+                dtype: str, max_model_len: int, trust: bool, flags: list[str],
+                serve_command: str = "", kv_tokens: int = 0, kv_bytes_per_token: int = 0,
+                what: str = "vLLM server") -> VllmServer:
+    """A server (not started) the way every stage starts one: the stage's
+    own `flags` then the user's server_args in them; tensor parallel over
+    its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
+    port, key = free_port(), secrets.token_hex(16)
+    argv = serve_argv(env.python, serve_command, target, port, key, max(1, len(devices)), dtype,
+                      max_model_len, trust, flags, eager=env.cpu_build)
+    kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
+    return VllmServer(k, argv, port, key, devices, log_path,
+                      process_env(env, devices, kv_gib), what)
+
+
+@contextmanager
+def serving(server: VllmServer, startup_timeout: float, should_stop, term_grace: float = 10.0,
+            poll=None):
+    """Start the server, wait until it answers, yield it; its whole process
+    tree is stopped however the block ends."""
+    server.start()
+    try:
+        server.wait_ready(startup_timeout, should_stop, poll)
+        yield server
+    finally:
+        left = server.stop(grace=term_grace)
+        if left:
+            print(f"{server.name}: processes {left} survived SIGKILL", flush=True)

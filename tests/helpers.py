@@ -1,0 +1,114 @@
+"""What several test modules share: the project root, the real CLI in a
+subprocess, waiting, test configs, and running one real stage in-process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, cwd, timeout=120, check=None, env=None):
+    """Run the real `eagle-panel` CLI in a subprocess."""
+    full = dict(os.environ if env is None else env)
+    full["PYTHONPATH"] = str(ROOT)
+    p = subprocess.run([sys.executable, "-m", "app.cli", *map(str, args)], cwd=cwd,
+                       capture_output=True, text=True, timeout=timeout, env=full)
+    if check is not None:
+        assert p.returncode == check, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p
+
+
+def wait_for(pred, timeout=30.0, poll=0.05, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stagekit_config(tmp_path: Path, actions: dict[str, str] | None = None, extra: str = "",
+                    name: str = "t") -> Path:
+    """A config whose stages are tests.fakes.stagekit, each with its action."""
+    from pipeline.stage_graph import STAGE_NAMES
+    actions = actions or {}
+    parts = [f'[run]\nname = "{name}"\nruns_dir = "runs"\n',
+             '[runtime]\ncancel_grace_s = 2.0\nterm_grace_s = 2.0\n', extra]
+    count = tmp_path / "starts.txt"
+    for stage in STAGE_NAMES:
+        # every stage on (regenerate is off by default): all six run as test stages
+        on = "enabled = true\n" if stage == "regenerate" else ""
+        parts.append(textwrap.dedent(f"""
+            [stages.{stage}]
+            entry = "tests.fakes.stagekit"
+            env = {{ STAGEKIT = "{actions.get(stage, 'ok')}", STAGEKIT_COUNT = "{count}" }}
+            """) + on)
+    path = tmp_path / "config.toml"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def run_body(tmp_path, stage, body, config: str, run="r"):
+    """One real stage's body in this process, with the stage protocol
+    around it; returns (exit code, run dir, its events)."""
+    from pipeline.events import read_events
+    from pipeline.rundir import RunDir
+    from pipeline.stages.common import run_stage
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(textwrap.dedent(config))
+    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        code = run_stage(stage, body, ["--run-dir", str(tmp_path / run), "--config", str(cfg)])
+    finally:
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+    rd = RunDir(tmp_path / run)
+    return code, rd, read_events(rd.events_path(stage))
+
+
+def finished(events):
+    return [e for e in events if e["type"] == "stage_finished"][-1]
+
+
+def prepared_once(tmp_path_factory, name: str, config: str):
+    """A run dir whose prepare stage is done, for a module's extract tests."""
+    from pipeline.stages import prepare
+    tmp = tmp_path_factory.mktemp(name)
+    code, rd, _ = run_body(tmp, "prepare", prepare.body, config)
+    assert code == 0
+    return tmp, rd
+
+
+def hs_files(rd):
+    """The extract stage's hidden-state files, in name order."""
+    return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))
+
+
+async def kv_tab_text(app, pilot) -> str:
+    """What the panel's KV-cache tab shows, as text."""
+    await pilot.press("3")
+    await pilot.pause(0.3)
+    panel = app.query_one("#kvpanel")
+    return "\n".join(strip.text for strip in panel.render_lines(panel.region.reset_offset))
+
+
+def screen_text(app) -> str:
+    """What the terminal shows, as lines of text (from Textual's own SVG
+    screenshot, which places every cell)."""
+    import html
+    import re
+    svg = app.export_screenshot()
+    rows: dict[float, list] = {}
+    for x, y, t in re.findall(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)"[^>]*>(.*?)</text>',
+                              svg):
+        rows.setdefault(float(y), []).append((float(x), html.unescape(t)))
+    return "\n".join("".join(t for _, t in sorted(rows[y])).replace("\xa0", " ")
+                     for y in sorted(rows))

@@ -1,0 +1,144 @@
+"""The whole pipeline through the real vLLM of this machine (.venv-vllm):
+regenerate (the target answers the user turns), prepare, extract, vocab,
+train, evaluate (the trained draft served as EAGLE-3: acceptance length from
+the real /metrics), with kills: regenerate SIGKILLed after its first chunk
+and evaluate after its first measurement, each resumed, redoing only what
+was not finished, with no server left behind. Skipped, with the reason,
+when no usable vLLM is installed. Without one, regenerate and evaluate are
+skipped (not failed) and say why — tested with an interpreter that has none."""
+
+import json
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+
+from pipeline.paths import VLLM_VENV
+from pipeline.rundir import RunDir
+from pipeline.vllm.environment import probe
+from tests.helpers import cli, finished, run_body, wait_for
+from tests.test_vllm_real import server_pids
+
+pytestmark = pytest.mark.vllm
+PY = VLLM_VENV / "bin" / "python"
+
+CONFIG = """
+[run]
+name = "p"
+[data]
+max_samples = 70
+[stages.regenerate]
+enabled = true
+max_tokens = 96
+[stages.prepare]
+seq_length = 192
+[stages.extract]
+backend = "auto"
+layer_ids = [1, 2, 3]
+[stages.vocab]
+draft_vocab_size = 256
+[stages.train]
+epochs = 3
+lr = 0.001
+total_seq_len = 1024
+[stages.evaluate]
+checkpoints = "all"
+max_prompts = 12
+max_tokens = 48
+"""
+
+
+def kill_stage(rd: RunDir, stage: str) -> None:
+    st = rd.read_state()["stages"][stage]
+    os.killpg(st["pgid"], signal.SIGKILL)
+    wait_for(lambda: rd.read_state()["stages"][stage]["status"] != "running", timeout=60,
+             what=f"{stage} to be recorded as ended")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    if not PY.exists() or probe(str(PY)).unusable([]):
+        pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
+    tmp = tmp_path_factory.mktemp("pipeline")
+    (tmp / "config.toml").write_text(textwrap.dedent(CONFIG))
+    env = dict(os.environ, RUN_OF=str(os.getpid()))
+    rd = RunDir(tmp / "runs" / "p")
+    seen = {}
+    # 1. regenerate: SIGKILL once its first chunk is saved; resume.
+    cli("run", cwd=tmp, check=0, env=env)
+    chunk = rd.out_dir("regenerate") / ".chunks" / "chunk_000000.json"
+    wait_for(chunk.exists, timeout=600, poll=0.05, what="regenerate's first chunk")
+    seen["chunk_mtime"] = chunk.stat().st_mtime_ns
+    kill_stage(rd, "regenerate")
+    seen["left_after_regenerate_kill"] = wait_for(lambda: not server_pids(), timeout=30,
+                                                  what="the regenerate server gone") or True
+    # 2. resume; SIGKILL evaluate once its first measurement is saved; resume to the end.
+    cli("resume", cwd=tmp, check=0, env=env)
+    first = rd.out_dir("evaluate") / "checkpoints" / "0.json"
+    wait_for(first.exists, timeout=1200, poll=0.05, what="evaluate's first measurement")
+    seen["first_measurement"] = first.read_text()
+    kill_stage(rd, "evaluate")
+    wait_for(lambda: not server_pids(), timeout=30, what="the evaluate server gone")
+    p = cli("resume", "--wait", cwd=tmp, timeout=1200, env=env)
+    seen["wait_out"] = p.stdout
+    assert p.returncode == 0, p.stdout + p.stderr
+    return tmp, rd, seen
+
+
+def summary(rd, stage):
+    from pipeline.events import read_events
+    return finished(read_events(rd.events_path(stage)))["summary"]
+
+
+def test_regenerate_resumed_from_its_chunks(run):
+    tmp, rd, seen = run
+    chunk = rd.out_dir("regenerate") / ".chunks" / "chunk_000000.json"
+    assert chunk.stat().st_mtime_ns == seen["chunk_mtime"]   # not redone
+    s = summary(rd, "regenerate")
+    assert s["conversations"] == 70 and s["failed"] == 0 and s["rows"] >= 70
+    rows = [json.loads(line) for line in open(rd.out_dir("regenerate") / "rows.jsonl")]
+    assert len(rows) == s["rows"]
+    for r in rows[:20]:
+        assert len(r["input_ids"]) == len(r["loss_mask"]) and sum(r["loss_mask"]) > 0
+        assert r["messages"][-1]["role"] == "assistant"
+    assert summary(rd, "prepare")["rows_in"] == s["rows"]   # prepare read the target's answers
+
+
+def test_evaluate_measured_every_checkpoint_and_resumed(run):
+    tmp, rd, seen = run
+    results = json.loads((rd.out_dir("evaluate") / "results.json").read_text())
+    assert set(results["checkpoints"]) == {"0", "1", "2"}
+    # The measurement saved before the kill was kept, not redone.
+    assert json.loads(seen["first_measurement"]) == results["checkpoints"]["0"]
+    for name, m in results["checkpoints"].items():
+        assert m["drafts"] > 0 and m["draft_tokens"] == 3 * m["drafts"]
+        assert 1.0 <= m["acceptance_length"] <= 4.0
+        assert len(m["per_position"]) == 3 and "--speculative-config" in m["vllm_command"]
+        assert f"checkpoints/{name}" in m["vllm_command"] and "eagle3" in m["vllm_command"]
+    assert results["baseline"]["decode_tokens_per_s"] > 0 and results["speedup"] > 0
+    s = summary(rd, "evaluate")
+    last = results["checkpoints"]["2"]
+    print(f"estimate {s['acceptance_estimate']:.3f} vs measured {s['acceptance_length']:.3f}, "
+          f"per position {s['per_position']}, speedup {s['speedup']}")
+    # train's estimate and vLLM's measurement of the same checkpoint agree
+    assert abs(last["estimate"] - last["acceptance_length"]) / last["acceptance_length"] < 0.25
+    assert "measured by vLLM" in seen["wait_out"] and "estimated by train" in seen["wait_out"]
+    st = cli("status", cwd=tmp, check=0)
+    assert "acceptance length" in st.stdout and "x" in st.stdout
+    assert not server_pids()
+
+
+def test_without_a_usable_vllm_regenerate_and_evaluate_are_skipped(tmp_path):
+    """An interpreter with no vLLM: one clear line each, status skipped."""
+    cfg = f'[runtime]\nvllm_python = "{sys.executable}"\n[stages.regenerate]\nenabled = true\n'
+    code, rd, evs = run_body(tmp_path, "regenerate", __import__(
+        "pipeline.stages.regenerate", fromlist=["body"]).body, cfg)
+    fin = finished(evs)
+    assert code == 0 and fin["status"] == "skipped" and "vLLM is not installed" in \
+        fin["summary"]["skipped"] and "prepare uses [data]" in fin["summary"]["skipped"]
+    from pipeline.stages import evaluate
+    code, rd, evs = run_body(tmp_path, "evaluate", evaluate.body, cfg)
+    fin = finished(evs)
+    assert code == 0 and fin["status"] == "skipped" and "ends at train" in fin["summary"]["skipped"]

@@ -1,0 +1,196 @@
+"""The vLLM route against the real vLLM of this machine: vLLM 0.32's CPU
+build in .venv-vllm (scripts/install.sh). Skipped, with the reason, only
+when no usable vLLM is installed; CI installs it, so there these run.
+
+One module-wide run extracts the tiny target's hidden states through a real
+`vllm serve` and eagle-panel's connector: the server is SIGKILLed mid-way
+(the stage fails quoting why, finished files stay), the stage is resumed to
+the end, and then everything else is checked on what it left: the files
+against the hf backend's (float32, different kernels: close, not equal),
+the KV-cache events from the real log and /metrics, the KV tab showing
+them, doctor's predicted adaptations against the ones that fired, and that
+no vLLM process is left."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from pipeline.paths import VLLM_VENV
+from pipeline.rundir import RunDir
+from pipeline.vllm.environment import probe
+from pipeline.vllm.server import SERVER_TOKEN_VAR
+from tests.helpers import ROOT, finished, hs_files, kv_tab_text, prepared_once, wait_for
+
+pytestmark = pytest.mark.vllm
+N = 24
+PY = VLLM_VENV / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    if not PY.exists():
+        pytest.skip(f"no real vLLM: {VLLM_VENV} is missing (scripts/install.sh makes it)")
+    env = probe(str(PY))
+    why = env.unusable([])
+    if why:
+        pytest.skip(f"the installed vLLM cannot run here: {why}")
+    return env
+
+
+CONFIG = f"""
+[data]
+max_samples = {N}
+[stages.extract]
+backend = "auto"
+layer_ids = [1, 2, 3]
+max_inflight = 2
+"""
+
+
+def server_pids() -> list[int]:
+    """Live processes of any vLLM server this test session's stages started."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{name}/environ", "rb").read()
+            state = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if SERVER_TOKEN_VAR.encode() in env and f"RUN_OF={os.getpid()}".encode() in env \
+                and state != "Z":
+            found.append(int(name))
+    return found
+
+
+def stage(tmp, name="extract", config=CONFIG, run="r"):
+    """The real stage, as the runner starts it: its own process."""
+    (tmp / "config.toml").write_text(textwrap.dedent(config))
+    return subprocess.Popen(
+        [sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir", str(tmp / run),
+         "--config", str(tmp / "config.toml")],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), RUN_OF=str(os.getpid())),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def extracted(vllm_env, tmp_path_factory):
+    from pipeline.events import read_events
+    tmp, rd = prepared_once(tmp_path_factory, "real_vllm", CONFIG)
+    t0 = time.monotonic()
+    # 1. Start, and SIGKILL the server's whole tree once a few files are written.
+    p = stage(tmp)
+    wait_for(lambda: len(hs_files(rd)) >= 3 or p.poll() is not None, timeout=300, poll=0.02,
+             what="3 files from the real server")
+    for pid in server_pids():
+        os.kill(pid, signal.SIGKILL)
+    out1 = p.communicate(timeout=120)[0]
+    first = read_events(rd.events_path("extract"))
+    kept = len(hs_files(rd))
+    first_s = time.monotonic() - t0
+    # 2. Resume to the end.
+    p = stage(tmp)
+    out2 = p.communicate(timeout=600)[0]
+    return {"tmp": tmp, "rd": rd, "code1": None, "out1": out1, "out2": out2, "code2": p.returncode,
+            "first": first, "kept": kept, "events": read_events(rd.events_path("extract")),
+            "first_s": first_s}
+
+
+def test_killed_server_is_reported_and_resume_completes(extracted):
+    x = extracted
+    errors = [e for e in x["first"] if e["type"] == "error"]
+    assert errors, x["out1"]
+    msg = errors[-1]["message"]
+    assert "vLLM server 0" in msg and "killed by SIGKILL" in msg, msg
+    assert 3 <= x["kept"] < N
+    assert x["code2"] == 0, x["out2"]
+    summary = finished(x["events"])["summary"]
+    assert summary["backend"] == "vllm-server"
+    assert summary["reused"] == x["kept"] and summary["computed"] == N - x["kept"]
+    assert len(hs_files(x["rd"])) == N
+    wait_for(lambda: not server_pids(), timeout=30, what="no vLLM process left")
+    assert not list((x["rd"].out_dir("extract") / "hidden_states").glob(".*"))
+
+
+def test_real_files_match_the_hf_backend(extracted):
+    """Same prepared samples through transformers: float32 on both sides,
+    other kernels (vLLM's CPU attention), so close rather than equal."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    from pipeline.builtin.tiny_model import ensure_built
+    from pipeline.stages.extract_hf import HFBackend
+    rd = extracted["rd"]
+    ds = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)
+    ref = HFBackend.load(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)
+    worst_abs = worst_rel = 0.0
+    for i in range(N):
+        got = load_file(str(rd.out_dir("extract") / f"hidden_states/hs_{i}.safetensors"))
+        ids = ds[i]["input_ids"]
+        assert got["token_ids"].tolist() == ids and got["hidden_states"].dtype == torch.float32
+        want = ref.forward([ids])[0]
+        diff = (got["hidden_states"] - want).abs()
+        worst_abs = max(worst_abs, diff.max().item())
+        worst_rel = max(worst_rel, (diff / want.abs().clamp_min(1e-2)).max().item())
+    print(f"real vLLM vs hf over {N} samples: max abs {worst_abs:.2e}, max rel {worst_rel:.2e}")
+    assert worst_abs < 1e-3 and worst_rel < 1e-2
+
+
+def test_kv_events_come_from_the_real_server(extracted):
+    events = extracted["events"]
+    kv = [e for e in events if e["type"] == "kv_cache"]
+    assert kv and kv[-1]["source"] == "log" and kv[-1]["pool"] == "CPU"
+    assert kv[-1]["tokens_capacity"] > 10_000 and kv[-1]["max_concurrency"] > 1
+    log = (extracted["rd"].path / "extract" / "vllm0.log").read_text()
+    assert f"{kv[-1]['tokens_capacity']:,} tokens" in log   # the real line, parsed
+    usage = [e for e in events if e["type"] == "kv_usage"]
+    assert usage and all(0.0 <= u["usage_perc"] <= 1.0 for u in usage)
+
+
+async def test_kv_tab_shows_the_real_report(extracted):
+    from app.panel import PanelApp
+    from pipeline.telemetry import Telemetry
+    rd = RunDir(extracted["rd"].path)
+    kv = [e for e in extracted["events"] if e["type"] == "kv_cache"][-1]
+    app = PanelApp(rd, telemetry=Telemetry(simulate=0, host=False), interval=3600)
+    async with app.run_test(size=(100, 30)) as pilot:
+        text = await kv_tab_text(app, pilot)
+    assert f"{kv['tokens_capacity']:,}" in text and "live use" in text
+    assert "log, CPU memory" in text and f"{kv['max_concurrency']:.2f}x" in text
+
+
+def test_doctor_predicts_the_adaptations_that_fired(extracted, vllm_env):
+    from pipeline import config as config_mod
+    from pipeline import doctor
+    cfg = config_mod.load(extracted["tmp"] / "config.toml", gpu_count=None)
+    findings = doctor.diagnose(cfg, gpus=None)
+    predicted = {f.key for f in findings if f.area == "compat" and f.key}
+    fired = set(finished(extracted["events"])["summary"]["adaptations"])
+    assert predicted == fired == {"own_connector", "write_lock", "vllm_cpu_dist"}
+    backends = " ".join(f.message for f in findings if f.area == "backends")
+    assert '"auto" -> vllm-server' in backends and not doctor.blocking(findings)
+    assert any(f.area == "vllm" and "0.32.0+cpu" in f.message for f in findings)
+
+
+def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
+    """A real start failure: a max length past what the model allows."""
+    from pipeline.events import read_events
+    tmp, rd = tmp_path, RunDir(tmp_path / "r")
+    bad = CONFIG + 'server_args = ["--max-model-len", "100000"]\n'
+    p = stage(tmp, "prepare", bad)
+    assert p.wait(timeout=300) == 0
+    p = stage(tmp, "extract", bad)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 1, out
+    err = [e for e in read_events(rd.events_path("extract")) if e["type"] == "error"][-1]
+    assert "exited with code 1 while starting" in err["message"], err
+    assert "max_model_len" in err["message"] and "nanobind" not in err["message"]
+    assert "doctor" in err["hint"] and not hs_files(rd)
+    wait_for(lambda: not server_pids(), timeout=30, what="no vLLM process left")
