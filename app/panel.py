@@ -282,6 +282,9 @@ class PanelApp(App):
             t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
         if not t.plain:
             t.append("no training yet", style="dim")
+        if m.stages["train"].online:
+            t.append("\n")
+            t.append_text(fmt.online_text(m.stages["train"].online))
         self.query_one("#train-info", QuietStatic).set(t)
         self.query_one(LossChart).update_from(m, force)
 

@@ -51,6 +51,7 @@ class StageInfo:
     kv_cache: dict | None = None
     kv_servers: dict = field(default_factory=dict)   # server -> its kv_cache event
     kv_usage: dict | None = None
+    online: dict | None = None    # online training's producer/consumer figures
 
 
 class RunModel:
@@ -132,6 +133,8 @@ class RunModel:
                 info.kv_servers[ev["server"]] = ev
         elif t == EventType.KV_USAGE:
             info.kv_usage = ev
+        elif t == EventType.ONLINE:
+            info.online = ev
 
     # derived views ------------------------------------------------------------
     def driver_pid(self) -> int | None:
@@ -165,6 +168,9 @@ class RunModel:
             if info.state.get("status") == Status.RUNNING:
                 for d in info.state.get("devices") or []:
                     held[d] = s
+                if info.online:   # online training: its vLLM servers' GPUs
+                    for d in info.online.get("server_devices") or []:
+                        held[d] = f"{s}:vLLM"
         return held
 
     def metric_keys(self, split: str) -> list[str]:

@@ -2,6 +2,7 @@
 hf backend beside it (same prepared samples, same machine).
 
     python bench/bench_vllm_extract.py [--samples 0] [--inflight 16] [--rounds 2]
+                                       [--hidden 512 --layers 8]
 
 1. capture: the extract stage with backend "vllm-server" (a real `vllm serve`
    of the tiny target with `extract_hidden_states` and eagle-panel's connector
@@ -12,8 +13,11 @@ hf backend beside it (same prepared samples, same machine).
    same concurrency: what vLLM does anyway. Ratio capture / no capture: the
    capture's cost (target >= 0.9x).
 3. hf: the extract stage with backend "hf" on the same samples.
-Uses .venv-vllm (scripts/install.sh); on a GPU server set [runtime] vllm_python
-through VLLM_PYTHON=... and the same script measures there.
+--hidden/--layers: a random Llama of that size (the built-in tokenizer) instead
+of the built-in 128-wide, 4-layer target, whose forward is so cheap that
+copying 4 layers of its hidden states costs about as much as computing them.
+Uses .venv-vllm (scripts/install.sh); on a GPU server set VLLM_PYTHON=... and
+the same script measures there.
 """
 
 from __future__ import annotations
@@ -39,21 +43,45 @@ CONFIG = """
 [run]
 name = "bench"
 runs_dir = "runs"
+[model]
+target = "{target}"
 [runtime]
 vllm_python = "{vllm_python}"
 [data]
 max_samples = {samples}
 [stages.extract]
 backend = "{backend}"
-layer_ids = [1, 2, 3]
+layer_ids = {layer_ids}
 max_inflight = {inflight}
 """
 
 
+def random_target(tmp: Path, hidden: int, layers: int) -> Path:
+    """A random Llama of the given size with the built-in tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.builtin.tiny_model import ensure_built
+    out = tmp / f"llama-{hidden}x{layers}"
+    tok = AutoTokenizer.from_pretrained(str(ensure_built()))
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    heads = max(1, hidden // 64)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=max(1, heads // 2), max_position_embeddings=2048,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
 def stage(tmp: Path, name: str, backend: str, a) -> dict:
     from pipeline.events import read_events
+    layer_ids = [1, a.layers // 2, a.layers - 2] if a.layers else [1, 2, 3]
     (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
-        vllm_python=a.vllm_python, samples=a.samples, backend=backend, inflight=a.inflight)))
+        target=a.target, vllm_python=a.vllm_python, samples=a.samples, backend=backend,
+        inflight=a.inflight, layer_ids=layer_ids)))
     env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
     subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",
                     str(tmp / "runs/bench"), "--config", str(tmp / "config.toml")],
@@ -75,7 +103,8 @@ def no_capture(tmp: Path, a) -> float:
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     port, key = free_port(), secrets.token_hex(8)
     max_len = max(lengths) + 8
-    argv = serve_argv(env.python, "", ensure_built(), port, key, 1, "float32", max_len, False,
+    target = ensure_built() if a.target.startswith("builtin:") else Path(a.target)
+    argv = serve_argv(env.python, "", target, port, key, 1, "float32", max_len, False,
                       ["--no-enable-chunked-prefill"], eager=env.cpu_build)
     server = VllmServer(0, argv, port, key, [], tmp / "plain.log",
                         process_env(env, [], cpu_kv_space_gib(a.inflight * max_len, 1 << 16)))
@@ -93,7 +122,7 @@ def no_capture(tmp: Path, a) -> float:
                         return
                     i = todo.pop(0)
                 ids = rows[i]
-                server.post("/v1/completions", {"model": str(ensure_built()), "prompt": ids,
+                server.post("/v1/completions", {"model": str(target), "prompt": ids,
                                                 "max_tokens": 1, "temperature": 0.0}, 600)
                 with lock:
                     tokens[0] += len(ids)
@@ -116,8 +145,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON",
                                                             str(VLLM_VENV / "bin" / "python")))
+    ap.add_argument("--hidden", type=int, default=0, help="a random target this wide")
+    ap.add_argument("--layers", type=int, default=0, help="... with this many layers")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    a.target = str(random_target(tmp, a.hidden, a.layers)) if a.hidden else "builtin:tiny-llama"
     try:
         stage(tmp, "prepare", "hf", a)
         hs = tmp / "runs/bench/extract/out/hidden_states"

@@ -38,6 +38,14 @@ class ConfigError(Exception):
 
 
 @dataclass
+class PipelineSection:
+    # offline: extract writes every sample's hidden states, train reads them.
+    # online: no extract pass; train asks vLLM server(s) on [gpus] extract for
+    # the hidden states of each sample as it needs them (no multi-TB disk).
+    mode: str = "offline"
+
+
+@dataclass
 class RunSection:
     name: str = "run"
     runs_dir: str = "runs"
@@ -148,6 +156,13 @@ class TrainSection(StageCommon):
     train_ratio: float = 0.9
     checkpoint_freq: float = 1.0
     max_steps: int = 0
+    # online mode: requests in flight per server, and how often a vLLM
+    # server that dies mid-training is restarted before the stage fails
+    online_max_inflight: int = 16
+    server_restarts: int = 2
+    # speculators' dataloader processes: -1 = auto (4 on GPUs; on the CPU 0,
+    # and 2 online so that requests to vLLM overlap)
+    dataloader_workers: int = -1
     loss: str = "auto"
     attention: str = "auto"
     seed: int = 0
@@ -180,6 +195,7 @@ class StagesSection:
 
 @dataclass
 class Config:
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -203,9 +219,29 @@ class Config:
         own = getattr(self.gpus, name)
         return list(self.gpus.devices if own is None else own)
 
+    def held_devices(self, name: str) -> list[int]:
+        """The GPUs a stage holds while it runs: its own, and in online mode
+        train's vLLM servers run on extract's."""
+        held = self.stage_devices(name)
+        if name == "train" and self.online:
+            held += [d for d in self.stage_devices("extract") if d not in held]
+        return held
+
     def enabled(self, name: str) -> bool:
-        """Whether an optional stage is on (the others always are)."""
-        return bool(getattr(self.stage(name), "enabled", True))
+        """Whether a stage runs: optional stages can be turned off, and online
+        mode folds extract into train."""
+        return self.off_reason(name) is None
+
+    def off_reason(self, name: str) -> str | None:
+        if name == "extract" and self.online:
+            return 'off ([pipeline] mode = "online": train asks vLLM for the hidden states)'
+        if not getattr(self.stage(name), "enabled", True):
+            return f"off ([stages.{name}] enabled = false)"
+        return None
+
+    @property
+    def online(self) -> bool:
+        return self.pipeline.mode == "online"
 
     def python(self) -> str:
         return self.runtime.python or sys.executable
@@ -253,6 +289,7 @@ class Config:
             "section": self.section_dict(name),
             "model": dataclasses.asdict(self.model),
             "data": dataclasses.asdict(self.data) if name in ("regenerate", "prepare") else None,
+            "pipeline": dataclasses.asdict(self.pipeline),
             "devices": self.stage_devices(name),
             "inputs": {k: upstream.get(k, "") for k in STAGE_INPUTS[name]},
             "version": __version__,
@@ -355,6 +392,7 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
     _choice(cfg.stages.train.loss, ("auto", "eager", "fused"), "stages.train.loss", src)
     _choice(cfg.stages.train.attention, ("auto", "sdpa", "eager", "flex"),
             "stages.train.attention", src)
+    _choice(cfg.pipeline.mode, ("offline", "online"), "pipeline.mode", src)
     _choice(cfg.stages.evaluate.checkpoints, ("last", "best", "all"),
             "stages.evaluate.checkpoints", src)
     for where, value in (
@@ -424,7 +462,7 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
 
     devices = cfg.gpus.devices
     tp, ext = cfg.stages.extract.tensor_parallel, cfg.stage_devices("extract")
-    if cfg.stages.extract.backend.startswith("vllm") and ext and len(ext) % tp:
+    if (cfg.stages.extract.backend.startswith("vllm") or cfg.online) and ext and len(ext) % tp:
         raise ConfigError(
             f"{src}: `stages.extract.tensor_parallel` = {tp} does not divide the {len(ext)} "
             f"GPUs extract is given ({ext}): each vLLM server / engine takes {tp}. "

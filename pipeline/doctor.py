@@ -178,6 +178,15 @@ def check_backends(x: Inputs) -> list[Finding]:
         if x.source is not None and x.source.has_module(compat.CONNECTOR_MODULE):
             usable.append("vllm-server")
     out = [Finding("backends", OK, "usable extract backends: " + (", ".join(usable) or "none"))]
+    if x.cfg.online:
+        if problem or "vllm-server" not in usable:
+            return out + [Finding("backends", BLOCK, '[pipeline] mode = "online" needs a vLLM '
+                                  "that serves the target and captures its hidden states: "
+                                  f"{problem or 'this vLLM has no hidden-state connector'}",
+                                  'install one, or set [pipeline] mode = "offline"')]
+        return out + [Finding("backends", OK, f"online: train reads hidden states from vLLM "
+                              f"{v.version} servers on GPUs "
+                              f"{x.cfg.stage_devices('extract') or '- (CPU)'}")]
     if sec.backend == "auto":
         level = WARN if x.backend == "hf" else OK   # the vLLM route is not available
         out.append(Finding("backends", level, f'backend = "auto" -> {x.backend}: '
@@ -309,6 +318,12 @@ def check_kv_cache(x: Inputs) -> list[Finding]:
 def check_disk(x: Inputs) -> list[Finding]:
     if x.model is None or x.layer_ids is None:
         return []
+    if x.cfg.online:
+        elem = 4 if x.cfg.dtype_name(bool(x.cfg.gpus.devices)) == "float32" else 2
+        bpt = hs_bytes_per_token(x.model, len(x.layer_ids), elem)
+        return [Finding("disk", OK, f"online: hidden states are not kept; the buffer holds "
+                        f"the samples in flight, {bpt / 1024:.1f} KiB/token x at most "
+                        f"{x.cfg.stages.prepare.seq_length} tokens each")]
     return [disk_forecast(x.cfg, x.model, len(x.layer_ids), bool(x.cfg.gpus.devices))]
 
 
@@ -331,7 +346,9 @@ def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool 
         from pipeline.vllm.source import VllmSource
         x.source = VllmSource.from_dir(Path(vllm_env.vllm_dir), vllm_env.version or "?")
     sec = cfg.stages.extract
-    if sec.backend == "auto":
+    if cfg.online:
+        x.backend, x.backend_why = "vllm-server", "online mode: train asks vLLM servers"
+    elif sec.backend == "auto":
         x.backend, x.backend_why = choose_backend("auto", vllm_env, cfg.stage_devices("extract"))
     else:
         x.backend = sec.backend

@@ -29,6 +29,7 @@ class EventType(str, enum.Enum):
     KV_CACHE = "kv_cache"
     KV_USAGE = "kv_usage"
     ARTIFACT = "artifact"
+    ONLINE = "online"
     WARNING = "warning"
     ERROR = "error"
     STAGE_FINISHED = "stage_finished"
@@ -97,6 +98,26 @@ class KvUsageEvent(TypedDict):
     waiting: int
 
 
+class _OnlineExtra(TypedDict, total=False):
+    running: int
+    waiting: int
+    kv_usage_perc: float | None
+    consumed_tokens_per_s: float | None
+    server_idle_share: float
+    buffer_bytes: int
+    servers: int
+    server_devices: list[int]
+    trainer_devices: list[int]
+    restarts: int
+
+
+class OnlineEvent(_OnlineExtra):   # online training: the producer/consumer view
+    produced_tokens_per_s: float
+    trainer_wait_share: float | None
+    buffer_peak_bytes: int
+    verdict: str
+
+
 class ArtifactEvent(TypedDict):
     path: str
     kind: str
@@ -125,6 +146,7 @@ FIELDS: dict[EventType, type] = {
     EventType.STAGE_STARTED: StageStartedEvent, EventType.PROGRESS: ProgressEvent,
     EventType.METRIC: MetricEvent, EventType.KV_CACHE: KvCacheEvent,
     EventType.KV_USAGE: KvUsageEvent, EventType.ARTIFACT: ArtifactEvent,
+    EventType.ONLINE: OnlineEvent,
     EventType.WARNING: MessageEvent, EventType.ERROR: MessageEvent,
     EventType.STAGE_FINISHED: StageFinishedEvent,
 }

@@ -42,14 +42,18 @@ def remove_leftovers(folder: Path) -> int:
     return n
 
 
-def write_sample(final: Path, hidden_states, token_ids) -> int:
-    """Write one sample atomically; returns the bytes of its tensors."""
+def write_sample(final: Path, hidden_states, token_ids, check_finite: bool = False) -> int:
+    """Write one sample atomically; returns the bytes of its tensors.
+    check_finite: refuse (ValueError, nothing written) non-finite values,
+    for writers whose readers check only the header (the vLLM connector)."""
     import torch
     from safetensors.torch import save_file
     final = Path(final)
     tmp = temp_path(final)
     ids = torch.as_tensor(token_ids, dtype=torch.long)
     hs = hidden_states.contiguous()
+    if check_finite and not bool(torch.isfinite(hs.sum(dtype=torch.float32))):
+        raise ValueError(f"{final.name}: non-finite hidden states, not written")
     try:
         save_file({"hidden_states": hs, "token_ids": ids}, str(tmp))
         os.replace(tmp, final)
@@ -57,6 +61,32 @@ def write_sample(final: Path, hidden_states, token_ids) -> int:
         tmp.unlink(missing_ok=True)
         raise
     return hs.numel() * hs.element_size() + 8 * ids.numel()
+
+
+def check_header(path: Path, token_ids, n_layers: int, hidden: int, dtype) -> str | None:
+    """The cheap check of a file a trusted writer just made (one that
+    refuses non-finite values itself): shape and dtype from the header, and
+    the token ids; None if right. The hidden states are not read."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if set(f.keys()) != {"hidden_states", "token_ids"}:
+                return "missing hidden_states or token_ids"
+            hs = f.get_slice("hidden_states")
+            shape, got = tuple(hs.get_shape()), hs.get_dtype()
+            ids = f.get_tensor("token_ids")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        return f"unreadable ({e})"
+    want = (len(token_ids), n_layers, hidden)
+    if shape != want:
+        return f"shape {shape} != {want}"
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    if names.get(dtype, str(dtype)) != got:
+        return f"dtype {got} != {dtype}"
+    if not torch.equal(ids, torch.as_tensor(token_ids, dtype=ids.dtype)):
+        return "token ids differ from the prepared data"
+    return None
 
 
 def validate_file(path: Path, token_ids, n_layers: int, hidden: int, dtype) -> str | None:

@@ -104,8 +104,8 @@ def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False)
             if only is not None and s in STAGE_INPUTS[only] and st["status"] not in DONE:
                 steps.append(Step(s, "blocked", f"{only} needs {s}, which has not succeeded"))
             continue
-        if not cfg.enabled(s):
-            off = f"off ([stages.{s}] enabled = false)"
+        off = cfg.off_reason(s)
+        if off:
             if st["status"] == Status.SKIPPED and st.get("fingerprint") == fps[s]:
                 steps.append(Step(s, "skip", off))
             else:
@@ -177,7 +177,7 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
     rd.update_stage(stage, status=Status.RUNNING, attempt=attempt, pid=None, pgid=None,
                     create_time=None, started_at=time.time(), ended_at=None, exit_code=None,
                     signal=None, fingerprint=fingerprint, out_fingerprint=fingerprint,
-                    devices=cfg.stage_devices(stage), token=token, cancel_requested=False,
+                    devices=cfg.held_devices(stage), token=token, cancel_requested=False,
                     reason=None)
     log = open(rd.log_path(stage), "ab")
     log.write(f"\n===== eagle-panel: {stage} attempt {attempt} at "

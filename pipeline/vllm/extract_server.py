@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from pipeline.errors import StageError
-from pipeline.hsfile import Counters, hs_path, validate_file, write_sample
+from pipeline.hsfile import Counters, check_header, hs_path, write_sample
 from pipeline.model_info import kv_bytes_per_token, read_model
 from pipeline.stages.extract_job import ExtractJob
 from pipeline.vllm import compat
@@ -68,9 +68,14 @@ def wait_written(path: Path) -> bool:
 
 
 def check_written(path: Path, ids: list[int], job: ExtractJob) -> int:
-    """Our connector wrote the final file: check it (a bad one is removed,
-    so a resume redoes it); returns its size."""
-    why = validate_file(path, ids, len(job.layer_ids), job.hidden, job.dtype)
+    """Our connector wrote the final file (it refuses non-finite values):
+    check its header and token ids (a bad one is removed, so a resume redoes
+    it); returns its size."""
+    if not path.exists():
+        raise StageError(f"the vLLM server wrote no {path.name}",
+                         hint=f"see {job.log_dir}/vllm*.log (`Hidden-states write failed`: "
+                              "non-finite values, or the disk)")
+    why = check_header(path, ids, len(job.layer_ids), job.hidden, job.dtype)
     if why is not None:
         path.unlink(missing_ok=True)
         raise StageError(f"{path.name} from the vLLM server is not right: {why}",

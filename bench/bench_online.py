@@ -1,0 +1,114 @@
+"""Online vs offline training on the same data (the real vLLM server).
+
+    python bench/bench_online.py [--samples 0] [--epochs 2] [--workers 2]
+
+offline: extract (backend auto: the vLLM server writes every sample's hidden
+states) then train reads the files; online: train asks the vLLM server for
+each sample as it needs it. Reports wall time of extract + train vs online
+train, the trainer's data-wait share (speculators' queue time / step time),
+the online buffer's peak vs the offline hidden states' size, and the final
+losses (the same samples and seed: they should match). On a GPU server set
+VLLM_PYTHON and [gpus] through --gpus "0,1" (extract) "2,3" (train).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
+
+CONFIG = """
+[run]
+name = "bench"
+[pipeline]
+mode = "{mode}"
+[runtime]
+vllm_python = "{vllm_python}"
+[data]
+max_samples = {samples}
+[gpus]
+devices = [{devices}]
+{gpu_split}
+[stages.extract]
+backend = "auto"
+layer_ids = [1, 2, 3]
+[stages.vocab]
+draft_vocab_size = 256
+[stages.train]
+epochs = {epochs}
+lr = 0.001
+total_seq_len = 1024
+dataloader_workers = {workers}
+[stages.evaluate]
+enabled = false
+"""
+
+
+def stage(d: Path, name: str) -> tuple[float, dict]:
+    from pipeline.events import read_events
+    env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",
+                    str(d / "runs/bench"), "--config", str(d / "config.toml")],
+                   env=env, check=True, capture_output=True)
+    ev = [e for e in read_events(d / "runs/bench" / name / "events.jsonl")
+          if e["type"] == "stage_finished"][-1]
+    return time.perf_counter() - t0, ev["summary"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--gpus", nargs=2, metavar=("EXTRACT", "TRAIN"), default=None)
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON",
+                                                            str(VLLM_VENV / "bin" / "python")))
+    a = ap.parse_args()
+    devices, split = "", ""
+    if a.gpus:
+        devices = ",".join(sorted(set(a.gpus[0].split(",")) | set(a.gpus[1].split(","))))
+        split = f"extract = [{a.gpus[0]}]\ntrain = [{a.gpus[1]}]"
+    tmp = Path(tempfile.mkdtemp(prefix="bench-online-"))
+    try:
+        out = {}
+        for mode in ("offline", "online"):
+            d = tmp / mode
+            d.mkdir()
+            (d / "config.toml").write_text(textwrap.dedent(CONFIG.format(
+                mode=mode, vllm_python=a.vllm_python, samples=a.samples, devices=devices,
+                gpu_split=split, epochs=a.epochs, workers=a.workers)))
+            stage(d, "prepare")
+            stage(d, "vocab")
+            wall = 0.0
+            if mode == "offline":
+                wall, _ = stage(d, "extract")
+                disk = sum(p.stat().st_size for p in
+                           (d / "runs/bench/extract/out/hidden_states").glob("hs_*"))
+            t, s = stage(d, "train")
+            wall += t
+            out[mode] = (wall, s, disk if mode == "offline" else s["buffer_peak_bytes"])
+            print(f"{mode:8} {wall:7.1f} s (extract + train)  data wait "
+                  f"{s.get('data_wait_share', 0):.1%}  disk {out[mode][2]:,} B  "
+                  f"last train loss {s['last_train_loss']:.4f}  val loss {s['val_loss']:.4f}",
+                  flush=True)
+        (off, _, off_disk), (on, _, on_disk) = out["offline"], out["online"]
+        print(f"\nonline / offline wall time: {on / off:.2f}x; online disk peak "
+              f"{on_disk / off_disk:.1%} of offline's hidden states")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
