@@ -101,7 +101,7 @@ class PanelApp(App):
         self.clock = clock
         self.snapshot = None
         self._statuses: dict[str, str] = {}
-        self._was_driving = False
+        self._all_done: bool | None = None   # unknown until the first look
         self._log_stage = None
         self._stop = threading.Event()
         self._dirty = False  # set by the file watcher, drawn by _tick
@@ -310,14 +310,15 @@ class PanelApp(App):
                 self.bell()
                 self.notify(f"{s} failed ({fmt.exit_text(info.state)})", severity="error",
                             timeout=10)
-        driving = self.model.driver_pid() is not None
-        seen, self.model.driver_seen = self.model.driver_seen, False
-        if (self._was_driving or seen) and not driving:
-            states = [self.model.stages[s].state.get("status") for s in STAGE_NAMES]
-            if all(x in runner.DONE for x in states):
-                self.bell()
-                self.notify("pipeline finished: all stages succeeded", timeout=10)
-        self._was_driving = driving
+        # A finished pipeline rings once, when the statuses turn all done (not
+        # when the launcher is seen to end: a quick run can start and end
+        # between two redraws).
+        all_done = all(self.model.stages[s].state.get("status") in runner.DONE
+                       for s in STAGE_NAMES)
+        if all_done and self._all_done is False:
+            self.bell()
+            self.notify("pipeline finished: all stages succeeded", timeout=10)
+        self._all_done = all_done
 
     @drawing_callback
     def _tick(self) -> None:

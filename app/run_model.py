@@ -66,9 +66,6 @@ class RunModel:
         self._state_sig = None
         self._polls = 0
         self.version = 0  # bumps on every change; widgets redraw on change only
-        # A launcher seen alive by any poll since the panel last looked: a
-        # pipeline can start and end between two redraws.
-        self.driver_seen = False
 
     def poll(self) -> bool:
         """Read what changed; True if anything did."""
@@ -98,7 +95,6 @@ class RunModel:
             from pipeline import runner
             self.state = runner.refresh(self.run)
             self.state_error = None
-            self.driver_seen |= runner.driver_alive(self.state)
         except RunDirError as e:
             self.state_error = str(e)
         for s, info in self.stages.items():

@@ -55,7 +55,10 @@ else
   pip_in "$PY" install "torch==2.13.0"
 fi
 pip_in "$PY" install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
-pip_in "$PY" install -e ".[$extras]" 2>&1 | grep -v "speculators 0.9.0 requires torch\(audio\|vision\)" || true
+# pip then says speculators requires torchaudio/torchvision: expected (it imports neither)
+pip_in "$PY" install -e ".[$extras]" 2>&1 \
+  | grep -v "speculators 0.9.0 requires torch\(audio\|vision\)\|pip's dependency resolver does not currently" \
+  || true
 "$PY" -c "import torch, speculators, transformers, textual; print('eagle-panel installed: torch', torch.__version__, '| transformers', transformers.__version__)"
 
 # -- vLLM's CPU build -----------------------------------------------------------
