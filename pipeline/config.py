@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import sys
 import types
@@ -49,6 +50,9 @@ class PipelineSection:
 class RunSection:
     name: str = "run"
     runs_dir: str = "runs"
+    # The run directory holds your data (datasets, hidden states, the draft):
+    # readable by you only, unless shared = true (then by your group too).
+    shared: bool = False
 
 
 @dataclass
@@ -330,10 +334,12 @@ def _check_value(value, tp, where: str, src: str):
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
+        _check_number(value, where, src)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
+        _check_number(value, where, src)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -349,6 +355,24 @@ def _check_value(value, tp, where: str, src: str):
             raise bad
         return dict(value)
     raise AssertionError(f"unsupported config type {tp}")
+
+
+# Numbers that may be negative (-1 = auto); every other one may not.
+MAY_BE_NEGATIVE = {"stages.train.dataloader_workers": -1}
+HUGE = 10 ** 12   # no count, size or time in a config comes near this
+
+
+def _check_number(value, where: str, src: str) -> None:
+    bare = where.split("[")[0]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{src}: `{where}` = {value} is not a finite number. "
+                          f"Give `{where}` a real value.")
+    floor = MAY_BE_NEGATIVE.get(bare, 0)
+    if value < floor:
+        raise ConfigError(f"{src}: `{where}` = {value} is negative. Give `{where}` a value "
+                          f">= {floor}" + (" (-1 = auto)." if floor == -1 else "."))
+    if value > HUGE:
+        raise ConfigError(f"{src}: `{where}` = {value} is far too large. Check `{where}`.")
 
 
 def _fill(cls, table: dict, prefix: str, src: str):
@@ -376,15 +400,20 @@ def _fill(cls, table: dict, prefix: str, src: str):
 
 def _choice(value: str, allowed, where: str, src: str):
     if value not in allowed:
+        near = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
         raise ConfigError(
-            f"{src}: `{where}` = {value!r} is not one of {', '.join(map(repr, allowed))}. "
+            f"{src}: `{where}` = {value!r} is not one of {', '.join(map(repr, allowed))}.{hint} "
             f"Set `{where}` to one of them."
         )
 
 
 def _semantic_checks(cfg: Config, src: str, gpu_count):
-    if not cfg.run.name or "/" in cfg.run.name or cfg.run.name.startswith("."):
-        raise ConfigError(f"{src}: `run.name` = {cfg.run.name!r} must be a plain folder name.")
+    name = cfg.run.name
+    if not name or "/" in name or "\\" in name or name.startswith(".") or \
+            any(ord(c) < 32 for c in name):
+        raise ConfigError(f"{src}: `run.name` = {name!r} must be a plain folder name (no "
+                          "slashes, not starting with a dot). Fix `run.name`.")
     _choice(cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"), "model.dtype", src)
     _choice(cfg.data.format, ("auto", "messages", "sharegpt", "tokenized"), "data.format", src)
     _choice(cfg.stages.extract.backend, ("auto", "hf", "vllm-server", "vllm-engine"),
@@ -508,6 +537,11 @@ def _nvml_gpu_count() -> int | None:
 
 def parse(text: str, src: str = "config.toml", base_dir: Path | None = None,
           gpu_count=_nvml_gpu_count) -> Config:
+    if not text.strip():
+        raise ConfigError(f"{src}: the config is empty. Copy the bundled config.toml and "
+                          "change what your run needs.")
+    if "\x00" in text:
+        raise ConfigError(f"{src}: not a text file (it holds NUL bytes). Give a TOML config.")
     try:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -327,8 +327,29 @@ def check_disk(x: Inputs) -> list[Finding]:
     return [disk_forecast(x.cfg, x.model, len(x.layer_ids), bool(x.cfg.gpus.devices))]
 
 
+def check_privacy(x: Inputs) -> list[Finding]:
+    """The run directory holds the user's data: others must not read it."""
+    import stat
+    rd = RunDir(x.cfg.runs_dir() / x.cfg.run.name)
+    if not rd.path.exists():
+        return [Finding("privacy", OK, f"{rd.path} will be created readable by you only"
+                        + (" and your group" if x.cfg.run.shared else ""))]
+    mode = rd.path.stat().st_mode
+    if mode & (stat.S_IROTH | stat.S_IXOTH):
+        return [Finding("privacy", WARN, f"{rd.path} can be read by other users "
+                        f"(mode {stat.filemode(mode)}): its datasets, hidden states and "
+                        "draft are your data", f"chmod 700 {rd.path}")]
+    if mode & (stat.S_IRGRP | stat.S_IXGRP) and not x.cfg.run.shared:
+        return [Finding("privacy", WARN, f"{rd.path} can be read by your group "
+                        f"(mode {stat.filemode(mode)}) and [run] shared is false",
+                        f"chmod 700 {rd.path}, or set [run] shared = true")]
+    return [Finding("privacy", OK, f"{rd.path} is readable by you"
+                    + (" and your group" if mode & stat.S_IRGRP else " only"))]
+
+
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
-          check_layers, check_eagle3, check_adaptations, check_kv_cache, check_disk)
+          check_layers, check_eagle3, check_adaptations, check_kv_cache, check_disk,
+          check_privacy)
 
 
 def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool = False,

@@ -32,6 +32,9 @@ class Status(str, enum.Enum):
         return self.value
 
 
+PRIVATE_MODE, SHARED_MODE = 0o700, 0o750
+
+
 class RunDirError(Exception):
     """A run directory that is missing, not a run, or has a corrupt state file."""
 
@@ -141,9 +144,14 @@ class RunDir:
         return self.state_path.is_file()
 
     # creation
-    def create(self, config_text: str, base_dir: Path) -> None:
-        """Make the folders and the first state; an existing run is left as is."""
+    def create(self, config_text: str, base_dir: Path, shared: bool = False) -> None:
+        """Make the folders and the first state; an existing run is left as is.
+        The run directory itself is the fence around its data: 0700 (0750
+        when shared with the group), whatever the files inside say."""
+        new = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
+        if new:
+            os.chmod(self.path, PRIVATE_MODE if not shared else SHARED_MODE)
         for stage in STAGE_NAMES:
             self.out_dir(stage).mkdir(parents=True, exist_ok=True)
         with self._state_mutex():

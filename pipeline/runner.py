@@ -279,9 +279,9 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
         if rd.is_run():
             rd.read_state()  # a corrupt state is reported, never silently reset
             if rd.lock_holder() is None:
-                rd.create(text, cfg.base_dir)
+                rd.create(text, cfg.base_dir, cfg.run.shared)
         else:
-            rd.create(text, cfg.base_dir)
+            rd.create(text, cfg.base_dir, cfg.run.shared)
     return rd
 
 

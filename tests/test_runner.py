@@ -275,3 +275,28 @@ def test_corrupt_state_is_reported_not_reset(tmp_path, stagekit, bad):
         assert "corrupt state file" in p.stderr, (args, p.stderr)
     assert state_path.read_text() == bad
     assert len(starts(tmp_path)) == 6
+
+
+def test_run_directories_are_private_unless_shared(tmp_path, stagekit):
+    """Hidden states and datasets are the user's data: a new run directory is
+    0700, or 0750 with [run] shared = true; doctor warns about one others
+    can read."""
+    import stat
+
+    from pipeline import config as config_mod
+    from pipeline import doctor
+    cfg = stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    run = tmp_path / "runs" / "t"
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    cfg.write_text(cfg.read_text().replace('runs_dir = "runs"\n',
+                                           'runs_dir = "runs"\nshared = true\n', 1)
+                   .replace('name = "t"', 'name = "g"', 1))
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    assert stat.S_IMODE((tmp_path / "runs" / "g").stat().st_mode) == 0o750
+    run.chmod(0o755)
+    loaded = config_mod.load(cfg, gpu_count=None)
+    loaded.run.name, loaded.run.shared = "t", False
+    (finding,) = doctor.check_privacy(doctor.Inputs(loaded, {}, None, None))
+    assert finding.level == doctor.WARN and "other users" in finding.message
+    assert f"chmod 700 {run}" in finding.fix

@@ -194,3 +194,34 @@ def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
     assert "max_model_len" in err["message"] and "nanobind" not in err["message"]
     assert "doctor" in err["hint"] and not hs_files(rd)
     wait_for(lambda: not server_pids(), timeout=30, what="no vLLM process left")
+
+
+def test_servers_listen_on_loopback_only_and_want_the_runs_key(vllm_env, tmp_path):
+    """Another account on a shared GPU server can neither reach the server
+    from the network nor use it from this machine without the run's key."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from pipeline.builtin.tiny_model import ensure_built
+    from pipeline.vllm.server import make_server, serving
+    server = make_server(0, vllm_env, ensure_built(), [], tmp_path / "vllm.log", "float32", 256,
+                         False, [], kv_tokens=1024, kv_bytes_per_token=1 << 14)
+    with serving(server, 600, lambda: False) as s:
+        port = int(s.url.rsplit(":", 1)[1])
+        req = urllib.request.Request(s.url + "/v1/models")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 401
+        req.add_header("Authorization", f"Bearer {s.api_key}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
+        # not on the machine's other addresses
+        hostname_ip = socket.gethostbyname(socket.gethostname())
+        if not hostname_ip.startswith("127."):
+            with pytest.raises(OSError):
+                socket.create_connection((hostname_ip, port), timeout=3).close()
+        listening = open("/proc/net/tcp").read().splitlines()[1:]
+        ours = [ln.split()[1] for ln in listening if ln.split()[1].endswith(f":{port:04X}")
+                and ln.split()[3] == "0A"]
+        assert ours == [f"0100007F:{port:04X}"], ours   # 127.0.0.1 only

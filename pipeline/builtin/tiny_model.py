@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from pipeline.paths import cache_dir as project_cache
@@ -136,7 +137,7 @@ def _build_model(out: Path, tokenizer) -> None:
         model = LlamaForCausalLM(config).to(torch.float32)
         loss = _train(model, tokenizer)
         print(f"built-in target: trained {TRAIN['steps']} steps on the bundled conversations, "
-              f"final loss {loss:.3f}", flush=True)
+              f"final loss {loss:.3f}", file=sys.stderr, flush=True)   # stdout may be --json
         model.save_pretrained(out, safe_serialization=True)
     finally:
         torch.use_deterministic_algorithms(False)

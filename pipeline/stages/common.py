@@ -105,7 +105,7 @@ def load_context(name: str, argv=None) -> StageContext:
         if not args.config:
             raise config_mod.ConfigError(f"{run.path} is not a run directory yet; pass --config.")
         cfg = config_mod.load(args.config, gpu_count=None)
-        run.create(Path(args.config).read_text(), cfg.base_dir)
+        run.create(Path(args.config).read_text(), cfg.base_dir, cfg.run.shared)
     run.out_dir(name).mkdir(parents=True, exist_ok=True)
     if "EAGLE_PANEL_STAGE" not in os.environ:
         # Run by hand: give the stage its configured GPUs, as the runner would.
