@@ -369,8 +369,9 @@ def _check_number(value, where: str, src: str) -> None:
                           f"Give `{where}` a real value.")
     floor = MAY_BE_NEGATIVE.get(bare, 0)
     if value < floor:
-        raise ConfigError(f"{src}: `{where}` = {value} is negative. Give `{where}` a value "
-                          f">= {floor}" + (" (-1 = auto)." if floor == -1 else "."))
+        allowed = "-1 (auto) or a count" if floor == -1 else "a count, size or time: never negative"
+        raise ConfigError(f"{src}: `{where}` = {value} is out of range ({allowed}). "
+                          f"Fix `{where}`.")
     if value > HUGE:
         raise ConfigError(f"{src}: `{where}` = {value} is far too large. Check `{where}`.")
 
@@ -444,7 +445,8 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
         ("stages.evaluate.concurrency", cfg.stages.evaluate.concurrency),
     ):
         if value <= 0:
-            raise ConfigError(f"{src}: `{where}` must be positive, got {value}.")
+            raise ConfigError(f"{src}: `{where}` must be positive, got {value}. "
+                              f"Set `{where}` to 1 or more.")
     if not 0 < cfg.stages.extract.gpu_memory_utilization <= 1:
         raise ConfigError(f"{src}: `stages.extract.gpu_memory_utilization` must be in (0, 1], "
                           f"got {cfg.stages.extract.gpu_memory_utilization}.")
@@ -568,9 +570,9 @@ def load(path: str | os.PathLike, gpu_count=_nvml_gpu_count,
     except OSError as e:
         raise ConfigError(f"{p}: cannot read the config: {e.strerror}.") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")   # a BOM (Windows editors) is not TOML
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}).") from None
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}). Save it as UTF-8.") from None
     cfg = parse(text, str(p), base_dir or p.resolve().parent, gpu_count)
     cfg.source = p.resolve()
     return cfg

@@ -1,5 +1,7 @@
 """Bad input: every config problem is one clear error, exit 2, nothing launched."""
 
+import os
+
 import pytest
 
 from pipeline import config as config_mod
@@ -117,3 +119,43 @@ def test_bad_config_leaves_existing_run_untouched(tmp_path, stagekit):
     cli("run", cwd=tmp_path, check=2)
     assert (tmp_path / "runs/t/config.toml").read_text() == frozen
     assert (tmp_path / "runs/t/state.json").read_text() == state
+
+
+def test_config_fuzz(tmp_path, stagekit):
+    """Every malformed config of tests/config_fuzz.py (wrong types, unknown
+    keys, typos, bad numbers, missing files, GPUs not there, escaping run
+    names, empty / binary / broken files) exits 2 with one paragraph naming
+    the file and key or line, and changes nothing in an existing run."""
+    import hashlib
+
+    from tests import config_fuzz
+
+    def tree_hash():
+        h = hashlib.sha256()
+        for p in sorted(tmp_path.rglob("*")):
+            if p.name == "config.toml" and p.parent == tmp_path:
+                continue
+            st = p.lstat()
+            h.update(f"{p.relative_to(tmp_path)} {st.st_mode} {st.st_size} {st.st_mtime_ns}"
+                     .encode())
+            if p.is_file():
+                h.update(p.read_bytes())
+        return h.hexdigest()
+
+    stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    before = tree_hash()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    results = config_fuzz.try_all(tmp_path, env=env)
+    assert len(results) >= 50
+    wrong = [(label, why, err) for label, code, err, needle in results
+             if (why := config_fuzz.verdict(code, err, needle))]
+    assert not wrong, wrong
+    assert tree_hash() == before
+
+
+def test_a_config_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows editors save a BOM: it is not part of the TOML."""
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'\xef\xbb\xbf[run]\nname = "bom"\n')
+    assert config_mod.load(path, gpu_count=None).run.name == "bom"
