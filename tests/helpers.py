@@ -63,7 +63,8 @@ def run_body(tmp_path, stage, body, config: str, run="r"):
     from pipeline.rundir import RunDir
     from pipeline.stages.common import run_stage
     cfg = tmp_path / "config.toml"
-    cfg.write_text(textwrap.dedent(config))
+    # an empty config file is refused as a mistake: all defaults say so
+    cfg.write_text(textwrap.dedent(config) or "# all defaults\n")
     old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         code = run_stage(stage, body, ["--run-dir", str(tmp_path / run), "--config", str(cfg)])

@@ -135,6 +135,81 @@ def test_normalize_rejects_and_accepts():
         normalize({"input_ids": [1, 2], "loss_mask": [1]})
 
 
+def supervised_texts(tok, data_dir) -> list[str]:
+    from datasets import load_from_disk
+    ds = load_from_disk(str(data_dir)).with_format(None)
+    return [tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m])
+            for r in ds]
+
+
+def test_prepare_on_the_datasets_people_have(tmp_path, tok):
+    """tests/data_corpus.py: BOM, `developer`, agentic tool turns, the
+    assistant first, ShareGPT tool roles, content parts, long lines, NULs:
+    accepted and supervised as the template renders them; the rest skipped
+    by line number."""
+    from tests import data_corpus
+    accepted, skipped = data_corpus.write(tmp_path / "corpus.jsonl")
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
+                             '[data]\npath = "corpus.jsonl"\n')
+    assert code == 0
+    summary = finished(evs)["summary"]
+    warn = [e for e in evs if e["type"] == "warning"][0]
+    listed = {r["line"]: r["reason"] for r in warn["rows"]}
+    assert sorted(listed) == skipped, listed
+    assert summary["samples"] == len(accepted) and summary["skipped"] == len(skipped)
+    texts = supervised_texts(tok, rd.out_dir("prepare") / "data")
+    everything = "\n".join(texts)
+    # the assistant's tool calls are its tokens (speculators supervises them too)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' \
+        in everything
+    assert '"arguments": {"city": "Oslo"}' in everything   # a JSON-string argument, parsed
+    assert "Welcome back! Shall we go on?" in everything    # the opening assistant turn
+    # tool results, the developer prompt and the tools list are context, not supervised
+    assert "light rain, 12 C" not in everything and "Be terse." not in everything
+    assert "Weather for a city" not in everything
+    reasons = " | ".join(listed.values())
+    for needle in ("bad JSON", "invalid UTF-8", "empty line", "not a JSON object",
+                   "unknown role 'narrator'", "no assistant turn", "no text `content`",
+                   "arguments is not valid JSON", "without a function name",
+                   "no assistant tokens within seq_length", "same length"):
+        assert needle in reasons, needle
+
+
+def test_a_template_without_tool_support_skips_tool_call_rows(tok):
+    """A template that drops `tool_calls` would train the draft on an empty
+    answer: such a conversation is skipped, with the reason."""
+    import copy
+    t = copy.copy(tok)
+    t.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+                       "<|end_header_id|>{{ m['content'] }}<|eot_id|>{% endfor %}"
+                       "{% if add_generation_prompt %}<|start_header_id|>assistant"
+                       "<|end_header_id|>{% endif %}")
+    from tests.data_corpus import AGENTIC
+    _, msgs, tools = normalize(AGENTIC)
+    with pytest.raises(RowError, match="does not render tool calls"):
+        LocalRenderer(t).rows(msgs, tools)
+    strict = copy.copy(tok)   # a template that raises on roles it does not know
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
+                            "{{ raise_exception('tool role not supported') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    with pytest.raises(RowError, match="cannot render it .tool role not supported"):
+        LocalRenderer(strict).rows(msgs, tools)
+
+
+def test_prepare_an_empty_file_and_a_wrong_datasets_folder(tmp_path):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body, '[data]\npath = "empty.jsonl"\n',
+                            run="empty")
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "empty.jsonl is empty" in err["message"]
+    from datasets import Dataset
+    Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}).save_to_disk(str(tmp_path / "ds"))
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body, '[data]\npath = "ds"\n',
+                            run="wrong-schema")
+    err = [e for e in evs if e["type"] == "error"][-1]
+    assert code == 1 and "no usable rows" in err["message"] and "2x no `messages`" in err["message"]
+
+
 class RenderStandIn(http.server.BaseHTTPRequestHandler):
     """STAND-IN for vLLM's /v1/chat/completions/render (no vLLM here): renders
     with the same tokenizer's chat template and answers token ids."""
@@ -146,7 +221,8 @@ class RenderStandIn(http.server.BaseHTTPRequestHandler):
             self.send_response(404)
             self.end_headers()
             return
-        text = self.tokenizer.apply_chat_template(body["messages"], tokenize=False,
+        text = self.tokenizer.apply_chat_template(body["messages"], tools=body.get("tools"),
+                                                  tokenize=False,
                                                   add_generation_prompt=body["add_generation_prompt"])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         out = json.dumps({"token_ids": ids}).encode()

@@ -225,3 +225,39 @@ def test_servers_listen_on_loopback_only_and_want_the_runs_key(vllm_env, tmp_pat
         ours = [ln.split()[1] for ln in listening if ln.split()[1].endswith(f":{port:04X}")
                 and ln.split()[3] == "0A"]
         assert ours == [f"0100007F:{port:04X}"], ours   # 127.0.0.1 only
+
+
+def test_the_real_server_renders_tool_conversations_as_prepare_does(vllm_env, tmp_path):
+    """Agentic rows (tools, tool_calls with content null, tool turns) and a
+    conversation the assistant opens, through vLLM's own render endpoint:
+    the same token ids and loss masks as prepare's local renderer. And the
+    request regenerate sends with tools (tool_choice "none", no tool parser
+    on the server) is accepted, its prompt rendered with the tools."""
+    from transformers import AutoTokenizer
+
+    from pipeline.builtin.tiny_model import ensure_built
+    from pipeline.stages.chat_mask import EndpointRenderer, LocalRenderer, normalize, wire_messages
+    from pipeline.vllm.server import make_server, serving
+    from tests.data_corpus import AGENTIC, AGENTIC_STRING_ARGS
+    tok = AutoTokenizer.from_pretrained(str(ensure_built()))
+    opening = {"messages": [{"role": "assistant", "content": "Welcome back!"},
+                            {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "Hello."}]}
+    rows = [normalize(r)[1:] for r in (AGENTIC, AGENTIC_STRING_ARGS, opening)]
+    # vLLM 0.32 serves /v1/chat/completions/render only with --enable-scale-out
+    server = make_server(0, vllm_env, ensure_built(), [], tmp_path / "vllm.log", "float32", 512,
+                         False, ["--enable-scale-out"], kv_tokens=2048, kv_bytes_per_token=1 << 14)
+    with serving(server, 600, lambda: False) as s:
+        remote = EndpointRenderer(s.url, 60, api_key=s.api_key)
+        local = LocalRenderer(tok)
+        for msgs, tools in rows:
+            a, b = local.rows(msgs, tools), remote.rows(msgs, tools)
+            assert [(r.input_ids, r.loss_mask) for r in a] == \
+                [(r.input_ids, r.loss_mask) for r in b], msgs
+        msgs, tools = rows[0]
+        resp = s.post("/v1/chat/completions",
+                      {"model": str(ensure_built()), "messages": wire_messages(msgs[:3]),
+                       "max_tokens": 4, "temperature": 0.0, "return_token_ids": True, "tools": tools,
+                       "tool_choice": "none"}, 120)
+        want = tok(local.text(msgs[:3], True, tools), add_special_tokens=False)["input_ids"]
+        assert resp["prompt_token_ids"] == want

@@ -22,16 +22,25 @@ from pathlib import Path
 
 from pipeline.paths import cache_dir as project_cache
 
-VERSION = 3
+VERSION = 4
 SEED = 0
 VOCAB_SIZE = 1024
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
            "<|eot_id|>", "<|pad|>"]
+# Llama-3 style, with tool use: the row's `tools` as a system turn, an
+# assistant's tool calls as <tool_call>{json}</tool_call> after its text,
+# tool results as `tool` turns. Rows without tools render as before v4.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nTools:"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}<|eot_id|>{% endif %}"
     "{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] | trim }}<|eot_id|>"
+    "{% if message['content'] %}{{ message['content'] | trim }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}<|eot_id|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )

@@ -49,7 +49,7 @@ def process_chunk(rows, renderer, seq_length: int, fmt: str):
             if kind == "tokenized":
                 made = [rest]
             else:
-                made = [(r.input_ids, r.loss_mask) for r in renderer.rows(rest[0])]
+                made = [(r.input_ids, r.loss_mask) for r in renderer.rows(*rest)]
             kept = 0
             for ids, mask in made:
                 ids, mask = ids[:seq_length], mask[:seq_length]
@@ -136,6 +136,9 @@ def body(ctx: StageContext) -> dict:
             hint="fix or drop those rows; the rest were used",
             rows=[{where: n, "reason": r} for n, r in skipped[:MAX_LISTED]],
             counts=dict(reasons))
+    if not seen:
+        raise StageError(f"{src} is empty", hint="check [data] path: a JSONL file with one "
+                         "conversation per line, or a datasets folder")
     if not ids:
         raise StageError(
             f"no usable rows in {src}: all {seen} rows were skipped "

@@ -29,7 +29,7 @@ import time
 
 from pipeline.events import EventType
 from pipeline.model_info import kv_bytes_per_token, read_model
-from pipeline.stages.chat_mask import RowError, normalize
+from pipeline.stages.chat_mask import RowError, normalize, wire_messages
 from pipeline.stages.common import Skipped, StageContext, StageError, main_for
 from pipeline.stages.sources import iter_raw, regenerated_rows
 from pipeline.vllm.environment import probe
@@ -51,22 +51,26 @@ def conversations(ctx: StageContext):
             kind, *rest = normalize(obj, ctx.cfg.data.format)
             if kind != "messages":
                 raise RowError("pre-tokenized rows have no conversation to regenerate")
-            yield n, rest[0]
+            yield n, {"messages": rest[0], "tools": rest[1]}
         except RowError as e:
             yield n, e
 
 
-def regenerate_one(server, model: str, msgs: list[dict], sec, limit: int) -> list[dict]:
-    """The target's answers to one conversation's user turns: one row each."""
-    rows, prefix = [], []
-    for m in msgs:
-        if m["role"] == "assistant":
+def regenerate_one(server, model: str, conv: dict, sec, limit: int) -> list[dict]:
+    """The target's answers to one conversation's user turns: one row each.
+    Recorded tool calls stay as they are (the target cannot run the tools:
+    the calls and their results are context for the answers after them)."""
+    rows, prefix, tools = [], [], conv["tools"]
+    for m in conv["messages"]:
+        if m["role"] == "assistant" and not m.get("tool_calls"):
             continue   # the target answers instead
         prefix.append(m)
         if m["role"] != "user":
             continue
-        body = {"model": model, "messages": prefix, "max_tokens": sec.max_tokens,
+        body = {"model": model, "messages": wire_messages(prefix), "max_tokens": sec.max_tokens,
                 "temperature": sec.temperature, "seed": sec.seed, "return_token_ids": True}
+        if tools:   # in the prompt, as the template renders them; no tool parser needed
+            body.update(tools=tools, tool_choice="none")
         resp = server.post("/v1/chat/completions", body, sec.request_timeout_s)
         choice = resp["choices"][0]
         prompt, out = resp.get("prompt_token_ids"), choice.get("token_ids")
@@ -96,15 +100,15 @@ def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> 
     def client():
         while not fatal and not should_stop():
             try:
-                n, msgs = work.get_nowait()
+                n, conv = work.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(msgs, RowError):
+            if isinstance(conv, RowError):
                 with lock:
-                    failed.append((n, str(msgs)))
+                    failed.append((n, str(conv)))
                 continue
             try:
-                rows = regenerate_one(server, model, msgs, sec, limit)
+                rows = regenerate_one(server, model, conv, sec, limit)
             except StageError as e:
                 fatal.append(e)
                 return

@@ -38,6 +38,8 @@ def iter_raw(path: Path):
             except UnicodeDecodeError as e:
                 yield n, RowError(f"invalid UTF-8 at byte {e.start}")
                 continue
+            if n == 1:
+                text = text.removeprefix("\ufeff")   # a byte-order mark (Windows tools)
             if not text.strip():
                 yield n, RowError("empty line")
                 continue
