@@ -5,7 +5,8 @@ Options go before or after the command (`eagle-panel --config F run` and
 panel, so the panel's options work on the bare command too.
 
 Exit status: 0 ok, 1 a stage failed (doctor: a blocking finding), 2 bad input
-(config, run directory, arguments), 3 another launcher holds the run, 130 cancelled.
+(config, run directory, arguments), 3 another launcher holds the run, 4 the run
+directory's disk is full, 130 cancelled.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from app import fmt
 from pipeline import __version__, control, runner
 from pipeline.config import ConfigError
+from pipeline.diskspace import EXIT_DISK_FULL, DiskFull
 from pipeline.events import EventTail, EventType, last_event, tail_lines
 from pipeline.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.stage_graph import STAGE_NAMES
@@ -96,6 +98,10 @@ def watch(rd: RunDir, proc=None, out=sys.stdout) -> int:
     state = runner.refresh(rd)
     statuses = [state["stages"][s]["status"] for s in STAGE_NAMES]
     if Status.FAILED in statuses:
+        if runner.failed_for_disk(rd, state):
+            full = DiskFull(rd.path)   # the stage may not have been able to say so
+            print(f"{rd.id}: {full}. {full.hint}", file=out, flush=True)
+            return EXIT_DISK_FULL
         return EXIT_FAILED
     if Status.CANCELLED in statuses:
         return EXIT_CANCELLED
@@ -298,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run and watch the EAGLE-3 draft training pipeline. "
                     "Without a command, opens the panel.",
         epilog="Exit status: 0 ok, 1 a stage failed (doctor: a blocking finding), 2 bad "
-               "input, 3 another launcher is driving the run, 130 cancelled.")
+               "input, 3 another launcher is driving the run, 4 the run directory's disk is "
+               "full, 130 cancelled.")
     ap.add_argument("--version", action="version", version=f"eagle-panel {__version__}")
     sub = ap.add_subparsers(dest="command")
 
@@ -372,6 +379,9 @@ def main(argv=None) -> int:
     except (ConfigError, RunDirError) as e:
         print(f"eagle-panel: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except DiskFull as e:
+        print(f"eagle-panel: {e}. {e.hint}", file=sys.stderr)
+        return EXIT_DISK_FULL
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
+from pipeline.diskspace import DiskFull, is_full_errno
+
 
 class EventType(str, enum.Enum):
     STAGE_STARTED = "stage_started"
@@ -126,6 +128,7 @@ class ArtifactEvent(TypedDict):
 
 class _MessageExtra(TypedDict, total=False):
     hint: str | None
+    disk_full: bool   # an error: the disk ran out (the launcher exits 4)
 
 
 class MessageEvent(_MessageExtra):   # warning / error
@@ -160,6 +163,7 @@ def check_event(type: EventType | str, fields: dict) -> EventType:
         raise ValueError(f"a {kind.value} event needs {', '.join(missing)}")
     return kind
 
+
 def _clean(value):
     # JSON has no NaN/inf; a diverged loss must still be a valid line.
     if isinstance(value, float) and not math.isfinite(value):
@@ -176,12 +180,25 @@ class EventWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._cut = False   # a full disk cut a line short: the next one starts afresh
 
     def emit(self, type: EventType | str, **fields) -> dict:
         kind = check_event(type, fields)
         event = {"t": time.time(), "type": kind.value, **fields}
         line = json.dumps(_clean(event), separators=(",", ":"), default=str) + "\n"
-        os.write(self._fd, line.encode())
+        data = ("\n" + line if self._cut else line).encode()
+        try:
+            written = os.write(self._fd, data)
+        except OSError as e:
+            if is_full_errno(e):
+                raise DiskFull(self.path, len(data)) from None
+            raise
+        if written < len(data):
+            # ENOSPC part way (one write is one line, so only the disk does
+            # this): readers skip the cut line once a newline follows it.
+            self._cut = True
+            raise DiskFull(self.path, len(data))
+        self._cut = False
         return event
 
     def warning(self, message: str, hint: str | None = None, **fields) -> dict:

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.diskspace import DiskFull, is_full_errno
 from pipeline.stage_graph import STAGE_NAMES
 
 
@@ -52,9 +53,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if is_full_errno(e):   # the old content stays; say what happened
+            raise DiskFull(path, len(data)) from None
         raise
 
 

@@ -15,6 +15,7 @@ from state.json, events.jsonl and stage.log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import secrets
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.config import Config
+from pipeline.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
+from pipeline.events import EventType, last_event
 from pipeline.paths import pythonpath_with_project
 from pipeline.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, wait_gone
 from pipeline.rundir import RunDir, Status, proc_alive, proc_start_ticks
@@ -60,17 +63,26 @@ def refresh(rd: RunDir) -> dict:
             and not (st.get("supervisor_pid") is None and launching)]
     if not dead:
         return state
-    with rd.mutate_state() as state:
-        launching = driver_alive(state)
-        for s in dead:
-            st = state["stages"][s]
-            if st["status"] == Status.RUNNING and not stage_alive(st) and not (
-                    st.get("supervisor_pid") is None and launching):
-                st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
-                          ended_at=st.get("ended_at") or time.time(),
-                          reason="the stage and its supervisor are gone without recording an "
-                                 "exit (machine restart or supervisor killed)")
+    try:
+        with rd.mutate_state() as state:
+            _mark_gone(state, dead)
+    except DiskFull:
+        # Nothing can be recorded on a full disk: show it as it is, unsaved.
+        state = rd.read_state()
+        _mark_gone(state, dead, why="the run directory's disk is full")
     return state
+
+
+def _mark_gone(state: dict, dead: list[str], why: str = "") -> None:
+    launching = driver_alive(state)
+    for s in dead:
+        st = state["stages"][s]
+        if st["status"] == Status.RUNNING and not stage_alive(st) and not (
+                st.get("supervisor_pid") is None and launching):
+            st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
+                      ended_at=st.get("ended_at") or time.time(),
+                      reason="the stage and its supervisor are gone without recording an exit "
+                             f"({why or 'machine restart or supervisor killed'})")
 
 
 # -- planning ---------------------------------------------------------------
@@ -223,14 +235,14 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         fps = fingerprints(cfg)
         for step in plan(cfg, refresh(rd), only, force):
             if step.action == "blocked":
-                print(f"[{step.stage}] {step.why}", flush=True)
+                _say(f"[{step.stage}] {step.why}")
                 result = 1
                 break
             if step.action == "skip":
-                print(f"[{step.stage}] skipped: {step.why}", flush=True)
+                _say(f"[{step.stage}] skipped: {step.why}")
                 continue
             if step.action == "off":
-                print(f"[{step.stage}] {step.why}", flush=True)
+                _say(f"[{step.stage}] {step.why}")
                 rd.update_stage(step.stage, status=Status.SKIPPED, fingerprint=fps[step.stage],
                                 reason=step.why, started_at=None, ended_at=None,
                                 exit_code=None, signal=None)
@@ -240,18 +252,49 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
                 break
             st = rd.read_state()["stages"][step.stage]
             if not (st["status"] == Status.RUNNING and stage_alive(st)):
-                print(f"[{step.stage}] starting: {step.why}", flush=True)
+                _say(f"[{step.stage}] starting: {step.why}")
                 launch(rd, cfg, step.stage, fps[step.stage], force)
             st = wait_stage(rd, step.stage)
-            print(f"[{step.stage}] {st['status']}", flush=True)
+            _say(f"[{step.stage}] {st['status']}")
             if st["status"] not in DONE:
                 result = 130 if st["status"] == Status.CANCELLED else 1
                 break
+    except DiskFull as e:
+        _say(f"eagle-panel: {e}. {e.hint}")
+        result = EXIT_DISK_FULL
     finally:
-        with rd.mutate_state() as state:
-            state["driver"] = None
+        try:
+            with rd.mutate_state() as state:
+                state["driver"] = None
+        except DiskFull:
+            pass   # a driver entry with a dead pid reads as no driver
         os.close(fd)
+    if result == 1 and failed_for_disk(rd, refresh(rd)):
+        result = EXIT_DISK_FULL
     return result
+
+
+def failed_for_disk(rd: RunDir, state: dict) -> bool:
+    """Whether a failed stage stopped because the disk filled: it said so
+    (its error event has disk_full), or it could not say anything and
+    (almost) nothing is free on the run's disk."""
+    for s, st in state["stages"].items():
+        if st["status"] != Status.FAILED:
+            continue
+        err = last_event(rd.events_path(s), (EventType.STAGE_STARTED, EventType.ERROR))
+        if err and err.get("type") == EventType.ERROR:
+            if err.get("disk_full"):
+                return True
+        elif free_bytes(rd.path) < NEARLY_FULL:
+            return True
+    return False
+
+
+def _say(line: str) -> None:
+    """A line for driver.log, which lives on the run's disk: a full disk
+    must not crash the driver over its own diary."""
+    with contextlib.suppress(OSError):
+        print(line, flush=True)
 
 
 def load_run_config(rd: RunDir, state: dict | None = None) -> Config:

@@ -11,12 +11,14 @@ end is recorded even when nobody is watching.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from pipeline.diskspace import EXIT_DISK_FULL, DiskFull
 from pipeline.events import EventType, EventWriter, last_event, tail_lines
 from pipeline.failures import explain_exit, quote_error
 from pipeline.proctree import TOKEN_VAR, stop_tree
@@ -65,8 +67,11 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
                         reason=f"could not start: {e}")
         return 127
 
-    rd.update_stage(stage, pid=child.pid, pgid=child.pid,
-                    create_time=proc_start_ticks(child.pid))
+    try:
+        rd.update_stage(stage, pid=child.pid, pgid=child.pid,
+                        create_time=proc_start_ticks(child.pid))
+    except DiskFull:
+        pass   # still waited for and stopped below; we are its recorded supervisor
     # wait4 also gives the stage's peak RSS, recorded for the panel and benchmarks.
     while True:
         try:
@@ -125,7 +130,14 @@ def main(argv=None) -> int:
     ap.add_argument("argv", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.argv[1:] if a.argv and a.argv[0] == "--" else a.argv
-    return supervise(RunDir(a.run_dir), a.stage, cmd)
+    try:
+        return supervise(RunDir(a.run_dir), a.stage, cmd)
+    except DiskFull as e:
+        # The exit cannot be recorded: state.json keeps "running" with our
+        # pid, which `status` and resume read as a stage gone without a word.
+        with contextlib.suppress(OSError):
+            print(f"eagle-panel: {a.stage}: {e}. {e.hint}", file=sys.stderr, flush=True)
+        return EXIT_DISK_FULL
 
 
 if __name__ == "__main__":

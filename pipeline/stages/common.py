@@ -7,6 +7,7 @@ the same under the runner or by hand.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.config import Config
+from pipeline.diskspace import DiskFull, explain
 from pipeline.errors import StageError
 from pipeline.events import EventType, EventWriter
 from pipeline.rundir import RunDir, Status, atomic_write_bytes
@@ -145,20 +147,38 @@ def run_stage(name: str, body, argv=None) -> int:
     except KeyboardInterrupt:
         status, code = Status.CANCELLED, EXIT_INTERRUPTED
     except StageError as e:
-        print(f"{name}: error: {e}", file=sys.stderr, flush=True)
-        if e.hint:
-            print(f"{name}: hint: {e.hint}", file=sys.stderr, flush=True)
-        ctx.events.error(str(e), hint=e.hint)
-        summary = {"error": str(e)}
+        summary = _report(ctx, str(e), e.hint)
+    except DiskFull as e:
+        summary = _report(ctx, str(e), e.hint, disk_full=True)
     except Exception as e:  # noqa: BLE001 - a crash must still end with events
-        traceback.print_exc()
-        ctx.events.error(f"{type(e).__name__}: {e}",
-                         hint=f"see {ctx.run.log_path(name)} for the traceback")
-        summary = {"error": f"{type(e).__name__}: {e}"}
-    ctx.events.emit(EventType.STAGE_FINISHED, status=status,
-                    duration_s=round(time.time() - ctx.started, 3), summary=summary)
+        full = explain(e, ctx.out)
+        if full is not None:   # e.g. torch.save's "unexpected pos" on a full disk
+            summary = _report(ctx, f"{full} ({type(e).__name__}: {str(e)[:200]})", full.hint,
+                              disk_full=True)
+        else:
+            traceback.print_exc()
+            summary = _report(ctx, f"{type(e).__name__}: {e}",
+                              f"see {ctx.run.log_path(name)} for the traceback", quiet=True)
+    try:
+        ctx.events.emit(EventType.STAGE_FINISHED, status=status,
+                        duration_s=round(time.time() - ctx.started, 3), summary=summary)
+    except DiskFull:
+        pass   # the supervisor records the exit code; the panel reads it from state
     ctx.events.close()
     return code
+
+
+def _report(ctx: StageContext, message: str, hint: str | None, quiet=False,
+            disk_full=False) -> dict:
+    """An error to the log and the events; on a full disk either may fail."""
+    with contextlib.suppress(OSError):
+        if not quiet:
+            print(f"{ctx.name}: error: {message}", file=sys.stderr, flush=True)
+            if hint:
+                print(f"{ctx.name}: hint: {hint}", file=sys.stderr, flush=True)
+    with contextlib.suppress(DiskFull):
+        ctx.events.error(message, hint=hint, **({"disk_full": True} if disk_full else {}))
+    return {"error": message}
 
 
 def main_for(name: str, body) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import shutil
 import time
 
+from pipeline.diskspace import fmt_bytes
 from pipeline.events import EventType
 from pipeline.hsfile import Counters, hs_path, remove_leftovers, validate_file
 from pipeline.stages.common import StageContext, StageError, main_for, torch_dtype
@@ -122,9 +123,9 @@ def body(ctx: StageContext) -> dict:
     min_free = sec.min_free_gb * GB
     if need > free - min_free:
         ctx.events.warning(
-            f"disk forecast: {need / GB:.2f} GiB of hidden states still to write "
-            f"({bytes_per_token / 1024:.1f} KiB/token x {tokens_left:,} tokens), but only "
-            f"{(free - min_free) / GB:.2f} GiB is free above min_free_gb at {folder}",
+            f"disk forecast: {fmt_bytes(need)} of hidden states still to write "
+            f"({fmt_bytes(bytes_per_token)}/token x {tokens_left:,} tokens), but only "
+            f"{fmt_bytes(max(0, free - min_free))} is free above min_free_gb at {folder}",
             hint="the stage stops cleanly before the disk fills; free space or move "
                  "[run] runs_dir, then resume")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.errors import StageError
+from pipeline.diskspace import DiskFull, fmt_bytes
 from pipeline.hsfile import Counters
 
 GB = 1 << 30
@@ -54,14 +54,13 @@ class DiskGuard:
         with self._lock:
             self.in_flight -= nbytes
 
-    def error(self) -> StageError:
+    def error(self) -> DiskFull:
         free = self.stopped_at if self.stopped_at is not None else \
             shutil.disk_usage(self.folder).free
-        return StageError(
-            f"stopped before the disk fills: {free / GB:.2f} GiB free at {self.folder}, "
-            f"below min_free_gb ({self.min_free / GB:.2f} GiB) plus the samples in flight",
-            hint="free space (or move [run] runs_dir to a bigger disk) and resume; finished "
-                 "files are kept")
+        return DiskFull(self.folder, message=(
+            f"stopped before the disk fills: {fmt_bytes(free)} free at {self.folder}, "
+            f"below min_free_gb ({fmt_bytes(self.min_free)}) plus the samples in flight "
+            f"({fmt_bytes(self.in_flight)}) and the next one"))
 
     def __getstate__(self):   # sent to data-parallel processes: no lock
         return {"folder": self.folder, "min_free": self.min_free}

@@ -14,6 +14,7 @@ import queue
 import traceback
 from contextlib import contextmanager
 
+from pipeline.diskspace import DiskFull
 from pipeline.errors import StageError
 from pipeline.hsfile import Counters
 from pipeline.stages.extract_job import ExtractJob
@@ -27,10 +28,12 @@ def reporting(q, rank: int):
         yield
         q.put(("done", rank, None))
     except StageError as e:
-        q.put(("error", rank, (str(e), e.hint)))
+        q.put(("error", rank, (str(e), e.hint, False)))
+    except DiskFull as e:
+        q.put(("error", rank, (str(e), e.hint, True)))
     except BaseException as e:  # noqa: BLE001 - reported, then the process ends
         traceback.print_exc()
-        q.put(("error", rank, (f"{type(e).__name__}: {e}", None)))
+        q.put(("error", rank, (f"{type(e).__name__}: {e}", None, False)))
 
 
 def run_parallel(job: ExtractJob, shards: list[list[int]], worker, name, extra=()) -> Counters:
@@ -78,7 +81,10 @@ def monitor(job: ExtractJob, procs, q, stop, name) -> Counters:
     for p in procs:
         p.join()
     if errors:
-        raise StageError(errors[0][0], hint=errors[0][1])
+        message, hint, disk_full = errors[0]
+        if disk_full:
+            raise DiskFull(job.folder, message=message)
+        raise StageError(message, hint=hint)
     total = Counters()
     for c in per.values():
         total.add(c)

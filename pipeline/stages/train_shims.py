@@ -24,6 +24,8 @@ import shutil
 import time
 from pathlib import Path
 
+from pipeline.diskspace import ensure_room
+
 STATE_FILE = "training_state.json"
 
 
@@ -58,6 +60,21 @@ def set_aside_incomplete(save_path: Path) -> list[str]:
     return moved
 
 
+def checkpoint_bytes(model, optimizer, float_dtype) -> int:
+    """What one checkpoint folder takes: the weights in `float_dtype` and
+    the optimizer's state tensors as they are (Adam: two fp32 per weight),
+    plus 5% for headers and the small files. The train stage refuses to
+    start a checkpoint that cannot fit rather than leave half of one."""
+    import torch
+    weights = sum(t.numel() for t in model.state_dict().values()) * \
+        torch.empty(0, dtype=float_dtype).element_size()
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    moments = sum(v.numel() * v.element_size() for opt in optimizers
+                  for st in opt.state_dict()["state"].values()
+                  for v in st.values() if torch.is_tensor(v))
+    return int((weights + moments) * 1.05) + (64 << 10)
+
+
 def latest_checkpoint(save_path: Path) -> Path | None:
     best = save_path / "checkpoint_best"
     if best.exists():
@@ -80,6 +97,8 @@ def install(cpu: bool, hooks) -> None:
 
     class SafeCheckpointer(ck_mod.SingleGPUCheckpointer):
         def save_checkpoint(self, model, optimizer, epoch, float_dtype=torch.bfloat16):
+            ensure_room(self.path, checkpoint_bytes(model, optimizer, float_dtype),
+                        f"checkpoint {epoch}")
             (self.path / str(epoch) / STATE_FILE).unlink(missing_ok=True)
             super().save_checkpoint(model, optimizer, epoch, float_dtype)
 

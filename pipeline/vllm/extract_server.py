@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.diskspace import DiskFull
 from pipeline.errors import StageError
 from pipeline.hsfile import Counters, check_header, hs_path, write_sample
 from pipeline.model_info import kv_bytes_per_token, read_model
@@ -256,7 +257,7 @@ class Extraction:
             self.poll_servers(usage_now=True)
             if self.errors:
                 e = self.errors[0]
-                if isinstance(e, StageError):
+                if isinstance(e, (StageError, DiskFull)):
                     raise e
                 raise StageError(f"request to the vLLM server failed: {type(e).__name__}: {e}",
                                  hint=f"see the server logs {job.log_dir}/vllm*.log") from e

@@ -1,0 +1,436 @@
+"""Chaos run: SIGKILL any process of a running pipeline at random instants,
+resume, until the run ends; then compare with an uninterrupted run.
+
+    python bench/chaos.py --kills 100 [--seed 1] [--samples 96] [--backend auto]
+                          [--work DIR] [--json OUT]
+
+Victims, chosen at random among those alive at that instant:
+  stage     a stage's process group (the stage and its children)
+  driver    the detached driver that walks the stages
+  supervisor a stage's supervisor (the stage goes on, unrecorded)
+  vllm      a vLLM server with its workers (the vllm-server backend, evaluate,
+            regenerate; absent with the hf backend)
+  panel     a panel attached to the run (in tmux, 80x24; absent without tmux)
+  session   the whole session of a `run --wait` / `resume --wait`
+When nothing drives the run any more, it is resumed (`resume --wait` in a
+session of its own, itself a victim). After the last kill the run goes on
+undisturbed to its end.
+
+The same config runs once without kills (the reference). Compared: the
+prepared dataset, hidden-state files (same backend), d2t/t2d, the loss per
+step, the final checkpoint's tensors, evaluate's results. Counted: kills
+made / survived (after each kill the run directory is checked: state.json
+parses, every hidden-state file present is whole, no checkpoint without its
+marker is trusted), corrupt files found by the stages on resume, files left
+over (temporaries, set-aside checkpoints), processes left over, train steps
+redone. `--seed` replays the same choices of victims and delays (process
+timing is the machine's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.events import read_events  # noqa: E402
+from pipeline.rundir import RunDir, proc_alive  # noqa: E402
+
+CONFIG = """
+[run]
+name = "{name}"
+runs_dir = "{runs}"
+[data]
+max_samples = {samples}
+[runtime]
+cancel_grace_s = 5.0
+term_grace_s = 5.0
+[stages.regenerate]
+enabled = false
+[stages.prepare]
+seq_length = 256
+[stages.extract]
+backend = "{backend}"
+layer_ids = [1, 2, 3]
+min_free_gb = 0.0
+max_inflight = 4
+startup_timeout_s = 600.0
+[stages.vocab]
+draft_vocab_size = 224
+[stages.train]
+epochs = {epochs}
+lr = 0.001
+total_seq_len = 1024
+[stages.evaluate]
+enabled = {evaluate}
+max_prompts = 8
+max_tokens = 32
+baseline = false
+startup_timeout_s = 600.0
+"""
+DONE = ("succeeded", "skipped")
+
+
+def cli(work: Path, *args, session=False, wait=True, timeout=1800):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "app.cli", "--config", str(work / "config.toml"), *args]
+    if not wait:
+        return subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=session)
+    return subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def write_config(work: Path, name: str, a) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.toml").write_text(CONFIG.format(
+        name=name, runs=work / "runs", samples=a.samples, backend=a.backend, epochs=a.epochs,
+        evaluate="true" if a.evaluate else "false"))
+
+
+# -- finding victims ---------------------------------------------------------
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def run_processes(rd: RunDir) -> list[int]:
+    """Every live process of this run: driver, supervisors (their command
+    names the run directory), stages and what they started (the token)."""
+    needle, token = str(rd.path).encode(), f"EAGLE_PANEL_TOKEN={rd.id}/".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1][1:2] == b"Z":
+                    continue
+        except OSError:
+            continue
+        if needle in _cmdline(pid).encode() or token in _environ(pid):
+            found.append(pid)
+    return found
+
+
+def victims(rd: RunDir, sessions: list, panels: list) -> dict[str, list]:
+    """kind -> [(what, kill function)] of what is alive now."""
+    out: dict[str, list] = {k: [] for k in
+                            ("stage", "driver", "supervisor", "vllm", "panel", "session")}
+    try:
+        state = rd.read_state()
+    except Exception:  # noqa: BLE001 - a state being replaced: no victims this instant
+        return out
+    d = state.get("driver") or {}
+    if proc_alive(d.get("pid"), d.get("create_time")):
+        out["driver"].append(("driver", lambda p=d["pid"]: os.kill(p, signal.SIGKILL)))
+    for stage, st in state["stages"].items():
+        if st["status"] != "running":
+            continue
+        if proc_alive(st.get("pid"), st.get("create_time")) and st.get("pgid"):
+            out["stage"].append((stage, lambda g=st["pgid"]: os.killpg(g, signal.SIGKILL)))
+        if proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")):
+            out["supervisor"].append(
+                (stage, lambda p=st["supervisor_pid"]: os.kill(p, signal.SIGKILL)))
+    for pid in run_processes(rd):
+        cmd = _cmdline(pid)
+        if "pipeline.vllm.launch" in cmd and os.getpgid(pid) == pid:
+            out["vllm"].append(("vllm server", lambda g=pid: os.killpg(g, signal.SIGKILL)))
+    for p in sessions:
+        if p.poll() is None:
+            out["session"].append(("run --wait", lambda s=p.pid: os.killpg(s, signal.SIGKILL)))
+    for name in panels:
+        pane = subprocess.run(["tmux", "list-panes", "-t", name, "-F", "#{pane_pid}"],
+                              capture_output=True, text=True, check=False).stdout.split()
+        for pid in pane:
+            out["panel"].append(("panel", lambda p=int(pid): os.kill(p, signal.SIGKILL)))
+    return out
+
+
+def start_panel(work: Path, rd: RunDir, panels: list) -> None:
+    if not shutil.which("tmux"):
+        return
+    name = f"chaos-panel-{os.getpid()}-{len(panels)}"
+    cmd = (f"cd {work} && PYTHONPATH={ROOT} TERM=xterm-256color exec {sys.executable} "
+           f"-m app.cli --config {work / 'config.toml'} ui")
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd],
+                   capture_output=True, check=False)
+    panels.append(name)
+
+
+# -- integrity ---------------------------------------------------------------
+
+def integrity(rd: RunDir) -> list[str]:
+    """What a later step would trust and is wrong, right now."""
+    problems = []
+    try:
+        rd.read_state()
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the finding
+        problems.append(f"state.json: {e}")
+    hs = rd.out_dir("extract") / "hidden_states"
+    if hs.is_dir():
+        from safetensors.torch import load_file
+        for f in hs.glob("hs_*.safetensors"):
+            try:
+                data = load_file(str(f))
+                assert set(data) == {"hidden_states", "token_ids"}
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{f.name}: {e}")
+    for name in ("d2t", "t2d"):
+        for f in rd.out_dir("vocab").glob(f"{name}-*.npy"):
+            import numpy as np
+            try:
+                np.load(f)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{f.name}: {e}")
+    return problems
+
+
+def leftovers(rd: RunDir) -> list[str]:
+    found = []
+    for p in rd.path.rglob("*"):
+        rel = p.relative_to(rd.path)
+        if p.name.endswith(".tmp") or ".incomplete_checkpoints" in rel.parts or \
+                p.name.startswith(".trash-") or ".staging" in rel.parts:
+            found.append(str(rel))
+    return found
+
+
+# -- comparison ----------------------------------------------------------------
+
+def train_losses(rd: RunDir) -> dict:
+    """(epoch, step) -> the last train loss logged for it."""
+    out = {}
+    for e in read_events(rd.events_path("train")):
+        loss = (e.get("values") or {}).get("loss")
+        if e.get("type") == "metric" and e.get("split") == "train" and loss is not None:
+            out[(e.get("epoch"), e.get("step"))] = loss
+    return out
+
+
+def train_steps_logged(rd: RunDir) -> int:
+    return sum(1 for e in read_events(rd.events_path("train"))
+               if e.get("type") == "metric" and e.get("split") == "train")
+
+
+def compare(ref: RunDir, got: RunDir) -> dict:
+    import numpy as np
+    import torch
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+    out = {}
+    a = load_from_disk(str(ref.out_dir("prepare") / "data")).with_format(None)
+    b = load_from_disk(str(got.out_dir("prepare") / "data")).with_format(None)
+    out["dataset_identical"] = a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    diffs, missing = [], 0
+    for f in sorted((ref.out_dir("extract") / "hidden_states").glob("hs_*.safetensors")):
+        g = got.out_dir("extract") / "hidden_states" / f.name
+        if not g.exists():
+            missing += 1
+            continue
+        x, y = load_file(str(f)), load_file(str(g))
+        diffs.append(float((x["hidden_states"].float() - y["hidden_states"].float()).abs().max()))
+        if not torch.equal(x["token_ids"], y["token_ids"]):
+            diffs[-1] = float("inf")
+    out["hidden_state_files"] = len(diffs)
+    out["hidden_state_files_missing"] = missing
+    out["hidden_states_max_abs_diff"] = max(diffs) if diffs else None
+    out["vocab_identical"] = all(
+        np.array_equal(np.load(f), np.load(got.out_dir("vocab") / f.name))
+        for f in ref.out_dir("vocab").glob("*.npy"))
+    la, lb = train_losses(ref), train_losses(got)
+    out["loss_steps"] = len(la)
+    out["loss_curve_equal"] = bool(la) and la == lb
+    out["loss_max_abs_diff"] = max((abs(la[k] - lb.get(k, float("inf"))) for k in la), default=None)
+    ca = ref.out_dir("train") / "checkpoints"
+    last = max((d for d in ca.iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+    wa = load_file(str(last / "model.safetensors"))
+    wb = load_file(str(got.out_dir("train") / "checkpoints" / last.name / "model.safetensors"))
+    out["final_checkpoint_equal"] = wa.keys() == wb.keys() and all(
+        torch.equal(wa[k], wb[k]) for k in wa)
+    res = got.out_dir("evaluate") / "results.json"
+    out["evaluate_results"] = res.exists() or not (ref.out_dir("evaluate") / "results.json").exists()
+    return out
+
+
+# -- the run -----------------------------------------------------------------
+
+def wait_done(rd: RunDir, timeout: float) -> dict:
+    end = time.time() + timeout
+    while time.time() < end:
+        state = rd.read_state()
+        d = state.get("driver") or {}
+        if not proc_alive(d.get("pid"), d.get("create_time")):
+            return state
+        time.sleep(0.5)
+    raise TimeoutError(f"{rd.path}: still running after {timeout:.0f} s")
+
+
+def chaos(work: Path, kills: int, seed: int, max_gap: float, timeout: float) -> dict:
+    rng = random.Random(seed)
+    rd = RunDir(work / "runs" / "chaos")
+    sessions = [cli(work, "run", "--wait", session=True, wait=False)]
+    panels: list[str] = []
+    made, survived, problems, resumes = [], 0, [], 0
+    t0, deadline = time.time(), time.time() + timeout
+    while not rd.is_run():
+        time.sleep(0.1)
+    start_panel(work, rd, panels)
+    streak, last_running = 0, None
+    while time.time() < deadline:
+        state = rd.read_state()
+        d = state.get("driver") or {}
+        driving = proc_alive(d.get("pid"), d.get("create_time"))
+        statuses = [st["status"] for st in state["stages"].values()]
+        if not driving and all(s in DONE for s in statuses):
+            break
+        if not driving and not any(p.poll() is None for p in sessions):
+            sessions.append(cli(work, "resume", "--wait", session=True, wait=False))
+            resumes += 1
+            time.sleep(1.0)
+            continue
+        if len(made) >= kills:
+            time.sleep(0.5)
+            continue
+        running = [s for s, st in state["stages"].items() if st["status"] == "running"]
+        if running != last_running:
+            streak, last_running = 0, running
+        # a stage hit again and again gets longer quiet spells, so that it
+        # can finish a unit of work (a checkpoint, a chunk) between kills
+        time.sleep(rng.uniform(0.2, max_gap * 1.5 ** min(streak, 6)))
+        if len(panels) < 1 + len(made) // 10 and rng.random() < 0.3:
+            start_panel(work, rd, panels)
+        alive = victims(rd, sessions, panels)
+        kinds = sorted(k for k, v in alive.items() if v)
+        if not kinds:
+            continue
+        kind = rng.choice(kinds)
+        what, kill = rng.choice(alive[kind])
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            continue
+        t = round(time.time() - t0, 1)
+        time.sleep(0.5)
+        found = integrity(rd)
+        made.append({"t": t, "kind": kind, "what": what, "problems": found})
+        problems += found
+        survived += not found
+        streak += kind in ("stage", "vllm")
+    else:
+        raise TimeoutError(f"chaos run did not end within {timeout:.0f} s")
+    for name in panels:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True, check=False)
+    time.sleep(2.0)
+    left = run_processes(rd)
+    return {"kills_made": len(made), "kills_survived": survived, "integrity_problems": problems,
+            "resumes": resumes, "kills": made, "wall_s": round(time.time() - t0, 1),
+            "leftover_processes": [_cmdline(p)[:100] for p in left]}
+
+
+def corrupt_found_on_resume(rd: RunDir) -> int:
+    """Files the stages themselves found invalid when resuming."""
+    n = 0
+    for stage in ("extract", "train"):
+        for e in read_events(rd.events_path(stage)):
+            msg = e.get("message") or ""
+            if e.get("type") == "warning" and ("invalid" in msg or "incomplete checkpoint" in msg):
+                n += 1
+    return n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--backend", default="auto", help="extract backend (auto: vLLM where installed)")
+    ap.add_argument("--no-evaluate", dest="evaluate", action="store_false")
+    ap.add_argument("--max-gap", type=float, default=6.0, help="seconds between kills, at most")
+    ap.add_argument("--timeout", type=float, default=7200.0)
+    ap.add_argument("--work", help="folder for both runs (default: a temporary one)")
+    ap.add_argument("--json", help="write the report here")
+    a = ap.parse_args(argv)
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="chaos-"))
+    (work / "ref").mkdir(parents=True, exist_ok=True)
+    write_config(work / "ref", "ref", a)
+    t = time.time()
+    r = cli(work / "ref", "run", "--wait")
+    if r.returncode:
+        print(r.stdout[-3000:], r.stderr[-3000:])
+        return 1
+    ref_wall = time.time() - t
+    write_config(work / "chaos", "chaos", a)
+    report = chaos(work / "chaos", a.kills, a.seed, a.max_gap, a.timeout)
+    ref, got = RunDir(work / "ref" / "runs" / "ref"), RunDir(work / "chaos" / "runs" / "chaos")
+    state = got.read_state()
+    report.update({
+        "seed": a.seed, "backend": a.backend, "reference_wall_s": round(ref_wall, 1),
+        "final_statuses": {s: st["status"] for s, st in state["stages"].items()},
+        "attempts": {s: st["attempt"] for s, st in state["stages"].items()},
+        "corrupt_found_on_resume": corrupt_found_on_resume(got),
+        "leftover_files": leftovers(got),
+        "train_steps_logged": train_steps_logged(got),
+        "train_steps_reference": train_steps_logged(ref),
+        "comparison": compare(ref, got)})
+    report["train_steps_redone"] = report["train_steps_logged"] - report["train_steps_reference"]
+    by_kind: dict[str, int] = {}
+    for k in report["kills"]:
+        by_kind[k["kind"]] = by_kind.get(k["kind"], 0) + 1
+    report["kills_by_kind"] = by_kind
+    c = report["comparison"]
+    ok = (report["kills_survived"] == report["kills_made"] and not report["leftover_processes"]
+          and all(s in DONE for s in report["final_statuses"].values())
+          and c["dataset_identical"] and c["vocab_identical"] and c["final_checkpoint_equal"]
+          and c["loss_curve_equal"] and c["evaluate_results"]
+          and c["hidden_state_files_missing"] == 0)
+    report["ok"] = ok
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    r = report
+    lines = [
+        f"chaos run (seed {a.seed}, backend {a.backend}, {a.samples} samples, {a.epochs} epochs)",
+        f"  kills made / survived: {r['kills_made']} / {r['kills_survived']}  {by_kind}",
+        f"  resumes: {r['resumes']}   attempts: {r['attempts']}",
+        f"  wall: {r['wall_s']} s (reference {r['reference_wall_s']} s)",
+        f"  corrupt files found on resume: {r['corrupt_found_on_resume']}",
+        f"  leftover files: {len(r['leftover_files'])}  processes: {len(r['leftover_processes'])}",
+        f"  train steps redone: {r['train_steps_redone']} (reference {r['train_steps_reference']})",
+        f"  dataset identical: {c['dataset_identical']}   d2t/t2d identical: {c['vocab_identical']}",
+        f"  hidden states: {c['hidden_state_files']} files, "
+        f"max |diff| {c['hidden_states_max_abs_diff']}",
+        f"  loss curve equal: {c['loss_curve_equal']} (max |diff| {c['loss_max_abs_diff']})",
+        f"  final checkpoint equal: {c['final_checkpoint_equal']}   "
+        f"evaluate results: {c['evaluate_results']}",
+        "  OK" if ok else "  NOT OK"]
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
