@@ -18,7 +18,7 @@ import sys
 import time
 
 from app import fmt
-from pipeline import __version__, control, runner
+from pipeline import __version__, control, runner, slurm
 from pipeline.config import ConfigError
 from pipeline.diskspace import EXIT_DISK_FULL, DiskFull
 from pipeline.events import EventTail, EventType, last_event, tail_lines
@@ -156,8 +156,12 @@ def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
             "duration_s": fmt.stage_duration(st, now), "exit_code": st.get("exit_code"),
             "signal": st.get("signal"), "pid": st.get("pid"), "devices": st.get("devices"),
             "fingerprint": st.get("fingerprint"), "reason": st.get("reason"),
-            "progress": prog,
+            "progress": prog, "slurm_job": st.get("slurm_job"),
         })
+        if st.get("slurm_job") and st["status"] == "running":
+            job = slurm.job_state(st["slurm_job"])   # pending in the queue, or running
+            rows[-1]["reason"] = rows[-1]["reason"] or (job.describe(st["slurm_job"]) if job
+                                                        else f"Slurm job {st['slurm_job']}")
     return state, rows
 
 

@@ -104,7 +104,7 @@ def no_capture(tmp: Path, a) -> float:
     port, key = free_port(), secrets.token_hex(8)
     max_len = max(lengths) + 8
     target = ensure_built() if a.target.startswith("builtin:") else Path(a.target)
-    argv = serve_argv(env.python, "", target, port, key, 1, "float32", max_len, False,
+    argv = serve_argv(env.python, "", target, port, 1, "float32", max_len, False,
                       ["--no-enable-chunked-prefill"], eager=env.cpu_build)
     server = VllmServer(0, argv, port, key, [], tmp / "plain.log",
                         process_env(env, [], cpu_kv_space_gib(a.inflight * max_len, 1 << 16)))

@@ -18,7 +18,11 @@ undisturbed to its end.
 
 The same config runs once without kills (the reference). Compared: the
 prepared dataset, hidden-state files (same backend), d2t/t2d, the loss per
-step, the final checkpoint's tensors, evaluate's results. Counted: kills
+step, the final checkpoint's tensors, evaluate's results. With the hf
+backend they must be equal bit for bit; vLLM batches whatever requests are
+in flight (a restart changes the batches), so there its hidden states, and
+training on them, must agree to float rounding (1e-4; the figures are
+printed). Counted: kills
 made / survived (after each kill the run directory is checked: state.json
 parses, every hidden-state file present is whole, no checkpoint without its
 marker is trusted), corrupt files found by the stages on resume, files left
@@ -272,6 +276,24 @@ def compare(ref: RunDir, got: RunDir) -> dict:
     wb = load_file(str(got.out_dir("train") / "checkpoints" / last.name / "model.safetensors"))
     out["final_checkpoint_equal"] = wa.keys() == wb.keys() and all(
         torch.equal(wa[k], wb[k]) for k in wa)
+    out["final_checkpoint_max_abs_diff"] = max(
+        (float((wa[k].float() - wb[k].float()).abs().max()) for k in wa if k in wb), default=None)
+    # hf computes each sample the same way whatever ran before: bit for bit.
+    # vLLM batches whatever requests are in flight, and a restart changes the
+    # batches: the same values up to float rounding, and training on them too.
+    backend = next((e["summary"].get("backend") for e in read_events(ref.events_path("extract"))
+                    if e.get("type") == "stage_finished" and e.get("summary")), "hf")
+    out["exact"] = backend == "hf"
+    tol = {"hidden": 0.0, "loss_rel": 0.0, "weights": 0.0} if out["exact"] else \
+        {"hidden": 1e-4, "loss_rel": 1e-4, "weights": 1e-3}
+    out["tolerances"] = tol
+    out["within_tolerance"] = (
+        out["hidden_states_max_abs_diff"] is not None
+        and out["hidden_states_max_abs_diff"] <= tol["hidden"]
+        and bool(la) and la.keys() == lb.keys()
+        and all(abs(la[k] - lb[k]) <= tol["loss_rel"] * max(1.0, abs(la[k])) for k in la)
+        and out["final_checkpoint_max_abs_diff"] is not None
+        and out["final_checkpoint_max_abs_diff"] <= tol["weights"])
     res = got.out_dir("evaluate") / "results.json"
     out["evaluate_results"] = res.exists() or not (ref.out_dir("evaluate") / "results.json").exists()
     return out
@@ -290,9 +312,9 @@ def wait_done(rd: RunDir, timeout: float) -> dict:
     raise TimeoutError(f"{rd.path}: still running after {timeout:.0f} s")
 
 
-def chaos(work: Path, kills: int, seed: int, max_gap: float, timeout: float) -> dict:
+def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout: float) -> dict:
     rng = random.Random(seed)
-    rd = RunDir(work / "runs" / "chaos")
+    rd = RunDir(work / "runs" / name)
     sessions = [cli(work, "run", "--wait", session=True, wait=False)]
     panels: list[str] = []
     made, survived, problems, resumes = [], 0, [], 0
@@ -385,9 +407,11 @@ def main(argv=None) -> int:
         print(r.stdout[-3000:], r.stderr[-3000:])
         return 1
     ref_wall = time.time() - t
-    write_config(work / "chaos", "chaos", a)
-    report = chaos(work / "chaos", a.kills, a.seed, a.max_gap, a.timeout)
-    ref, got = RunDir(work / "ref" / "runs" / "ref"), RunDir(work / "chaos" / "runs" / "chaos")
+    # a run id of its own: processes are found by it (the token), never another run's
+    name = f"chaos-{os.getpid()}"
+    write_config(work / "chaos", name, a)
+    report = chaos(work / "chaos", name, a.kills, a.seed, a.max_gap, a.timeout)
+    ref, got = RunDir(work / "ref" / "runs" / "ref"), RunDir(work / "chaos" / "runs" / name)
     state = got.read_state()
     report.update({
         "seed": a.seed, "backend": a.backend, "reference_wall_s": round(ref_wall, 1),
@@ -406,9 +430,8 @@ def main(argv=None) -> int:
     c = report["comparison"]
     ok = (report["kills_survived"] == report["kills_made"] and not report["leftover_processes"]
           and all(s in DONE for s in report["final_statuses"].values())
-          and c["dataset_identical"] and c["vocab_identical"] and c["final_checkpoint_equal"]
-          and c["loss_curve_equal"] and c["evaluate_results"]
-          and c["hidden_state_files_missing"] == 0)
+          and c["dataset_identical"] and c["vocab_identical"] and c["within_tolerance"]
+          and c["evaluate_results"] and c["hidden_state_files_missing"] == 0)
     report["ok"] = ok
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
@@ -425,8 +448,11 @@ def main(argv=None) -> int:
         f"  hidden states: {c['hidden_state_files']} files, "
         f"max |diff| {c['hidden_states_max_abs_diff']}",
         f"  loss curve equal: {c['loss_curve_equal']} (max |diff| {c['loss_max_abs_diff']})",
-        f"  final checkpoint equal: {c['final_checkpoint_equal']}   "
+        f"  final checkpoint equal: {c['final_checkpoint_equal']} "
+        f"(max |diff| {c['final_checkpoint_max_abs_diff']})   "
         f"evaluate results: {c['evaluate_results']}",
+        f"  {'bit for bit (hf)' if c['exact'] else 'within float noise (vLLM batching)'}: "
+        f"{c['within_tolerance']}",
         "  OK" if ok else "  NOT OK"]
     print("\n".join(lines))
     return 0 if ok else 1

@@ -91,6 +91,20 @@ class RuntimeSection:
 
 
 @dataclass
+class ClusterSection:
+    # local: stages are processes on this machine. slurm: each stage is a
+    # Slurm job (sbatch) with its supervisor inside; the run directory must
+    # be on a filesystem every node sees; [gpus] numbers a node's GPUs.
+    scheduler: str = "local"
+    partition: str = ""
+    account: str = ""
+    nodes: int = 1              # per stage (one node per stage for now)
+    gpus_per_node: int = 0      # --gpus-per-node for the GPU stages (0: none asked)
+    time_limit: str = ""        # --time, e.g. "24:00:00" ("" = the partition's default)
+    sbatch_args: list[str] = field(default_factory=list)   # any other sbatch flags
+
+
+@dataclass
 class StageCommon:
     # The module run as `python -m ENTRY`: the real stage by default; tests
     # and users can substitute their own.
@@ -205,6 +219,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     gpus: GpusSection = field(default_factory=GpusSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
     stages: StagesSection = field(default_factory=StagesSection)
     source: Path | None = None
     base_dir: Path = PROJECT_ROOT
@@ -423,6 +438,11 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
     _choice(cfg.stages.train.attention, ("auto", "sdpa", "eager", "flex"),
             "stages.train.attention", src)
     _choice(cfg.pipeline.mode, ("offline", "online"), "pipeline.mode", src)
+    _choice(cfg.cluster.scheduler, ("local", "slurm"), "cluster.scheduler", src)
+    if cfg.cluster.nodes != 1:
+        raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes}: stages run on one "
+                          "node each for now (data parallel over nodes is not built yet). "
+                          "Set `cluster.nodes = 1`.")
     _choice(cfg.stages.evaluate.checkpoints, ("last", "best", "all"),
             "stages.evaluate.checkpoints", src)
     for where, value in (
@@ -507,7 +527,8 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
                 f"{src}: `gpus.{stage}` = {own} uses GPUs not in `gpus.devices` = {devices}. "
                 f"Add them to `gpus.devices` or remove them from `gpus.{stage}`."
             )
-    if devices and gpu_count is not None:
+    if devices and gpu_count is not None and cfg.cluster.scheduler == "local":
+        # (with a scheduler the GPUs are the compute nodes', not this machine's)
         count = gpu_count()
         if count is None:
             raise ConfigError(

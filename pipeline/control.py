@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline import runner
+from pipeline import runner, slurm
 from pipeline.config import Config, ConfigError
 from pipeline.rundir import RunDir, RunDirError, list_runs
 from pipeline.runner import CancelResult, Step
@@ -76,8 +76,18 @@ def resolve_run(folder: Path, name: str | None) -> RunDir:
 
 
 def open_run(cfg: Config, run_id: str | None = None) -> RunDir:
-    """Create (or reuse) the run directory with the config frozen into it."""
+    """Create (or reuse) the run directory with the config frozen into it
+    (a scheduler that would refuse the jobs is said before, creating nothing)."""
+    check_scheduler(cfg, run_id or cfg.run.name)
     return runner.prepare_run(cfg, run_id)
+
+
+def check_scheduler(cfg: Config, run_id: str) -> None:
+    if cfg.cluster.scheduler == "slurm":
+        try:
+            slurm.preflight(cfg.cluster)
+        except slurm.SlurmError as e:
+            raise Blocked(f"{run_id}: {e}") from None
 
 
 def start(rd: RunDir, only: str | None = None, force: bool = False,
@@ -88,6 +98,7 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
     if holder is not None:
         raise Busy(rd, holder)
     cfg = runner.load_run_config(rd)
+    check_scheduler(cfg, rd.id)
     steps = runner.plan(cfg, runner.refresh(rd), only, force)
     blocked = [s for s in steps if s.action == "blocked"]
     if blocked:

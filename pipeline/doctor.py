@@ -21,6 +21,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline import slurm
 from pipeline.config import Config
 from pipeline.model_info import ModelInfo, hs_bytes_per_token, kv_bytes_per_token, read_model
 from pipeline.paths import PROJECT_ROOT
@@ -347,9 +348,33 @@ def check_privacy(x: Inputs) -> list[Finding]:
                     + (" and your group" if mode & stat.S_IRGRP else " only"))]
 
 
+def check_cluster(x: Inputs) -> list[Finding]:
+    """[cluster] scheduler = "slurm": the scheduler reachable, the partition
+    there and up, GPUs per node against [gpus], the run directory shared."""
+    c = x.cfg.cluster
+    if c.scheduler != "slurm":
+        return []
+    try:
+        slurm.preflight(c)
+    except slurm.SlurmError as e:
+        return [Finding("cluster", BLOCK, str(e))]
+    out = [Finding("cluster", OK, "Slurm answers" + (f"; partition {c.partition!r} is up"
+                                                       if c.partition else ""))]
+    need = len(x.cfg.gpus.devices)
+    if need and c.gpus_per_node < need:
+        out.append(Finding("cluster", WARN, f"[gpus] devices names {need} GPUs but jobs ask for "
+                           f"{c.gpus_per_node} per node", "set [cluster] gpus_per_node = "
+                           f"{need}"))
+    runs = x.cfg.runs_dir()
+    note = slurm.shared_filesystem_note(runs if runs.exists() else runs.parent)
+    if note:
+        out.append(Finding("cluster", WARN, note))
+    return out
+
+
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
           check_layers, check_eagle3, check_adaptations, check_kv_cache, check_disk,
-          check_privacy)
+          check_privacy, check_cluster)
 
 
 def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool = False,

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline.config import Config
+from pipeline import slurm
+from pipeline.config import GPU_STAGES, Config
 from pipeline.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
-from pipeline.events import EventType, last_event
+from pipeline.events import EventType, EventWriter, last_event
 from pipeline.paths import pythonpath_with_project
-from pipeline.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, wait_gone
+from pipeline.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, stop_tree, wait_gone
 from pipeline.rundir import RunDir, Status, proc_alive, proc_start_ticks
 from pipeline.stage_graph import STAGE_INPUTS, STAGE_NAMES
 
@@ -42,8 +43,18 @@ POLL_S = 0.2
 # -- liveness ---------------------------------------------------------------
 
 def stage_alive(st: dict) -> bool:
+    if st.get("slurm_job"):
+        # its processes are on a compute node: the scheduler knows; when it
+        # cannot be asked, the stage is taken to be alive (never failed for that)
+        job = slurm.job_state(st["slurm_job"])
+        return job is None or job.active
     return proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")) or proc_alive(
         st.get("pid"), st.get("create_time"))
+
+
+def _being_launched(st: dict, launching: bool) -> bool:
+    """Marked running, not started yet (no supervisor, no job), by a live launcher."""
+    return launching and st.get("supervisor_pid") is None and not st.get("slurm_job")
 
 
 def driver_alive(state: dict) -> bool:
@@ -60,29 +71,55 @@ def refresh(rd: RunDir) -> dict:
     launching = driver_alive(state)
     dead = [s for s, st in state["stages"].items()
             if st["status"] == Status.RUNNING and not stage_alive(st)
-            and not (st.get("supervisor_pid") is None and launching)]
+            and not _being_launched(st, launching)]
     if not dead:
         return state
     try:
         with rd.mutate_state() as state:
-            _mark_gone(state, dead)
+            _mark_gone(state, dead, rd=rd)
     except DiskFull:
         # Nothing can be recorded on a full disk: show it as it is, unsaved.
         state = rd.read_state()
-        _mark_gone(state, dead, why="the run directory's disk is full")
+        _mark_gone(state, dead, why="the run directory's disk is full", rd=rd)
+    _stop_orphans([(s, state["stages"][s].get("token"), None)
+                   for s in dead if not state["stages"][s].get("slurm_job")])
     return state
 
 
-def _mark_gone(state: dict, dead: list[str], why: str = "") -> None:
+def _mark_gone(state: dict, dead: list[str], why: str = "", rd: RunDir | None = None) -> None:
     launching = driver_alive(state)
     for s in dead:
         st = state["stages"][s]
-        if st["status"] == Status.RUNNING and not stage_alive(st) and not (
-                st.get("supervisor_pid") is None and launching):
+        if st["status"] == Status.RUNNING and not stage_alive(st) and \
+                not _being_launched(st, launching):
+            said = _last_word(rd, s) if rd is not None else None
+            if said in (Status.SUCCEEDED, Status.SKIPPED):
+                # Its supervisor was killed, the stage went on and finished:
+                # its own last event says so; nothing to redo.
+                st.update(status=said, ended_at=st.get("ended_at") or time.time(),
+                          reason="recorded from the stage's own last event (its supervisor "
+                                 "was gone)")
+                continue
+            if st.get("slurm_job"):
+                job = slurm.job_state(st["slurm_job"])
+                why = why or (job.describe(st["slurm_job"]) if job else "")
             st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
                       ended_at=st.get("ended_at") or time.time(),
                       reason="the stage and its supervisor are gone without recording an exit "
                              f"({why or 'machine restart or supervisor killed'})")
+
+
+def _last_word(rd: RunDir, stage: str) -> str | None:
+    ev = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.STAGE_FINISHED))
+    return ev.get("status") if ev and ev.get("type") == EventType.STAGE_FINISHED else None
+
+
+def _stop_orphans(dead: list[tuple[str, str | None, int | None]]) -> None:
+    """What a stage gone without its supervisor left running (a vLLM server
+    in a session of its own, workers): found by the attempt's token, stopped."""
+    for _stage, token, pgid in dead:
+        if token:
+            stop_tree(token, pgid, term_grace=2.0, kill_grace=2.0)
 
 
 # -- planning ---------------------------------------------------------------
@@ -158,8 +195,12 @@ def _stage_env(cfg: Config, stage: str, attempt: int) -> dict[str, str]:
     env["EAGLE_PANEL_STAGE"] = stage
     env["EAGLE_PANEL_ATTEMPT"] = str(attempt)
     # The devices a stage was given are the only reliable map of GPUs to
-    # stages inside containers; an empty list means CPU.
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.stage_devices(stage)))
+    # stages inside containers; an empty list means CPU. In a Slurm job the
+    # scheduler sets CUDA_VISIBLE_DEVICES to the job's own GPUs.
+    if cfg.cluster.scheduler == "slurm":
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.stage_devices(stage)))
     return env
 
 
@@ -190,15 +231,31 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
                     create_time=None, started_at=time.time(), ended_at=None, exit_code=None,
                     signal=None, fingerprint=fingerprint, out_fingerprint=fingerprint,
                     devices=cfg.held_devices(stage), token=token, cancel_requested=False,
-                    reason=None)
+                    reason=None, slurm_job=None, supervisor_pid=None,
+                    supervisor_create_time=None)
     log = open(rd.log_path(stage), "ab")
     log.write(f"\n===== eagle-panel: {stage} attempt {attempt} at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
     log.flush()
+    supervise = [sys.executable, "-m", "pipeline.supervise", "--run-dir", str(rd.path),
+                 "--stage", stage, "--", *argv]
+    if cfg.cluster.scheduler == "slurm":
+        log.close()
+        try:
+            job = slurm.submit(cfg.cluster, stage, rd.id, rd.log_path(stage), rd.path,
+                               stage in GPU_STAGES, supervise,
+                               rd.stage_dir(stage) / f"slurm-{attempt}.sh",
+                               _stage_env(cfg, stage, attempt))
+        except slurm.SlurmError as e:
+            with EventWriter(rd.events_path(stage)) as events:
+                events.error(str(e), hint="fix [cluster] in config.toml, then resume")
+            return rd.update_stage(stage, status=Status.FAILED, ended_at=time.time(),
+                                   reason=str(e))
+        _say(f"[{stage}] Slurm job {job}")
+        return rd.update_stage(stage, slurm_job=job)
     with log:
         sup = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.supervise", "--run-dir", str(rd.path),
-             "--stage", stage, "--", *argv],
+            supervise,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env=_stage_env(cfg, stage, attempt), cwd=str(rd.path),
             start_new_session=True,
@@ -376,6 +433,8 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
     if st["status"] != Status.RUNNING:
         return CancelResult(stage, False, [], [])
     rd.update_stage(stage, cancel_requested=True)
+    if st.get("slurm_job"):
+        return _cancel_job(rd, stage, st["slurm_job"], grace, term_grace + kill_grace)
     # The supervisor records the pid right after it starts the stage.
     deadline = time.monotonic() + 5
     while st.get("pid") is None and stage_alive(st) and time.monotonic() < deadline:
@@ -401,6 +460,25 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
             break
         time.sleep(0.05)
     return CancelResult(stage, True, sent, survivors)
+
+
+def _cancel_job(rd: RunDir, stage: str, job: str, grace: float, term_grace: float) -> CancelResult:
+    """The same escalation through the scheduler: SIGINT to every process
+    of the job, then scancel (SIGTERM, and SIGKILL after Slurm's KillWait)."""
+    def gone():
+        state = slurm.job_state(job, fresh=True)
+        return state is not None and not state.active
+    sent = []
+    for sig, wait_s in (("INT", grace), (None, term_grace)):
+        if gone():
+            break
+        sent.append(f"SIG{sig}" if sig else "scancel")
+        slurm.cancel(job, sig)
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and not gone():
+            time.sleep(0.2)
+    refresh(rd)
+    return CancelResult(stage, True, sent, [] if gone() else [(0, f"Slurm job {job}")])
 
 
 def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -> list[CancelResult]:

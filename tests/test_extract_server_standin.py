@@ -191,11 +191,11 @@ def test_serve_command_line_carries_the_extraction_settings(tmp_path):
     from pipeline.vllm.extract_server import extraction_flags
     from pipeline.vllm.server import serve_argv
     extra = extraction_flags([2, 30, 58, 61], tmp_path, True) + ["--gpu-memory-utilization", "0.9"]
-    argv = serve_argv("/opt/env/bin/python", "", Path("/models/kimi"), 8001, "k3y", 8, "bfloat16",
+    argv = serve_argv("/opt/env/bin/python", "", Path("/models/kimi"), 8001, 8, "bfloat16",
                       4104, True, extra)
     assert argv[:5] == ["/opt/env/bin/python", "-m", "pipeline.vllm.launch", "serve",
                         "/models/kimi"]
-    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--api-key") + 1] == "k3y"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--api-key" not in argv   # ps shows argv
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
@@ -211,7 +211,7 @@ def test_serve_command_line_carries_the_extraction_settings(tmp_path):
     stock = json.loads(extraction_flags([1], tmp_path, False)[-1])
     assert stock["kv_connector"] == "ExampleHiddenStatesConnector"
     assert "kv_connector_module_path" not in stock
-    cpu = serve_argv("py", "", Path("/m"), 1, "k", 1, "float32", 16, False, [], eager=True)
+    cpu = serve_argv("py", "", Path("/m"), 1, 1, "float32", 16, False, [], eager=True)
     assert "--enforce-eager" in cpu
 
 

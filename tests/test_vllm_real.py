@@ -198,7 +198,8 @@ def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
 
 def test_servers_listen_on_loopback_only_and_want_the_runs_key(vllm_env, tmp_path):
     """Another account on a shared GPU server can neither reach the server
-    from the network nor use it from this machine without the run's key."""
+    from the network nor use it from this machine without the run's key,
+    and cannot read the key off the process list."""
     import socket
     import urllib.error
     import urllib.request
@@ -225,6 +226,10 @@ def test_servers_listen_on_loopback_only_and_want_the_runs_key(vllm_env, tmp_pat
         ours = [ln.split()[1] for ln in listening if ln.split()[1].endswith(f":{port:04X}")
                 and ln.split()[3] == "0A"]
         assert ours == [f"0100007F:{port:04X}"], ours   # 127.0.0.1 only
+        # the key is in no command line (`ps` shows them to every user)
+        for pid in [s.proc.pid, *server_pids()]:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert s.api_key.encode() not in f.read()
 
 
 def test_the_real_server_renders_tool_conversations_as_prepare_does(vllm_env, tmp_path):

@@ -180,7 +180,7 @@ class Evaluation:
                              sec.serve_command, sec.concurrency * self.max_len, self.kv_per_token,
                              what=f"vLLM server ({'draft ' + name if draft else 'no draft'})")
         self.k += 1
-        command = shlex.join(["<api key>" if a == server.api_key else a for a in server.argv])
+        command = shlex.join(server.argv)
         with serving(server, sec.startup_timeout_s, lambda: self.ctx.stop_requested,
                      self.ctx.cfg.runtime.term_grace_s):
             self.ctx.check_stop()

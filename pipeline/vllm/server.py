@@ -37,15 +37,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_argv(python: str, serve_command: str, target: Path, port: int, api_key: str,
+def serve_argv(python: str, serve_command: str, target: Path, port: int,
                tp: int, dtype: str, max_model_len: int, trust: bool, extra: list[str],
                eager: bool = False) -> list[str]:
     """`vllm serve` for one server; `extra` holds the stage's own flags
-    (speculative / KV-transfer configs) and then the user's server_args."""
+    (speculative / KV-transfer configs) and then the user's server_args.
+    The API key is not here: a command line is readable by every user of
+    the machine (`ps`), so VllmServer hands it over as VLLM_API_KEY."""
     base = shlex.split(serve_command) if serve_command else [
         python, "-m", "pipeline.vllm.launch", "serve"]
     argv = [*base, str(target), "--host", "127.0.0.1", "--port", str(port),
-            "--api-key", api_key, "--tensor-parallel-size", str(tp), "--dtype", dtype,
+            "--tensor-parallel-size", str(tp), "--dtype", dtype,
             "--max-model-len", str(max_model_len)]
     if trust:
         argv.append("--trust-remote-code")
@@ -84,12 +86,14 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_pos = log.tell()
-            printable = [("<api key>" if a == self.api_key else a) for a in self.argv]
-            print(f"{self.name} on GPUs {self.devices or '- (CPU)'}: {shlex.join(printable)}",
+            print(f"{self.name} on GPUs {self.devices or '- (CPU)'}: {shlex.join(self.argv)}",
                   flush=True)
+            # the key through the environment (vLLM reads VLLM_API_KEY when no
+            # --api-key is given): /proc/PID/environ is readable by its owner only
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**self.env, SERVER_TOKEN_VAR: self.token}, start_new_session=True)
+                env={**self.env, SERVER_TOKEN_VAR: self.token, "VLLM_API_KEY": self.api_key},
+                start_new_session=True)
 
     # -- its log ---------------------------------------------------------------
     def new_log_lines(self) -> list[str]:
@@ -192,7 +196,7 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
     own `flags` then the user's server_args in them; tensor parallel over
     its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
     port, key = free_port(), secrets.token_hex(16)
-    argv = serve_argv(env.python, serve_command, target, port, key, max(1, len(devices)), dtype,
+    argv = serve_argv(env.python, serve_command, target, port, max(1, len(devices)), dtype,
                       max_model_len, trust, flags, eager=env.cpu_build)
     kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
     return VllmServer(k, argv, port, key, devices, log_path,

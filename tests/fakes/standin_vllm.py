@@ -16,7 +16,7 @@ used only by the tests. The real vLLM's tests are tests/test_vllm_real.py.
   0.22 the write happens after the answer, under an exclusive flock on
   `<file>.lock`, as the real connector does.
 - Prints vLLM's KV-cache log lines (0.22's format strings).
-- /v1/* answers 401 without the `--api-key` it was started with.
+- /v1/* answers 401 without its API key (VLLM_API_KEY, or `--api-key`).
 - Failure switches: --standin-fail-start (dies while loading, with an
   error in its log), --standin-die-after N (exits after N requests),
   --standin-sigill (dies by SIGILL while starting, as a wrong-ISA build does).
@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--standin-worker", action="store_true",
                     help="also start a child process, as vLLM's workers are")
     ap.add_argument("--standin-sigill", action="store_true")
-    ap.add_argument("--api-key", required=True)
+    ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))   # as vLLM does
     a, _ignored = ap.parse_known_args()   # --enforce-eager and the like
     spec = json.loads(a.speculative_config)
     kv = json.loads(a.kv_transfer_config)

@@ -1,0 +1,174 @@
+"""Stages as Slurm jobs: `[cluster] scheduler = "slurm"`.
+
+A stage attempt is one batch job whose only command is our supervisor, so
+everything the supervisor does locally (pid, exit code, events, stopping
+leftovers) happens inside the job and lands in the run directory exactly as
+on one machine; `status`, `logs`, resume and the panel read it as always.
+What only the scheduler knows comes from it: whether the job is still
+pending or running (`squeue`), and why it ended when the supervisor could
+not say (`scontrol show job` while Slurm remembers the job, `sacct` where
+accounting is set up): cancelled, timed out, preempted, node failure. A job
+that ended any of those ways is a stage gone without recording its exit:
+resumable like a killed stage.
+
+Liveness is asked often (every refresh), so answers are cached for a
+second; a scheduler that does not answer counts as "still alive" (a slow
+slurmctld must not fail a running stage).
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+          "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
+TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo")
+CACHE_S = 1.0
+_cache: dict[str, tuple[float, JobState | None]] = {}
+
+
+class SlurmError(Exception):
+    """The scheduler refused or is not there: said before anything is submitted."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    state: str            # Slurm's word: PENDING, RUNNING, COMPLETED, TIMEOUT, ...
+    reason: str = ""      # why pending, or how it ended (exit code, node)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    def describe(self, job: str) -> str:
+        return f"Slurm job {job} {self.state.lower()}" + (f" ({self.reason})" if self.reason else "")
+
+
+def _run(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def missing_tools() -> list[str]:
+    return [t for t in TOOLS if shutil.which(t) is None]
+
+
+def preflight(cluster) -> None:
+    """Refuse, with the fix, before anything is submitted."""
+    missing = missing_tools()
+    if missing:
+        raise SlurmError(f'[cluster] scheduler = "slurm", but {", ".join(missing)} is not on '
+                         "PATH here. Run eagle-panel on a node with the Slurm client tools, or "
+                         'set [cluster] scheduler = "local".')
+    r = _run(["sinfo", "-h", "-o", "%R|%a"])
+    if r.returncode:
+        raise SlurmError(f"sinfo failed: {(r.stderr or r.stdout).strip()[:300]}. "
+                         "Is slurmctld up and this node part of the cluster?")
+    parts = dict(line.split("|", 1) for line in r.stdout.split() if "|" in line)
+    if cluster.partition and cluster.partition not in parts:
+        raise SlurmError(f"[cluster] partition = {cluster.partition!r} does not exist; this "
+                         f"cluster has {', '.join(sorted(parts)) or 'no partitions'}. Fix "
+                         "`cluster.partition`.")
+    if cluster.partition and parts.get(cluster.partition) != "up":
+        raise SlurmError(f"partition {cluster.partition!r} is {parts[cluster.partition]}: "
+                         "jobs would wait there. Pick another `cluster.partition`.")
+
+
+def sbatch_argv(cluster, stage: str, run_id: str, log: Path, workdir: Path,
+                gpu_stage: bool) -> list[str]:
+    argv = ["sbatch", "--parsable", f"--job-name=ep-{run_id}-{stage}", f"--output={log}",
+            "--open-mode=append", f"--chdir={workdir}", f"--nodes={cluster.nodes}",
+            "--ntasks=1"]
+    if cluster.partition:
+        argv.append(f"--partition={cluster.partition}")
+    if cluster.account:
+        argv.append(f"--account={cluster.account}")
+    if cluster.time_limit:
+        argv.append(f"--time={cluster.time_limit}")
+    if gpu_stage and cluster.gpus_per_node:
+        argv.append(f"--gpus-per-node={cluster.gpus_per_node}")
+    return argv + list(cluster.sbatch_args)
+
+
+def submit(cluster, stage: str, run_id: str, log: Path, workdir: Path, gpu_stage: bool,
+           command: list[str], script: Path, env: dict[str, str]) -> str:
+    """Write the batch script (kept beside the stage's log) and submit it;
+    returns the job id. The job gets the stage's environment (sbatch
+    exports it), so it runs exactly what a local launch would."""
+    script.write_text("#!/bin/sh\n# written by eagle-panel; submitted with:\n# "
+                      + shlex.join(sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage))
+                      + "\nexec " + shlex.join(command) + "\n")
+    script.chmod(0o700)
+    r = subprocess.run([*sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage),
+                        str(script)], capture_output=True, text=True, env=env, timeout=60,
+                       check=False)
+    if r.returncode:
+        raise SlurmError(f"sbatch refused the {stage} job: {(r.stderr or r.stdout).strip()[:400]}")
+    return r.stdout.strip().split(";")[0]
+
+
+def job_state(job: str, fresh: bool = False) -> JobState | None:
+    """The job's state, or None when the scheduler could not be asked."""
+    now = time.monotonic()
+    hit = _cache.get(job)
+    if hit and not fresh and now - hit[0] < CACHE_S:
+        return hit[1]
+    state = _ask(job)
+    _cache[job] = (now, state)
+    return state
+
+
+def _ask(job: str) -> JobState | None:
+    try:
+        r = _run(["squeue", "-h", "-j", job, "-o", "%T|%r"])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode == 0 and r.stdout.strip():
+        state, _, reason = r.stdout.strip().splitlines()[0].partition("|")
+        return JobState(state, "" if reason in ("None", "(null)") else reason)
+    # Gone from the queue (squeue also fails for an id it forgot): how it ended.
+    try:
+        r = _run(["scontrol", "-o", "show", "job", job])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode == 0 and "JobState=" in r.stdout:
+        f = dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
+        why = [f"exit {f['ExitCode']}" if f.get("ExitCode") not in (None, "0:0") else "",
+               f.get("Reason", "") if f.get("Reason") not in (None, "None") else ""]
+        return JobState(f["JobState"], ", ".join(w for w in why if w))
+    try:
+        r = _run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"])
+    except (OSError, subprocess.TimeoutExpired):
+        r = None
+    if r is not None and r.returncode == 0 and r.stdout.strip():
+        state, _, code = r.stdout.strip().splitlines()[0].partition("|")
+        return JobState(state.split()[0], f"exit {code}" if code not in ("", "0:0") else "")
+    return JobState("GONE", "the scheduler no longer knows this job")
+
+
+def cancel(job: str, signal: str | None = None) -> None:
+    """scancel the job; with a signal, to the batch script and every
+    process of the job (--full), so the stage gets it as on one machine."""
+    argv = ["scancel", job] if signal is None else ["scancel", f"--signal={signal}", "--full", job]
+    _run(argv)
+    _cache.pop(job, None)
+
+
+def shared_filesystem_note(path: Path) -> str | None:
+    """A warning when the run directory looks node-local (other nodes would
+    not see the stages' outputs), from the filesystem type."""
+    try:
+        r = _run(["stat", "-f", "-c", "%T", str(path)])
+    except OSError:
+        return None
+    kind = r.stdout.strip()
+    local = {"tmpfs", "ext2/ext3", "ext4", "xfs", "btrfs", "overlayfs", "zfs"}
+    if kind in local:
+        return (f"{path} is on a {kind} filesystem: if that is local to this node, the jobs on "
+                "other nodes cannot see the run. Put [run] runs_dir on a shared filesystem "
+                "(NFS, Lustre, GPFS, BeeGFS, ...).")
+    return None
