@@ -425,11 +425,20 @@ def _choice(value: str, allowed, where: str, src: str):
 
 
 def _semantic_checks(cfg: Config, src: str, gpu_count):
+    """What types alone cannot say: names, choices, ranges, paths, GPUs."""
     name = cfg.run.name
     if not name or "/" in name or "\\" in name or name.startswith(".") or \
             any(ord(c) < 32 for c in name):
         raise ConfigError(f"{src}: `run.name` = {name!r} must be a plain folder name (no "
                           "slashes, not starting with a dot). Fix `run.name`.")
+    _check_choices(cfg, src)
+    _check_ranges(cfg, src)
+    _check_paths(cfg, src)
+    _check_gpus(cfg, src, gpu_count)
+
+
+def _check_choices(cfg: Config, src: str) -> None:
+    """Values from a fixed set, and the combinations allowed."""
     _choice(cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"), "model.dtype", src)
     _choice(cfg.data.format, ("auto", "messages", "sharegpt", "tokenized"), "data.format", src)
     _choice(cfg.stages.extract.backend, ("auto", "hf", "vllm-server", "vllm-engine"),
@@ -445,6 +454,10 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
                           "Set `cluster.nodes = 1`.")
     _choice(cfg.stages.evaluate.checkpoints, ("last", "best", "all"),
             "stages.evaluate.checkpoints", src)
+
+
+def _check_ranges(cfg: Config, src: str) -> None:
+    """Counts that must be positive, shares in (0, 1], layer numbers."""
     for where, value in (
         ("stages.prepare.seq_length", cfg.stages.prepare.seq_length),
         ("stages.extract.batch_tokens", cfg.stages.extract.batch_tokens),
@@ -480,14 +493,17 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
                          ("stages.evaluate.temperature", cfg.stages.evaluate.temperature)):
         if value < 0:
             raise ConfigError(f"{src}: `{where}` must be 0 (greedy) or positive, got {value}.")
+    if any(i < 0 for i in cfg.stages.extract.layer_ids):
+        raise ConfigError(f"{src}: `stages.extract.layer_ids` must be layer numbers >= 0.")
+
+
+def _check_paths(cfg: Config, src: str) -> None:
+    """Files and folders the config names must be there."""
     if cfg.stages.evaluate.prompts and not cfg.resolve(cfg.stages.evaluate.prompts).is_file():
         raise ConfigError(
             f"{src}: `stages.evaluate.prompts` = {cfg.stages.evaluate.prompts!r}: "
             f"{cfg.resolve(cfg.stages.evaluate.prompts)} is not a file. Give a JSONL file of "
             'chats (`messages`) or prompts (`prompt`), or "" for the validation split.')
-    if any(i < 0 for i in cfg.stages.extract.layer_ids):
-        raise ConfigError(f"{src}: `stages.extract.layer_ids` must be layer numbers >= 0.")
-
     for kind, value in (("model.target", cfg.model.target), ("data.path", cfg.data.path)):
         if value.startswith("builtin:"):
             if value not in (BUILTIN_MODEL, BUILTIN_DATA):
@@ -511,6 +527,9 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
                 "the interpreter of your ML environment (e.g. /opt/venv/bin/python), or "
                 "leave it empty for the default.")
 
+
+def _check_gpus(cfg: Config, src: str, gpu_count) -> None:
+    """GPU ids: no repeats, stage subsets of [gpus] devices, on this machine."""
     devices = cfg.gpus.devices
     tp, ext = cfg.stages.extract.tensor_parallel, cfg.stage_devices("extract")
     if (cfg.stages.extract.backend.startswith("vllm") or cfg.online) and ext and len(ext) % tp:

@@ -76,23 +76,23 @@ def refresh(rd: RunDir) -> dict:
         return state
     try:
         with rd.mutate_state() as state:
-            _mark_gone(state, dead, rd=rd)
+            _mark_gone(rd, state, dead)
     except DiskFull:
         # Nothing can be recorded on a full disk: show it as it is, unsaved.
         state = rd.read_state()
-        _mark_gone(state, dead, why="the run directory's disk is full", rd=rd)
-    _stop_orphans([(s, state["stages"][s].get("token"), None)
-                   for s in dead if not state["stages"][s].get("slurm_job")])
+        _mark_gone(rd, state, dead, why="the run directory's disk is full")
+    _stop_orphans([state["stages"][s].get("token") for s in dead
+                   if not state["stages"][s].get("slurm_job")])
     return state
 
 
-def _mark_gone(state: dict, dead: list[str], why: str = "", rd: RunDir | None = None) -> None:
+def _mark_gone(rd: RunDir, state: dict, dead: list[str], why: str = "") -> None:
     launching = driver_alive(state)
     for s in dead:
         st = state["stages"][s]
         if st["status"] == Status.RUNNING and not stage_alive(st) and \
                 not _being_launched(st, launching):
-            said = _last_word(rd, s) if rd is not None else None
+            said = _last_word(rd, s)
             if said in (Status.SUCCEEDED, Status.SKIPPED):
                 # Its supervisor was killed, the stage went on and finished:
                 # its own last event says so; nothing to redo.
@@ -100,13 +100,13 @@ def _mark_gone(state: dict, dead: list[str], why: str = "", rd: RunDir | None = 
                           reason="recorded from the stage's own last event (its supervisor "
                                  "was gone)")
                 continue
-            if st.get("slurm_job"):
-                job = slurm.job_state(st["slurm_job"])
-                why = why or (job.describe(st["slurm_job"]) if job else "")
+            job = slurm.job_state(st["slurm_job"]) if st.get("slurm_job") else None
+            how = why or (job.describe(st["slurm_job"]) if job else "") or \
+                "machine restart or supervisor killed"
             st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
                       ended_at=st.get("ended_at") or time.time(),
-                      reason="the stage and its supervisor are gone without recording an exit "
-                             f"({why or 'machine restart or supervisor killed'})")
+                      reason=f"the stage and its supervisor are gone without recording an exit "
+                             f"({how})")
 
 
 def _last_word(rd: RunDir, stage: str) -> str | None:
@@ -114,12 +114,13 @@ def _last_word(rd: RunDir, stage: str) -> str | None:
     return ev.get("status") if ev and ev.get("type") == EventType.STAGE_FINISHED else None
 
 
-def _stop_orphans(dead: list[tuple[str, str | None, int | None]]) -> None:
+def _stop_orphans(tokens: list[str | None]) -> None:
     """What a stage gone without its supervisor left running (a vLLM server
-    in a session of its own, workers): found by the attempt's token, stopped."""
-    for _stage, token, pgid in dead:
+    in a session of its own, workers): found by the attempt's token (never
+    by a process group, which may have been reused), stopped."""
+    for token in tokens:
         if token:
-            stop_tree(token, pgid, term_grace=2.0, kill_grace=2.0)
+            stop_tree(token, None, term_grace=2.0, kill_grace=2.0)
 
 
 # -- planning ---------------------------------------------------------------

@@ -300,3 +300,29 @@ def test_run_directories_are_private_unless_shared(tmp_path, stagekit):
     (finding,) = doctor.check_privacy(doctor.Inputs(loaded, {}, None, None))
     assert finding.level == doctor.WARN and "other users" in finding.message
     assert f"chmod 700 {run}" in finding.fix
+
+
+def test_a_stage_outliving_its_killed_supervisor(tmp_path, stagekit):
+    """Supervisor SIGKILLed: a stage that then finishes keeps its own recorded
+    success (nothing redone); a stage then SIGKILLed too is failed, and what
+    it left running in a session of its own (like a vLLM server) is stopped
+    by its token as soon as anyone looks."""
+    stagekit({"prepare": "sleep:2", "extract": "grandchild:60"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    wait_for(lambda: rd.read_state()["stages"]["prepare"].get("pid"), what="prepare running")
+    os.kill(rd.read_state()["stages"]["prepare"]["supervisor_pid"], signal.SIGKILL)
+    wait_for(lambda: rd.read_state()["stages"]["extract"].get("pid")
+             and (rd.stage_dir("extract") / "grandchild.pid").exists(), timeout=60,
+             what="extract running with its grandchild")
+    st = rd.read_state()["stages"]["prepare"]
+    assert st["status"] == "succeeded" and "own last event" in st["reason"], st
+    ext = rd.read_state()["stages"]["extract"]
+    grandchild = int((rd.stage_dir("extract") / "grandchild.pid").read_text())
+    os.kill(ext["supervisor_pid"], signal.SIGKILL)
+    os.killpg(ext["pgid"], signal.SIGKILL)
+    assert proc_alive(grandchild, None)   # its own session: the group kill missed it
+    p = cli("status", cwd=tmp_path, check=0)
+    assert "extract    failed" in p.stdout
+    wait_for(lambda: not proc_alive(grandchild, None), timeout=15, what="the orphan stopped")
+    assert starts(tmp_path).count("prepare") == 1
