@@ -42,7 +42,7 @@ TYPOS = [
     ("stages.extract", "backend", '"vllm-sever"'), ("pipeline", "mode", '"onlin"'),
     ("model", "dtype", '"bfloat61"'), ("data", "format", '"sharegtp"'),
     ("stages.train", "loss", '"fusde"'), ("stages.train", "attention", '"flx"'),
-    ("stages.evaluate", "checkpoints", '"lats"'),
+    ("stages.evaluate", "checkpoints", '"lats"'), ("cluster", "scheduler", '"slurn"'),
 ]
 # (section, key, an out-of-range number)
 NUMBERS = [
@@ -55,6 +55,7 @@ NUMBERS = [
     ("stages.extract", "tensor_parallel", "0"),
     ("stages.vocab", "draft_vocab_size", "99_999_999_999_999"),
     ("stages.train", "dataloader_workers", "-2"), ("stages.train", "lr", "1e400"),
+    ("cluster", "nodes", "2"), ("cluster", "gpus_per_node", "-8"),
 ]
 UNKNOWN = [
     (RUN + "\n[stages.trian]\nepochs = 3\n", "stages.trian"),
