@@ -385,6 +385,74 @@ def corrupt_found_on_resume(rd: RunDir) -> int:
     return n
 
 
+def check_round(ref: RunDir, got: RunDir) -> dict:
+    state = got.read_state()
+    out = {"run": got.id,
+           "final_statuses": {s: st["status"] for s, st in state["stages"].items()},
+           "attempts": {s: st["attempt"] for s, st in state["stages"].items()},
+           "corrupt_found_on_resume": corrupt_found_on_resume(got),
+           "leftover_files": leftovers(got),
+           "train_steps_redone": train_steps_logged(got) - train_steps_logged(ref),
+           "comparison": compare(ref, got)}
+    c = out["comparison"]
+    out["ok"] = all(s in DONE for s in out["final_statuses"].values()) \
+        and c["dataset_identical"] and c["vocab_identical"] and c["within_tolerance"] \
+        and c["evaluate_results"] and c["hidden_state_files_missing"] == 0
+    return out
+
+
+def summarize(rounds: list[dict], a, ref_wall: float) -> dict:
+    by_kind: dict[str, int] = {}
+    for r in rounds:
+        for k in r["kills"]:
+            by_kind[k["kind"]] = by_kind.get(k["kind"], 0) + 1
+    total = lambda key: sum(r[key] for r in rounds)  # noqa: E731
+    report = {
+        "seed": a.seed, "backend": a.backend, "samples": a.samples, "epochs": a.epochs,
+        "reference_wall_s": round(ref_wall, 1), "rounds": rounds,
+        "kills_made": total("kills_made"), "kills_survived": total("kills_survived"),
+        "kills_by_kind": by_kind, "resumes": total("resumes"), "wall_s": total("wall_s"),
+        "corrupt_found_on_resume": total("corrupt_found_on_resume"),
+        "leftover_files": [f for r in rounds for f in r["leftover_files"]],
+        "leftover_processes": [p for r in rounds for p in r["leftover_processes"]],
+        "train_steps_redone": total("train_steps_redone"),
+        "hidden_states_max_abs_diff": max(
+            (r["comparison"]["hidden_states_max_abs_diff"] or 0.0 for r in rounds), default=None),
+        "loss_max_abs_diff": max(
+            (r["comparison"]["loss_max_abs_diff"] or 0.0 for r in rounds), default=None),
+        "final_checkpoint_max_abs_diff": max(
+            (r["comparison"]["final_checkpoint_max_abs_diff"] or 0.0 for r in rounds),
+            default=None),
+    }
+    report["ok"] = bool(rounds) and all(r["ok"] for r in rounds) \
+        and report["kills_survived"] == report["kills_made"] >= a.kills \
+        and not report["leftover_processes"]
+    return report
+
+
+def render(r: dict, a) -> str:
+    exact = all(x["comparison"]["exact"] for x in r["rounds"])
+    each = lambda key: all(x["comparison"][key] for x in r["rounds"])  # noqa: E731
+    lines = [
+        f"chaos (seed {a.seed}, backend {a.backend}, {a.samples} samples, {a.epochs} epochs): "
+        f"{len(r['rounds'])} run(s), each compared with the undisturbed reference",
+        f"  kills made / survived: {r['kills_made']} / {r['kills_survived']}  {r['kills_by_kind']}",
+        f"  resumes: {r['resumes']}   wall: {r['wall_s']:.0f} s "
+        f"(reference run {r['reference_wall_s']} s)",
+        f"  corrupt files found on resume: {r['corrupt_found_on_resume']}",
+        f"  leftover files: {len(r['leftover_files'])}  processes: {len(r['leftover_processes'])}",
+        f"  train steps redone: {r['train_steps_redone']}",
+        f"  datasets identical: {each('dataset_identical')}   "
+        f"d2t/t2d identical: {each('vocab_identical')}   "
+        f"evaluate results: {each('evaluate_results')}",
+        f"  max |diff| hidden states {r['hidden_states_max_abs_diff']}, loss "
+        f"{r['loss_max_abs_diff']}, final checkpoint {r['final_checkpoint_max_abs_diff']}",
+        f"  {'bit for bit (hf)' if exact else 'within float noise (vLLM batching)'}: "
+        f"{each('within_tolerance')}",
+        "  OK" if r["ok"] else "  NOT OK"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=20)
@@ -407,55 +475,28 @@ def main(argv=None) -> int:
         print(r.stdout[-3000:], r.stderr[-3000:])
         return 1
     ref_wall = time.time() - t
-    # a run id of its own: processes are found by it (the token), never another run's
-    name = f"chaos-{os.getpid()}"
-    write_config(work / "chaos", name, a)
-    report = chaos(work / "chaos", name, a.kills, a.seed, a.max_gap, a.timeout)
-    ref, got = RunDir(work / "ref" / "runs" / "ref"), RunDir(work / "chaos" / "runs" / name)
-    state = got.read_state()
-    report.update({
-        "seed": a.seed, "backend": a.backend, "reference_wall_s": round(ref_wall, 1),
-        "final_statuses": {s: st["status"] for s, st in state["stages"].items()},
-        "attempts": {s: st["attempt"] for s, st in state["stages"].items()},
-        "corrupt_found_on_resume": corrupt_found_on_resume(got),
-        "leftover_files": leftovers(got),
-        "train_steps_logged": train_steps_logged(got),
-        "train_steps_reference": train_steps_logged(ref),
-        "comparison": compare(ref, got)})
-    report["train_steps_redone"] = report["train_steps_logged"] - report["train_steps_reference"]
-    by_kind: dict[str, int] = {}
-    for k in report["kills"]:
-        by_kind[k["kind"]] = by_kind.get(k["kind"], 0) + 1
-    report["kills_by_kind"] = by_kind
-    c = report["comparison"]
-    ok = (report["kills_survived"] == report["kills_made"] and not report["leftover_processes"]
-          and all(s in DONE for s in report["final_statuses"].values())
-          and c["dataset_identical"] and c["vocab_identical"] and c["within_tolerance"]
-          and c["evaluate_results"] and c["hidden_state_files_missing"] == 0)
-    report["ok"] = ok
+    ref = RunDir(work / "ref" / "runs" / "ref")
+    rounds, made = [], 0
+    while made < a.kills:
+        # A run that ends before all kills are made is checked, and the
+        # next round starts a new one (a run id of its own: processes are
+        # found by it, never another run's); seeds follow from --seed.
+        name = f"chaos-{os.getpid()}-{len(rounds)}"
+        write_config(work / "chaos", name, a)
+        rnd = chaos(work / "chaos", name, a.kills - made, a.seed + 1000 * len(rounds),
+                    a.max_gap, a.timeout)
+        rnd.update(check_round(ref, RunDir(work / "chaos" / "runs" / name)))
+        rnd["ok"] = rnd["ok"] and rnd["kills_survived"] == rnd["kills_made"] \
+            and not rnd["leftover_processes"]
+        rounds.append(rnd)
+        made += rnd["kills_made"]
+        if not rnd["ok"] or not rnd["kills_made"]:
+            break
+    report = summarize(rounds, a, ref_wall)
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
-    r = report
-    lines = [
-        f"chaos run (seed {a.seed}, backend {a.backend}, {a.samples} samples, {a.epochs} epochs)",
-        f"  kills made / survived: {r['kills_made']} / {r['kills_survived']}  {by_kind}",
-        f"  resumes: {r['resumes']}   attempts: {r['attempts']}",
-        f"  wall: {r['wall_s']} s (reference {r['reference_wall_s']} s)",
-        f"  corrupt files found on resume: {r['corrupt_found_on_resume']}",
-        f"  leftover files: {len(r['leftover_files'])}  processes: {len(r['leftover_processes'])}",
-        f"  train steps redone: {r['train_steps_redone']} (reference {r['train_steps_reference']})",
-        f"  dataset identical: {c['dataset_identical']}   d2t/t2d identical: {c['vocab_identical']}",
-        f"  hidden states: {c['hidden_state_files']} files, "
-        f"max |diff| {c['hidden_states_max_abs_diff']}",
-        f"  loss curve equal: {c['loss_curve_equal']} (max |diff| {c['loss_max_abs_diff']})",
-        f"  final checkpoint equal: {c['final_checkpoint_equal']} "
-        f"(max |diff| {c['final_checkpoint_max_abs_diff']})   "
-        f"evaluate results: {c['evaluate_results']}",
-        f"  {'bit for bit (hf)' if c['exact'] else 'within float noise (vLLM batching)'}: "
-        f"{c['within_tolerance']}",
-        "  OK" if ok else "  NOT OK"]
-    print("\n".join(lines))
-    return 0 if ok else 1
+    print(render(report, a))
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

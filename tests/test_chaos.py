@@ -22,10 +22,11 @@ def test_a_few_random_kills_change_nothing(tmp_path):
     assert out.exists(), p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert p.returncode == 0 and r["ok"], p.stdout
-    assert r["kills_made"] == r["kills_survived"] == 6
-    c = r["comparison"]
-    assert c["dataset_identical"] and c["vocab_identical"] and c["within_tolerance"]
-    assert c["hidden_state_files_missing"] == 0
-    if c["exact"]:   # the hf backend: bit for bit
-        assert c["final_checkpoint_equal"] and c["loss_curve_equal"]
+    assert r["kills_made"] == r["kills_survived"] >= 6
     assert not r["leftover_processes"] and r["corrupt_found_on_resume"] == 0
+    for rnd in r["rounds"]:   # each run against the undisturbed one
+        c = rnd["comparison"]
+        assert c["dataset_identical"] and c["vocab_identical"] and c["within_tolerance"]
+        assert c["hidden_state_files_missing"] == 0
+        if c["exact"]:   # the hf backend: bit for bit
+            assert c["final_checkpoint_equal"] and c["loss_curve_equal"]
