@@ -169,9 +169,9 @@ class LocalRenderer:
             if start is None or not full.startswith(upto):
                 stable = False
             spans.append((j, start, len(upto)))
-        for j, a, b in spans:
-            _check_calls_rendered(msgs[j], full[a or 0:b] if stable else None)
         if stable:
+            for j, a, b in spans:
+                _check_calls_rendered(msgs[j], full[a:b])
             return [self._row(full, [(a, b) for _, a, b in spans])]
         # Not prefix-stable: one row per assistant turn, each rendered alone.
         rows = []
@@ -214,10 +214,10 @@ class LocalRenderer:
         return Row(list(ids), mask)
 
 
-def _check_calls_rendered(msg: dict, rendered: str | None) -> None:
+def _check_calls_rendered(msg: dict, rendered: str) -> None:
     """A template without tool support drops `tool_calls` silently: the turn
     would train on an empty answer. Such rows are skipped with the reason."""
-    if rendered is None or not msg.get("tool_calls"):
+    if not msg.get("tool_calls"):
         return
     missing = [c["function"]["name"] for c in msg["tool_calls"]
                if c["function"]["name"] not in rendered]
