@@ -20,7 +20,7 @@ import time
 from app import fmt
 from pipeline import __version__, control, runner, slurm
 from pipeline.config import ConfigError
-from pipeline.diskspace import EXIT_DISK_FULL, DiskFull
+from pipeline.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
 from pipeline.events import EventTail, EventType, last_event, tail_lines
 from pipeline.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.stage_graph import STAGE_NAMES
@@ -68,11 +68,13 @@ def _start(begin, wait: bool) -> int:
     if not wait:
         print(f"  watch: eagle-panel status {rd.id}   logs: eagle-panel logs {rd.id} STAGE -f")
         return 0
-    return watch(rd, started.driver)
+    return watch(rd, started.driver, expected=[s.stage for s in started.steps
+                                               if s.action == "run"])
 
 
-def watch(rd: RunDir, proc=None, out=sys.stdout) -> int:
-    """Stream progress until the driver ends; the exit status is the pipeline's."""
+def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = None) -> int:
+    """Stream progress until the driver ends; the exit status is the pipeline's
+    (a driver that stopped before the `expected` stages ran is not a success)."""
     tails = {s: EventTail(rd.events_path(s), rd.events_path(s).stat().st_size
                           if rd.events_path(s).exists() else 0) for s in STAGE_NAMES}
     last_progress: dict[str, float] = {}
@@ -105,6 +107,17 @@ def watch(rd: RunDir, proc=None, out=sys.stdout) -> int:
         return EXIT_FAILED
     if Status.CANCELLED in statuses:
         return EXIT_CANCELLED
+    left = [s for s in expected or [] if state["stages"][s]["status"] not in runner.DONE]
+    if left:
+        code = proc.poll() if proc is not None else None
+        if code == EXIT_DISK_FULL or runner.failed_for_disk(rd, state) or \
+                free_bytes(rd.path) < NEARLY_FULL:
+            full = DiskFull(rd.path)
+            print(f"{rd.id}: {full}. {full.hint}", file=out, flush=True)
+            return EXIT_DISK_FULL
+        print(f"{rd.id}: the launcher stopped before {left[0]} ran (see "
+              f"{rd.path / 'driver.log'}); `eagle-panel resume` continues.", file=out)
+        return EXIT_FAILED
     _print_summary(rd, state, out)
     return 0
 
