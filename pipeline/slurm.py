@@ -130,10 +130,14 @@ def _ask(job: str) -> JobState | None:
     if r.returncode == 0 and r.stdout.strip():
         state, _, reason = r.stdout.strip().splitlines()[0].partition("|")
         return JobState(state, "" if reason in ("None", "(null)") else reason)
+    if r.returncode and not _forgotten(r):
+        return None   # slurmctld did not answer: no verdict
     # Gone from the queue (squeue also fails for an id it forgot): how it ended.
     try:
         r = _run(["scontrol", "-o", "show", "job", job])
     except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode and not _forgotten(r):
         return None
     if r.returncode == 0 and "JobState=" in r.stdout:
         f = dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
@@ -148,6 +152,11 @@ def _ask(job: str) -> JobState | None:
         state, _, code = r.stdout.strip().splitlines()[0].partition("|")
         return JobState(state.split()[0], f"exit {code}" if code not in ("", "0:0") else "")
     return JobState("GONE", "the scheduler no longer knows this job")
+
+
+def _forgotten(r: subprocess.CompletedProcess) -> bool:
+    """The controller answered, and does not know the job (any more)."""
+    return "Invalid job id" in (r.stderr + r.stdout)
 
 
 def cancel(job: str, signal: str | None = None) -> None:

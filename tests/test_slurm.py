@@ -181,3 +181,13 @@ def test_a_scheduler_that_would_refuse_is_said_before_anything(cluster, tmp_path
     env = dict(os.environ, PATH="/usr/local/bin/none")
     p = cli("run", cwd=tmp_path, check=2, env=env)
     assert "not on PATH" in p.stderr and not (tmp_path / "runs").exists()
+
+
+def test_a_controller_that_does_not_answer_fails_nothing(monkeypatch):
+    """No verdict from an unreachable slurmctld: the stage stays running."""
+    if slurm.missing_tools():
+        pytest.skip(f"Slurm client tools missing: {slurm.missing_tools()}")
+    from pipeline import runner
+    monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
+    assert slurm.job_state("424242", fresh=True) is None
+    assert runner.stage_alive({"slurm_job": "424242"})
