@@ -451,3 +451,38 @@ def test_non_finite_hidden_states_stop_the_stage_but_padding_does_not(tmp_path):
     with pytest.raises(StageError, match="sample 1: the target produced non-finite"):
         extract_hf.extract_shard(_Forward((2, 1)), shard_job(tmp_path, rows, lengths))
     assert not (tmp_path / "hs_1.safetensors").exists()
+
+
+def test_regenerate_answers_where_the_assistant_answered_in_text():
+    """The target answers after user and tool turns where the recorded
+    assistant answered in text (and after a final user turn); recorded tool
+    calls and an opening assistant turn stay as context. (A double stands
+    for the server here; tests/test_vllm_pipeline.py runs the real one.)"""
+    from types import SimpleNamespace
+
+    from pipeline.stages.regenerate import regenerate_one
+    from tests.data_corpus import AGENTIC
+
+    class Server:
+        def __init__(self):
+            self.prompts = []
+
+        def post(self, path, body, timeout):
+            self.prompts.append([m["role"] for m in body["messages"]])
+            assert body.get("tool_choice") == ("none" if body.get("tools") else None)
+            return {"prompt_token_ids": [1, 2], "choices": [
+                {"token_ids": [3], "message": {"content": f"answer {len(self.prompts)}"}}]}
+
+    sec = SimpleNamespace(max_tokens=8, temperature=0.0, seed=0, request_timeout_s=5)
+    _, msgs, tools = normalize(AGENTIC)
+    s = Server()
+    rows = regenerate_one(s, "m", {"messages": msgs, "tools": tools}, sec, 512)
+    assert s.prompts == [["user", "assistant", "tool"]]    # the recorded call is context
+    assert rows[0]["messages"][-1] == {"role": "assistant", "content": "answer 1"}
+    opening = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "q"},
+               {"role": "assistant", "content": "a"}, {"role": "user", "content": "more?"}]
+    s = Server()
+    rows = regenerate_one(s, "m", {"messages": opening, "tools": None}, sec, 512)
+    assert s.prompts == [["assistant", "user"], ["assistant", "user", "assistant", "user"]]
+    assert rows[1]["messages"][2]["content"] == "answer 1"   # its own earlier answer
+    assert [r["loss_mask"] for r in rows] == [[0, 0, 1], [0, 0, 1]]

@@ -57,34 +57,45 @@ def conversations(ctx: StageContext):
 
 
 def regenerate_one(server, model: str, conv: dict, sec, limit: int) -> list[dict]:
-    """The target's answers to one conversation's user turns: one row each.
-    Recorded tool calls stay as they are (the target cannot run the tools:
-    the calls and their results are context for the answers after them)."""
+    """The target's answers to one conversation: one row each. It answers
+    wherever the recorded assistant answered in text after a user or tool
+    turn, and after a final user turn; recorded tool calls stay as they are
+    (the target cannot run the tools: the calls and their results are
+    context for the answers after them), as does an assistant turn that
+    opens the conversation."""
     rows, prefix, tools = [], [], conv["tools"]
-    for m in conv["messages"]:
-        if m["role"] == "assistant" and not m.get("tool_calls"):
-            continue   # the target answers instead
-        prefix.append(m)
-        if m["role"] != "user":
-            continue
-        body = {"model": model, "messages": wire_messages(prefix), "max_tokens": sec.max_tokens,
-                "temperature": sec.temperature, "seed": sec.seed, "return_token_ids": True}
-        if tools:   # in the prompt, as the template renders them; no tool parser needed
-            body.update(tools=tools, tool_choice="none")
-        resp = server.post("/v1/chat/completions", body, sec.request_timeout_s)
-        choice = resp["choices"][0]
-        prompt, out = resp.get("prompt_token_ids"), choice.get("token_ids")
-        if prompt is None or out is None:
-            raise StageError("the vLLM server answers without token ids",
-                             hint="regenerate needs a vLLM whose chat API takes "
-                                  "return_token_ids (vLLM >= 0.11)")
-        answer = choice["message"].get("content") or ""
-        prefix = prefix + [{"role": "assistant", "content": answer}]
-        rows.append({"input_ids": prompt + out, "loss_mask": [0] * len(prompt) + [1] * len(out),
-                     "messages": list(prefix)})   # a copy: prefix grows with the next turn
-        if len(prompt) + len(out) >= limit:
+    msgs = conv["messages"]
+    for k, m in enumerate(msgs):
+        answers_here = m["role"] == "assistant" and not m.get("tool_calls") and \
+            bool(prefix) and prefix[-1]["role"] in ("user", "tool")
+        if not answers_here:
+            prefix.append(m)
+            if not (m["role"] == "user" and k == len(msgs) - 1):
+                continue
+        row = _answer(server, model, prefix, tools, sec)
+        prefix = row["messages"]
+        rows.append(row)
+        if len(row["input_ids"]) >= limit:
             break   # prepare keeps seq_length tokens: later turns would be cut
     return rows
+
+
+def _answer(server, model: str, prefix: list[dict], tools, sec) -> dict:
+    """One answer of the target to `prefix`, as exact token ids."""
+    body = {"model": model, "messages": wire_messages(prefix), "max_tokens": sec.max_tokens,
+            "temperature": sec.temperature, "seed": sec.seed, "return_token_ids": True}
+    if tools:   # in the prompt, as the template renders them; no tool parser needed
+        body.update(tools=tools, tool_choice="none")
+    resp = server.post("/v1/chat/completions", body, sec.request_timeout_s)
+    choice = resp["choices"][0]
+    prompt, out = resp.get("prompt_token_ids"), choice.get("token_ids")
+    if prompt is None or out is None:
+        raise StageError("the vLLM server answers without token ids",
+                         hint="regenerate needs a vLLM whose chat API takes "
+                              "return_token_ids (vLLM >= 0.11)")
+    answer = choice["message"].get("content") or ""
+    return {"input_ids": prompt + out, "loss_mask": [0] * len(prompt) + [1] * len(out),
+            "messages": prefix + [{"role": "assistant", "content": answer}]}
 
 
 def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> dict:
