@@ -100,26 +100,26 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
     state = runner.refresh(rd)
     statuses = [state["stages"][s]["status"] for s in STAGE_NAMES]
     if Status.FAILED in statuses:
-        if runner.failed_for_disk(rd, state):
-            full = DiskFull(rd.path)   # the stage may not have been able to say so
-            print(f"{rd.id}: {full}. {full.hint}", file=out, flush=True)
-            return EXIT_DISK_FULL
-        return EXIT_FAILED
+        return _disk_full(rd, out) if runner.failed_for_disk(rd, state) else EXIT_FAILED
     if Status.CANCELLED in statuses:
         return EXIT_CANCELLED
     left = [s for s in expected or [] if state["stages"][s]["status"] not in runner.DONE]
     if left:
         code = proc.poll() if proc is not None else None
-        if code == EXIT_DISK_FULL or runner.failed_for_disk(rd, state) or \
-                free_bytes(rd.path) < NEARLY_FULL:
-            full = DiskFull(rd.path)
-            print(f"{rd.id}: {full}. {full.hint}", file=out, flush=True)
-            return EXIT_DISK_FULL
+        if code == EXIT_DISK_FULL or free_bytes(rd.path) < NEARLY_FULL:
+            return _disk_full(rd, out)
         print(f"{rd.id}: the launcher stopped before {left[0]} ran (see "
               f"{rd.path / 'driver.log'}); `eagle-panel resume` continues.", file=out)
         return EXIT_FAILED
     _print_summary(rd, state, out)
     return 0
+
+
+def _disk_full(rd: RunDir, out) -> int:
+    """Say it here: the stage or the launcher may not have been able to."""
+    full = DiskFull(rd.path)
+    print(f"{rd.id}: {full}. {full.hint}", file=out, flush=True)
+    return EXIT_DISK_FULL
 
 
 def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
