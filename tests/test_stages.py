@@ -485,4 +485,6 @@ def test_regenerate_answers_where_the_assistant_answered_in_text():
     rows = regenerate_one(s, "m", {"messages": opening, "tools": None}, sec, 512)
     assert s.prompts == [["assistant", "user"], ["assistant", "user", "assistant", "user"]]
     assert rows[1]["messages"][2]["content"] == "answer 1"   # its own earlier answer
+    assert [len(r["messages"]) for r in rows] == [3, 5]   # each row its own conversation
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
     assert [r["loss_mask"] for r in rows] == [[0, 0, 1], [0, 0, 1]]

@@ -73,7 +73,7 @@ def regenerate_one(server, model: str, conv: dict, sec, limit: int) -> list[dict
             if not (m["role"] == "user" and k == len(msgs) - 1):
                 continue
         row = _answer(server, model, prefix, tools, sec)
-        prefix = row["messages"]
+        prefix = list(row["messages"])   # a copy: the row keeps its own conversation
         rows.append(row)
         if len(row["input_ids"]) >= limit:
             break   # prepare keeps seq_length tokens: later turns would be cut
