@@ -6,6 +6,8 @@ import time
 
 from rich.text import Text
 
+from pipeline.diskspace import fmt_bytes
+
 
 def duration(seconds: float | None) -> str:
     if seconds is None:
@@ -19,13 +21,7 @@ def duration(seconds: float | None) -> str:
 
 
 def nbytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    return "-" if n is None else fmt_bytes(n)
 
 
 def stage_duration(st: dict, now: float | None = None) -> float | None:

@@ -49,7 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.events import read_events  # noqa: E402
+from pipeline.proctree import TOKEN_VAR, cmdline, environ, live_pids, proc_name  # noqa: E402
 from pipeline.rundir import RunDir, proc_alive  # noqa: E402
+from pipeline.runner import DONE  # noqa: E402
 
 CONFIG = """
 [run]
@@ -83,7 +85,6 @@ max_tokens = 32
 baseline = false
 startup_timeout_s = 600.0
 """
-DONE = ("succeeded", "skipped")
 
 
 def cli(work: Path, *args, session=False, wait=True, timeout=1800):
@@ -105,40 +106,12 @@ def write_config(work: Path, name: str, a) -> None:
 
 # -- finding victims ---------------------------------------------------------
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _environ(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def run_processes(rd: RunDir) -> list[int]:
     """Every live process of this run: driver, supervisors (their command
     names the run directory), stages and what they started (the token)."""
-    needle, token = str(rd.path).encode(), f"EAGLE_PANEL_TOKEN={rd.id}/".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        pid = int(name)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1][1:2] == b"Z":
-                    continue
-        except OSError:
-            continue
-        if needle in _cmdline(pid).encode() or token in _environ(pid):
-            found.append(pid)
-    return found
+    token = f"{TOKEN_VAR}={rd.id}/".encode()
+    return [pid for pid in live_pids()
+            if str(rd.path) in cmdline(pid) or any(e.startswith(token) for e in environ(pid))]
 
 
 def victims(rd: RunDir, sessions: list, panels: list) -> dict[str, list]:
@@ -161,7 +134,7 @@ def victims(rd: RunDir, sessions: list, panels: list) -> dict[str, list]:
             out["supervisor"].append(
                 (stage, lambda p=st["supervisor_pid"]: os.kill(p, signal.SIGKILL)))
     for pid in run_processes(rd):
-        cmd = _cmdline(pid)
+        cmd = cmdline(pid)
         if "pipeline.vllm.launch" in cmd and os.getpgid(pid) == pid:
             out["vllm"].append(("vllm server", lambda g=pid: os.killpg(g, signal.SIGKILL)))
     for p in sessions:
@@ -301,17 +274,6 @@ def compare(ref: RunDir, got: RunDir) -> dict:
 
 # -- the run -----------------------------------------------------------------
 
-def wait_done(rd: RunDir, timeout: float) -> dict:
-    end = time.time() + timeout
-    while time.time() < end:
-        state = rd.read_state()
-        d = state.get("driver") or {}
-        if not proc_alive(d.get("pid"), d.get("create_time")):
-            return state
-        time.sleep(0.5)
-    raise TimeoutError(f"{rd.path}: still running after {timeout:.0f} s")
-
-
 def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout: float) -> dict:
     rng = random.Random(seed)
     rd = RunDir(work / "runs" / name)
@@ -371,7 +333,7 @@ def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout:
     left = run_processes(rd)
     return {"kills_made": len(made), "kills_survived": survived, "integrity_problems": problems,
             "resumes": resumes, "kills": made, "wall_s": round(time.time() - t0, 1),
-            "leftover_processes": [_cmdline(p)[:100] for p in left]}
+            "leftover_processes": [proc_name(p) for p in left]}
 
 
 def corrupt_found_on_resume(rd: RunDir) -> int:

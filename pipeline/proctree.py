@@ -22,12 +22,13 @@ def _pids():
             yield int(name)
 
 
-def _environ_has(pid: int, needle: bytes) -> bool:
+def environ(pid: int) -> list[bytes]:
+    """A process's environment as NAME=VALUE entries ([] when unreadable)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return needle in f.read().split(b"\0")
+            return f.read().split(b"\0")
     except OSError:
-        return False
+        return []
 
 
 def _is_zombie(pid: int) -> bool:
@@ -39,13 +40,25 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def proc_name(pid: int) -> str:
+def live_pids():
+    """Every live process but this one (a zombie is not alive)."""
+    me = os.getpid()
+    for pid in _pids():
+        if pid != me and not _is_zombie(pid):
+            yield pid
+
+
+def cmdline(pid: int) -> str:
+    """The whole command line, arguments separated by spaces ("" when gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").strip().decode(errors="replace")
-        return cmd[:120] or f"pid {pid}"
+            return f.read().replace(b"\0", b" ").strip().decode(errors="replace")
     except OSError:
-        return f"pid {pid}"
+        return ""
+
+
+def proc_name(pid: int) -> str:
+    return cmdline(pid)[:120] or f"pid {pid}"
 
 
 def pgid_of(pid: int) -> int | None:
@@ -61,14 +74,8 @@ def stage_processes(token: str | None, pgid: int | None = None,
     if not token and not pgid:
         return []
     needle = f"{var}={token}".encode() if token else None
-    me = os.getpid()
-    found = []
-    for pid in _pids():
-        if pid == me or _is_zombie(pid):
-            continue
-        if (pgid and pgid_of(pid) == pgid) or (needle and _environ_has(pid, needle)):
-            found.append(pid)
-    return found
+    return [pid for pid in live_pids()
+            if (pgid and pgid_of(pid) == pgid) or (needle and needle in environ(pid))]
 
 
 def signal_all(pids, sig: int) -> None:

@@ -75,6 +75,12 @@ def run_body(tmp_path, stage, body, config: str, run="r"):
     return code, rd, read_events(rd.events_path(stage))
 
 
+def stage_summary(rd, stage: str) -> dict:
+    """The summary of a stage's last `stage_finished` event."""
+    from pipeline.events import read_events
+    return finished(read_events(rd.events_path(stage)))["summary"]
+
+
 def finished(events):
     return [e for e in events if e["type"] == "stage_finished"][-1]
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipeline.builtin.tiny_model import ensure_built
+from pipeline.proctree import environ, live_pids
 from pipeline.stages import extract
 from pipeline.stages.extract_hf import HFBackend
 from pipeline.vllm.server import SERVER_TOKEN_VAR
@@ -79,19 +80,9 @@ def clean_extract(request, monkeypatch):
 def no_server_left() -> bool:
     """No live process of this session carries a server token (the stand-in
     and its child)."""
-    me = os.getpid()
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        if pid == me:
-            continue
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-            status = Path(f"/proc/{pid}/stat").read_text().split()[2]
-        except OSError:
-            continue
-        if SERVER_TOKEN_VAR.encode() in env and MARK.encode() + b"\0" in env + b"\0" \
-                and status != "Z":
-            return False
-    return True
+    token = f"{SERVER_TOKEN_VAR}=".encode()
+    return not any(MARK.encode() in (env := environ(pid)) and any(e.startswith(token) for e in env)
+                   for pid in live_pids())
 
 
 @pytest.mark.parametrize("version", ["0.22.0", "0.17.0", "0.33.0"])

@@ -13,15 +13,10 @@ import pytest
 
 from pipeline import slurm
 from pipeline.rundir import RunDir
+from pipeline.vllm.server import free_port
 from tests.helpers import cli, stagekit_config, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ok(argv) -> bool:
@@ -60,8 +55,8 @@ def cluster(tmp_path_factory):
         SlurmdPidFile={d}/slurmd.pid
         SlurmctldLogFile={d}/slurmctld.log
         SlurmdLogFile={d}/slurmd.log
-        SlurmctldPort={_free_port()}
-        SlurmdPort={_free_port()}
+        SlurmctldPort={free_port()}
+        SlurmdPort={free_port()}
         MpiDefault=none
         KillWait=5
         MinJobAge=600

@@ -17,7 +17,7 @@ from pipeline.events import read_events
 from pipeline.paths import VLLM_VENV
 from pipeline.rundir import RunDir
 from pipeline.vllm.environment import probe
-from tests.helpers import cli, finished, run_body, wait_for
+from tests.helpers import cli, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids
 
 pytestmark = pytest.mark.vllm
@@ -43,10 +43,6 @@ dataloader_workers = 2
 [stages.evaluate]
 enabled = false
 """
-
-
-def summary(rd, stage):
-    return finished(read_events(rd.events_path(stage)))["summary"]
 
 
 def disk_bytes(folder):
@@ -88,7 +84,7 @@ def test_online_training_completes_after_a_server_restart(runs):
     st = rd.read_state()["stages"]
     assert st["train"]["status"] == "succeeded", p.stdout + p.stderr
     assert st["extract"]["status"] == "skipped" and "online" in st["extract"]["reason"]
-    s = summary(rd, "train")
+    s = stage_summary(rd, "train")
     assert s["mode"] == "online" and s["server_restarts"] == 1
     warns = [e["message"] for e in read_events(rd.events_path("train")) if e["type"] == "warning"]
     assert any("died" in w and "restarting it (1/2)" in w for w in warns), warns
@@ -100,7 +96,7 @@ def test_online_training_completes_after_a_server_restart(runs):
 def test_online_matches_offline_and_keeps_the_disk_small(runs):
     _, off, _ = runs["offline"]
     _, on, _ = runs["online"]
-    a, b = summary(off, "train"), summary(on, "train")
+    a, b = stage_summary(off, "train"), stage_summary(on, "train")
     offline_disk = disk_bytes(off.out_dir("extract") / "hidden_states")
     ev = [e for e in read_events(on.events_path("train")) if e["type"] == "online"]
     print(f"offline: last train loss {a['last_train_loss']:.4f}, val loss {a['val_loss']:.4f}; "

@@ -18,7 +18,7 @@ import pytest
 from pipeline.paths import VLLM_VENV
 from pipeline.rundir import RunDir
 from pipeline.vllm.environment import probe
-from tests.helpers import cli, finished, run_body, wait_for
+from tests.helpers import cli, finished, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids
 
 pytestmark = pytest.mark.vllm
@@ -87,23 +87,19 @@ def run(tmp_path_factory):
     return tmp, rd, seen
 
 
-def summary(rd, stage):
-    from pipeline.events import read_events
-    return finished(read_events(rd.events_path(stage)))["summary"]
-
-
 def test_regenerate_resumed_from_its_chunks(run):
     tmp, rd, seen = run
     chunk = rd.out_dir("regenerate") / ".chunks" / "chunk_000000.json"
     assert chunk.stat().st_mtime_ns == seen["chunk_mtime"]   # not redone
-    s = summary(rd, "regenerate")
+    s = stage_summary(rd, "regenerate")
     assert s["conversations"] == 70 and s["failed"] == 0 and s["rows"] >= 70
     rows = [json.loads(line) for line in open(rd.out_dir("regenerate") / "rows.jsonl")]
     assert len(rows) == s["rows"]
     for r in rows[:20]:
         assert len(r["input_ids"]) == len(r["loss_mask"]) and sum(r["loss_mask"]) > 0
         assert r["messages"][-1]["role"] == "assistant"
-    assert summary(rd, "prepare")["rows_in"] == s["rows"]   # prepare read the target's answers
+    # prepare read the target's answers
+    assert stage_summary(rd, "prepare")["rows_in"] == s["rows"]
 
 
 def test_evaluate_measured_every_checkpoint_and_resumed(run):
@@ -118,7 +114,7 @@ def test_evaluate_measured_every_checkpoint_and_resumed(run):
         assert len(m["per_position"]) == 3 and "--speculative-config" in m["vllm_command"]
         assert f"checkpoints/{name}" in m["vllm_command"] and "eagle3" in m["vllm_command"]
     assert results["baseline"]["decode_tokens_per_s"] > 0 and results["speedup"] > 0
-    s = summary(rd, "evaluate")
+    s = stage_summary(rd, "evaluate")
     last = results["checkpoints"]["2"]
     print(f"estimate {s['acceptance_estimate']:.3f} vs measured {s['acceptance_length']:.3f}, "
           f"per position {s['per_position']}, speedup {s['speedup']}")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from pipeline.paths import VLLM_VENV
+from pipeline.proctree import environ, live_pids
 from pipeline.rundir import RunDir
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import SERVER_TOKEN_VAR
@@ -55,19 +56,9 @@ max_inflight = 2
 
 def server_pids() -> list[int]:
     """Live processes of any vLLM server this test session's stages started."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            env = open(f"/proc/{name}/environ", "rb").read()
-            state = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if SERVER_TOKEN_VAR.encode() in env and f"RUN_OF={os.getpid()}".encode() in env \
-                and state != "Z":
-            found.append(int(name))
-    return found
+    mine, token = f"RUN_OF={os.getpid()}".encode(), f"{SERVER_TOKEN_VAR}=".encode()
+    return [pid for pid in live_pids()
+            if mine in (env := environ(pid)) and any(e.startswith(token) for e in env)]
 
 
 def stage(tmp, name="extract", config=CONFIG, run="r"):
