@@ -29,6 +29,7 @@ from app.screens.help import HelpScreen
 from pipeline import control, runner
 from pipeline.config import ConfigError
 from pipeline.events import ChangeWaiter
+from pipeline.node_telemetry import NodeWatch
 from pipeline.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
@@ -77,6 +78,7 @@ class PanelApp(App):
         Binding("a", "chart('metric')", "Loss/acc", show=False),
         Binding("v", "chart('split')", "Train/val", show=False),
         Binding("d", "doctor", "Doctor", show=False),
+        Binding("g", "node", "Node", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
     ]
@@ -98,6 +100,8 @@ class PanelApp(App):
         self.model = RunModel(run) if run else None
         self.lock = threading.Lock()
         self.telemetry = telemetry or Telemetry(simulate_gpus, disk_path=(run.path if run else runs_dir))
+        # Cluster nodes' GPUs, from the files their jobs write (no NVML here for them).
+        self.nodes = NodeWatch(run.path) if run else None
         self.clock = clock
         self.snapshot = None
         self._statuses: dict[str, str] = {}
@@ -170,6 +174,9 @@ class PanelApp(App):
         while not self._stop.is_set():
             t0 = time.monotonic()
             snap = self.telemetry.sample()
+            watch = self.nodes
+            if watch is not None:
+                snap.nodes = watch.read()
             self.call_from_thread(self._apply_snapshot, snap)
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - t0)))
 
@@ -232,7 +239,14 @@ class PanelApp(App):
         self._gpus_drawn_at = now
         holders = self.model.devices_by_gpu() if self.model else {}
         forecast = self.model.stages["extract"].progress if self.model else None
-        self.query_one(GpuTable).update_from(self.snapshot, holders, forecast)
+        running = frozenset(self.model.running_stages()) if self.model else frozenset()
+        self.query_one(GpuTable).update_from(self.snapshot, holders, forecast, running)
+
+    def action_node(self) -> None:
+        """g on the GPU tab: one cluster node's GPUs, the next, then all nodes."""
+        if self.query_one(TabbedContent).active == "gpus" and self.snapshot is not None:
+            with self.lock:
+                self.query_one(GpuTable).drill_next()
 
     def _draw_detail(self) -> None:
         stage = self.query_one(StageTable).selected_stage
@@ -434,6 +448,7 @@ class PanelApp(App):
         self.rundir = run
         self.model = RunModel(run)
         self.telemetry.disk_path = run.path
+        self.nodes = NodeWatch(run.path)
         with self.lock:
             self.model.poll()
         self._apply_model()

@@ -156,6 +156,10 @@ class RunModel:
                 return s
         return None
 
+    def running_stages(self) -> list[str]:
+        return [s for s, info in self.stages.items()
+                if info.state.get("status") == Status.RUNNING]
+
     def devices_by_gpu(self) -> dict[int, str]:
         """GPU index -> the running stage that was given it (NVML's process
         list is empty in many containers; the assignment is what we know)."""

@@ -98,7 +98,8 @@ class ClusterSection:
     scheduler: str = "local"
     partition: str = ""
     account: str = ""
-    nodes: int = 1              # per stage (one node per stage for now)
+    nodes: int = 1              # for extract (data parallel over nodes) and train (torchrun)
+    lost_after_s: float = 120.0   # a node worker silent this long is lost: its samples are redone
     gpus_per_node: int = 0      # --gpus-per-node for the GPU stages (0: none asked)
     time_limit: str = ""        # --time, e.g. "24:00:00" ("" = the partition's default)
     sbatch_args: list[str] = field(default_factory=list)   # any other sbatch flags
@@ -448,10 +449,14 @@ def _check_choices(cfg: Config, src: str) -> None:
             "stages.train.attention", src)
     _choice(cfg.pipeline.mode, ("offline", "online"), "pipeline.mode", src)
     _choice(cfg.cluster.scheduler, ("local", "slurm"), "cluster.scheduler", src)
-    if cfg.cluster.nodes != 1:
-        raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes}: stages run on one "
-                          "node each for now (data parallel over nodes is not built yet). "
-                          "Set `cluster.nodes = 1`.")
+    if cfg.cluster.nodes > 1 and cfg.pipeline.mode == "online":
+        raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes} with `pipeline.mode = "
+                          '"online"`: online training runs its vLLM servers beside the trainer '
+                          "on one node. Set `cluster.nodes = 1`, or mode = \"offline\".")
+    if cfg.cluster.nodes > 1 and cfg.cluster.scheduler != "slurm":
+        raise ConfigError(f'{src}: `cluster.nodes` = {cfg.cluster.nodes} needs `cluster.scheduler '
+                          '= "slurm"` (the nodes come from the scheduler\'s allocation). Set '
+                          "`cluster.nodes = 1`, or scheduler = \"slurm\".")
     _choice(cfg.stages.evaluate.checkpoints, ("last", "best", "all"),
             "stages.evaluate.checkpoints", src)
 
@@ -476,6 +481,8 @@ def _check_ranges(cfg: Config, src: str) -> None:
         ("stages.evaluate.max_prompts", cfg.stages.evaluate.max_prompts),
         ("stages.evaluate.max_tokens", cfg.stages.evaluate.max_tokens),
         ("stages.evaluate.concurrency", cfg.stages.evaluate.concurrency),
+        ("cluster.nodes", cfg.cluster.nodes),
+        ("cluster.lost_after_s", cfg.cluster.lost_after_s),
     ):
         if value <= 0:
             raise ConfigError(f"{src}: `{where}` must be positive, got {value}. "

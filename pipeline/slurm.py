@@ -18,8 +18,10 @@ slurmctld must not fail a running stage).
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -78,11 +80,21 @@ def preflight(cluster) -> None:
                          "jobs would wait there. Pick another `cluster.partition`.")
 
 
+# The stages that spread over `[cluster] nodes`: extract (one worker per node,
+# pipeline.stages.extract_nodes) and train (torchrun over the nodes).
+MULTI_NODE_STAGES = ("extract", "train")
+
+
 def sbatch_argv(cluster, stage: str, run_id: str, log: Path, workdir: Path,
                 gpu_stage: bool) -> list[str]:
     argv = ["sbatch", "--parsable", f"--job-name=ep-{run_id}-{stage}", f"--output={log}",
-            "--open-mode=append", f"--chdir={workdir}", f"--nodes={cluster.nodes}",
-            "--ntasks=1"]
+            "--open-mode=append", f"--chdir={workdir}"]
+    if cluster.nodes > 1 and stage in MULTI_NODE_STAGES:
+        # One task per node; a failed node does not end the job: the others
+        # take over its samples (extract), or the stage resumes (train).
+        argv += [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", "--no-kill"]
+    else:
+        argv += ["--nodes=1", "--ntasks=1"]
     if cluster.partition:
         argv.append(f"--partition={cluster.partition}")
     if cluster.account:
@@ -99,9 +111,16 @@ def submit(cluster, stage: str, run_id: str, log: Path, workdir: Path, gpu_stage
     """Write the batch script (kept beside the stage's log) and submit it;
     returns the job id. The job gets the stage's environment (sbatch
     exports it), so it runs exactly what a local launch would."""
-    script.write_text("#!/bin/sh\n# written by eagle-panel; submitted with:\n# "
-                      + shlex.join(sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage))
-                      + "\nexec " + shlex.join(command) + "\n")
+    text = ("#!/bin/sh\n# written by eagle-panel; submitted with:\n# "
+            + shlex.join(sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage)) + "\n")
+    if gpu_stage:
+        # Each node's GPUs into the run directory for the panel
+        # (pipeline.node_telemetry); a step beside the stage's, ended with the job.
+        text += ('srun --ntasks="${SLURM_JOB_NUM_NODES:-1}" '
+                 + shlex.join(["--overlap", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+                               "--output=/dev/null", command[0], "-m", "pipeline.node_telemetry",
+                               "--run-dir", str(workdir), "--stage", stage]) + " &\n")
+    script.write_text(text + "exec " + shlex.join(command) + "\n")
     script.chmod(0o700)
     r = subprocess.run([*sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage),
                         str(script)], capture_output=True, text=True, env=env, timeout=60,
@@ -165,6 +184,23 @@ def cancel(job: str, signal: str | None = None) -> None:
     argv = ["scancel", job] if signal is None else ["scancel", f"--signal={signal}", "--full", job]
     _run(argv)
     _cache.pop(job, None)
+
+
+def allocation_tasks() -> int:
+    """Tasks of the Slurm allocation this process runs in (0: not in one)."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return 0
+    return int(os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NNODES") or 0)
+
+
+def rendezvous(port_base: int = 29500) -> str:
+    """host:port where torchrun's agents meet: the allocation's first node,
+    a port from the job id (two jobs on one node do not collide)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    r = _run(["scontrol", "show", "hostnames", nodelist]) if nodelist else None
+    hosts = r.stdout.split() if r is not None and r.returncode == 0 else []
+    head = hosts[0] if hosts else socket.gethostname()
+    return f"{head}:{port_base + int(os.environ.get('SLURM_JOB_ID', '0')) % 2000}"
 
 
 def shared_filesystem_note(path: Path) -> str | None:

@@ -14,7 +14,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Snapshot:
     host: HostSample | None
     source: str                       # "nvml" | "simulated" | "none"
     banner: str | None = None         # why there are no GPU numbers
+    nodes: list = field(default_factory=list)   # cluster nodes' reports (pipeline.node_telemetry)
 
 
 class NvmlSource:

@@ -55,7 +55,8 @@ NUMBERS = [
     ("stages.extract", "tensor_parallel", "0"),
     ("stages.vocab", "draft_vocab_size", "99_999_999_999_999"),
     ("stages.train", "dataloader_workers", "-2"), ("stages.train", "lr", "1e400"),
-    ("cluster", "nodes", "2"), ("cluster", "gpus_per_node", "-8"),
+    ("cluster", "nodes", "2"), ("cluster", "nodes", "0"), ("cluster", "gpus_per_node", "-8"),
+    ("cluster", "lost_after_s", "0"),
 ]
 UNKNOWN = [
     (RUN + "\n[stages.trian]\nepochs = 3\n", "stages.trian"),

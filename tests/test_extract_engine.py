@@ -248,3 +248,33 @@ def test_the_decoder_is_found_through_multimodal_wrappers():
     assert find_base_model(w) is w.lm.model and find_base_model(w.lm) is w.lm.model
     with pytest.raises(CaptureError, match="Linear"):
         find_base_model(nn.Linear(2, 2))
+
+
+def test_engines_fed_by_the_shared_queue_of_the_nodes(prepared, monkeypatch, tmp_path):
+    """The engine loop fed chunk by chunk from the queue that nodes share
+    (pipeline.workqueue), as on each node of a multi-node extract: two engine
+    processes (2 GPUs), each its own place in the queue, no rows given up
+    front; every sample once, bit for bit the hf backend's numbers."""
+    from pipeline.workqueue import WorkQueue, plan_chunks
+    tmp, rd = prepared
+    monkeypatch.setattr(vllm_compat, "load_engine_api", se.api_0_16)
+    real = extract.backend_runner
+    seen = {}
+
+    def fed(name):
+        def run(job):
+            qdir = tmp_path / "queue"
+            WorkQueue.create(qdir, plan_chunks(job.todo, job.lengths, 2, chunk_samples=2))
+            seen["rows"] = sorted(job.todo)
+            job.todo, job.feed = [], WorkQueue(qdir, "node0", 30.0)
+            return real(name)(job)
+        return run
+
+    monkeypatch.setattr(extract, "backend_runner", fed)
+    code, _, evs = run_body(tmp, "extract", extract.body, config(devices="0, 1"))
+    assert code == 0, [e for e in evs if e["type"] == "error"]
+    assert seen["rows"] == list(range(N)) and len(hs_files(rd)) == N
+    q = WorkQueue(tmp_path / "queue", "observer")
+    assert q.remaining_rows() == 0
+    assert {w for _, w in q.owners().values()} == {"node0.0", "node0.1"}   # both engines claimed
+    check_against_hf(rd)

@@ -452,3 +452,62 @@ async def test_dialogs_can_stay_open_while_the_panel_updates(tmp_path, stagekit)
         await pilot.press("escape")
         await until(pilot, lambda: cell(app, "train", "Status") == "succeeded",
                     what="the run, followed through the dialogs, to finish")
+
+
+async def test_gpus_of_cluster_nodes_grouped_stale_marked_and_drilled(tmp_path, stagekit):
+    """Nodes' telemetry files (written by the real per-node sampler, with
+    SIMULATED GPUs) are shown one line per node at 80x24; `g` shows one
+    node's GPUs, then the next node's, then all again; a node whose sampler
+    stopped while its stage runs is marked STALE, not dropped."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.node_telemetry import NodeWatch, folder, sample_forever
+    stagekit({"extract": "sleep:120"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    wait_for(lambda: rd.read_state()["stages"]["extract"]["status"] == "running", timeout=60)
+    os.environ["EAGLE_PANEL_SIMULATE_GPUS"] = "8"
+    try:
+        sample_forever(rd.path, "extract", interval=0.01, count=2)   # a node that then stops
+    finally:
+        del os.environ["EAGLE_PANEL_SIMULATE_GPUS"]
+    mine = folder(rd.path) / f"{os.uname().nodename.split('.')[0]}.json"
+    (folder(rd.path) / "gpu-a.json").write_text(mine.read_text().replace(
+        f'"host": "{mine.stem}"', '"host": "gpu-a"'))
+    mine.unlink()
+    env = dict(os.environ, EAGLE_PANEL_SIMULATE_GPUS="4")
+    live = subprocess.Popen([sys.executable, "-m", "pipeline.node_telemetry", "--run-dir",
+                             str(rd.path), "--stage", "extract", "--interval", "0.5"], env=env)
+    try:
+        app = make_app(rd, tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            app.nodes = NodeWatch(rd.path, stale_after_s=2.0)
+            await pilot.press("2")
+            await until(pilot, lambda: len(getattr(app.snapshot, "nodes", [])) == 2,
+                        what="two nodes")
+            await until(pilot, lambda: "STALE" in app.query_one(GpuTable).plain(), timeout=20,
+                        what="the silent node marked stale")
+            text = app.query_one(GpuTable).plain()
+            lines = text.splitlines()
+            a = next(ln for ln in lines if "gpu-a" in ln)
+            b = next(ln for ln in lines if os.uname().nodename.split(".")[0] in ln)
+            assert "STALE" in a and "extract" in b and "STALE" not in b, text
+            assert " 8 " in a and " 4 " in b and "2 nodes report" in text and "SIMULATED" in text
+            await pilot.press("g")
+            await pilot.pause(0.3)
+            text = app.query_one(GpuTable).plain()
+            assert "node gpu-a (1 of 2)" in text and "7*" in text, text   # its 8 GPUs
+            await pilot.press("g")
+            await pilot.pause(0.3)
+            text = app.query_one(GpuTable).plain()
+            assert "(2 of 2)" in text and "3*" in text and "7*" not in text, text
+            await pilot.press("g")
+            await pilot.pause(0.3)
+            assert "2 nodes report" in app.query_one(GpuTable).plain()
+            assert all(len(ln) <= 80 for ln in app.query_one(GpuTable).plain().splitlines())
+    finally:
+        live.terminate()
+        live.wait()
+        cli("cancel", cwd=tmp_path, check=0)

@@ -3,11 +3,14 @@ from the distribution's packages, as root, no GPUs asked) started by these
 tests on this machine. Skipped, with the reason, only where the packages
 are missing or the daemons cannot run; CI installs them."""
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -178,11 +181,184 @@ def test_a_scheduler_that_would_refuse_is_said_before_anything(cluster, tmp_path
     assert "not on PATH" in p.stderr and not (tmp_path / "runs").exists()
 
 
-def test_a_controller_that_does_not_answer_fails_nothing(monkeypatch):
-    """No verdict from an unreachable slurmctld: the stage stays running."""
+def test_a_controller_that_does_not_answer_fails_nothing(monkeypatch, tmp_path):
+    """No verdict from an unreachable slurmctld (a cluster whose controller
+    is down: nothing listens at its port): the stage stays running."""
     if slurm.missing_tools():
         pytest.skip(f"Slurm client tools missing: {slurm.missing_tools()}")
     from pipeline import runner
-    monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"ClusterName=down\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\n"
+                    "MessageTimeout=1\nAuthType=auth/munge\n"
+                    "NodeName=localhost CPUs=1 State=UNKNOWN\n"
+                    "PartitionName=debug Nodes=localhost Default=YES State=UP\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     assert slurm.job_state("424242", fresh=True) is None
     assert runner.stage_alive({"slurm_job": "424242"})
+
+
+MULTI_NODE = """
+[run]
+name = "mn"
+runs_dir = "runs"
+
+[data]
+max_samples = 160
+
+[stages.regenerate]
+enabled = false
+
+[stages.prepare]
+seq_length = 192
+
+[stages.extract]
+backend = "hf"
+workers = 1
+layer_ids = [1, 2, 3]
+batch_tokens = 192
+
+[runtime]
+env = { EAGLE_PANEL_SIMULATE_GPUS = "2" }   # the node samplers' GPUs: SIMULATED (no GPU here)
+
+[cluster]
+scheduler = "slurm"
+partition = "debug"
+nodes = 2
+lost_after_s = 3
+# STAND-IN: this one machine stands in for two nodes (two tasks of one
+# allocation on the same node); a real cluster gets --nodes=2 --ntasks-per-node=1.
+sbatch_args = ["--nodes=1", "--ntasks-per-node=2"]
+"""
+
+
+def _node_worker_pids(task: str) -> list[int]:
+    from pipeline import proctree
+    return [pid for pid in proctree.live_pids()
+            if "pipeline.stages.extract_nodes" in proctree.cmdline(pid)
+            and f"SLURM_PROCID={task}".encode() in proctree.environ(pid)]
+
+
+def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
+    """Extract as data parallel over the tasks of one allocation (srun), one
+    shared queue; the worker of task 1 is SIGKILLed mid-run (its node lost):
+    task 0 takes over its unfinished samples, the stage succeeds with every
+    file valid, none missing."""
+    from pipeline.events import read_events
+    from pipeline.hsfile import hs_path, validate_file
+    from pipeline.stages.extract_job import RowIds
+    (tmp_path / "config.toml").write_text(MULTI_NODE)
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "mn")
+    hs = rd.out_dir("extract") / "hidden_states"
+    wait_for(lambda: _node_worker_pids("1") and hs.is_dir()
+             and len(list(hs.glob("hs_*.safetensors"))) >= 30,
+             timeout=300, poll=0.02, what="both node workers extracting")
+    for pid in _node_worker_pids("1"):
+        os.kill(pid, 9)
+    wait_for(lambda: rd.read_state()["stages"]["extract"]["status"] != "running",
+             timeout=300, what="extract to end")
+    cli("cancel", cwd=tmp_path, timeout=120, check=0)   # the later stages are not tested here
+    st = rd.read_state()["stages"]["extract"]
+    log = rd.log_path("extract").read_text()
+    assert st["status"] == "succeeded", (st, log[-3000:])
+    rows = RowIds(rd.out_dir("prepare") / "data")
+    n = len(rows)
+    meta = json.loads((rd.out_dir("extract") / "meta.json").read_text())
+    import torch
+    bad = [i for i in range(n) if validate_file(hs_path(hs, i), rows[i], len(meta["layer_ids"]),
+                                                meta["hidden_size"], torch.float32) is not None]
+    assert not bad, f"{len(bad)} files missing or invalid, e.g. {bad[:5]}"
+    assert "took over chunk" in log, log[-3000:]
+    warnings = [e["message"] for e in read_events(rd.events_path("extract"))
+                if e["type"] == "warning"]
+    assert any("stopped reporting" in w for w in warnings), warnings
+    # Each job's node sampler wrote the node's (simulated) GPUs for the panel,
+    # and ended with its job.
+    from pipeline import proctree
+    report = json.loads(next((rd.path / "telemetry").glob("*.json")).read_text())
+    assert report["source"] == "simulated" and len(report["gpus"]) == 2, report
+    assert report["stage"] in ("prepare", "extract", "vocab", "train") and report["job"]
+    wait_for(lambda: not [p for p in proctree.live_pids() if "pipeline.node_telemetry" in
+                          proctree.cmdline(p) and str(rd.path) in proctree.cmdline(p)],
+             timeout=60, what="the node samplers to end with their jobs")
+    statuses = [json.loads(p.read_text())
+                for p in (rd.stage_dir("extract") / "queue" / "status").glob("*.json")]
+    assert len(statuses) == 2 and all(s["counters"][0] > 0 for s in statuses), statuses
+
+
+def test_train_torchrun_meets_over_the_allocation(cluster, tmp_path):
+    """The train stage's torchrun command over two tasks of one allocation
+    (STAND-IN: one machine for two nodes): every agent finds the
+    rendezvous, the ranks form one world and an all_reduce goes through
+    (gloo; the speculators trainer itself needs GPUs)."""
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent(f"""\
+        import subprocess, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from pipeline.stages.train import torchrun_command
+        from pipeline.slurm import allocation_tasks
+        cmd = torchrun_command("tests.fakes.dist_probe", [{str(tmp_path)!r}], 1, allocation_tasks())
+        print(cmd, flush=True)
+        sys.exit(subprocess.call(cmd))
+        """))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    p = subprocess.run(["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2",
+                        f"--output={tmp_path}/out.log", f"--chdir={tmp_path}",
+                        f"--wrap={sys.executable} {script}"],
+                       capture_output=True, text=True, env=env, timeout=300, check=False)
+    log = (tmp_path / "out.log").read_text() if (tmp_path / "out.log").exists() else ""
+    assert p.returncode == 0, (p.stdout, p.stderr, log)
+    assert "--rdzv-endpoint=" in log and "srun" in log
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert {r["world"] for r in ranks} == {2} and {r["sum"] for r in ranks} == {3}
+    assert {r["group_rank"] for r in ranks} == {0, 1}       # one torchrun agent per task
+    assert {r["slurm_procid"] for r in ranks} == {"0", "1"}
+
+
+def test_doctor_plans_each_node(cluster, tmp_path):
+    (tmp_path / "config.toml").write_text(MULTI_NODE)
+    p = cli("doctor", "--json", cwd=tmp_path, timeout=300)
+    found = [f for f in json.loads(p.stdout)["findings"] if f["area"] == "cluster"]
+    plan = next((f["message"] for f in found if "nodes per extract" in f["message"]), None)
+    assert plan, found
+    assert "2 nodes per extract" in plan and "each node writes" in plan and "torchrun" in plan
+
+
+@pytest.mark.vllm
+def test_extract_over_two_nodes_through_real_vllm_servers(cluster, tmp_path):
+    """The vllm-server backend fed by the shared queue: each of two node
+    workers (STAND-IN: two tasks on this one machine) starts its own real
+    vLLM server (0.32 CPU build) and takes chunks until the queue is empty;
+    the stage gets both nodes' KV-cache reports and every file is valid."""
+    from pipeline.events import read_events
+    from pipeline.hsfile import hs_path, validate_file
+    from pipeline.paths import VLLM_VENV
+    from pipeline.stages.extract_job import RowIds
+    if not (VLLM_VENV / "bin" / "python").exists():
+        pytest.skip(f"no real vLLM: {VLLM_VENV} is missing (scripts/install.sh makes it)")
+    config = (MULTI_NODE.replace('backend = "hf"', 'backend = "vllm-server"\nmax_inflight = 2')
+              .replace("max_samples = 160", "max_samples = 24"))
+    (tmp_path / "config.toml").write_text(config)
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "mn")
+    wait_for(lambda: rd.read_state()["stages"]["extract"]["status"] not in ("pending", "running"),
+             timeout=600, poll=1, what="extract to end")
+    cli("cancel", cwd=tmp_path, timeout=120, check=0)
+    st = rd.read_state()["stages"]["extract"]
+    log = rd.log_path("extract").read_text()
+    assert st["status"] == "succeeded", (st, log[-3000:])
+    meta = json.loads((rd.out_dir("extract") / "meta.json").read_text())
+    assert meta["backend"] == "vllm-server"
+    rows = RowIds(rd.out_dir("prepare") / "data")
+    import torch
+    hs = rd.out_dir("extract") / "hidden_states"
+    assert all(validate_file(hs_path(hs, i), rows[i], len(meta["layer_ids"]), meta["hidden_size"],
+                             torch.float32) is None for i in range(len(rows)))
+    kv = [e for e in read_events(rd.events_path("extract")) if e["type"] == "kv_cache"]
+    assert len({e["server"].split("/")[0] for e in kv}) == 2, kv   # both nodes' servers
+    statuses = [json.loads(p.read_text())
+                for p in (rd.stage_dir("extract") / "queue" / "status").glob("*.json")]
+    assert len(statuses) == 2 and sum(s["counters"][0] for s in statuses) == len(rows), statuses
+    assert all(s["state"] == "done" for s in statuses)
+    assert sorted(p.name for p in (rd.stage_dir("extract") / "nodes").iterdir()) == \
+        sorted(s["worker"] for s in statuses)           # each node's server logs apart

@@ -44,6 +44,8 @@ class GpuTable(Vertical):
         self.snapshot = None
         self.holders: dict[int, str] = {}
         self.forecast: dict | None = None
+        self.running: frozenset[str] = frozenset()
+        self.drill: int | None = None     # which node's GPUs are shown (None: all nodes)
         self._rows: list[QuietStatic] = []
 
     def compose(self):
@@ -60,12 +62,18 @@ class GpuTable(Vertical):
         self.snapshot = snap
         for g in snap.gpus:
             self.history.setdefault(g.index, deque(maxlen=self.history_len)).append(g.util)
+        for node in snap.nodes:
+            if node.stale:
+                continue   # no new sample: the history holds still
+            for g in node.gpus:
+                self.history.setdefault((node.host, g.index),
+                                        deque(maxlen=self.history_len)).append(g.util)
 
     def on_resize(self, _event) -> None:
         # Columns depend on the width: a first draw before layout, or a
         # terminal resize, must not leave the narrow (or wide) layout behind.
         if self.snapshot is not None:
-            self.update_from(self.snapshot, self.holders, self.forecast)
+            self.update_from(self.snapshot, self.holders, self.forecast, self.running)
 
     def two_columns(self, n_gpus: int, banner: bool, sim: bool) -> bool:
         """True when one GPU per line would not fit the height the tab has."""
@@ -73,41 +81,126 @@ class GpuTable(Vertical):
         other = 2 + int(banner) + int(sim)   # header, host line, banner, note
         return height > 0 and n_gpus + other > height
 
-    def update_from(self, snap, holders: dict[int, str], forecast: dict | None) -> None:
+    def update_from(self, snap, holders: dict[int, str], forecast: dict | None,
+                    running: frozenset[str] = frozenset()) -> None:
         self.record(snap)
-        self.holders, self.forecast = holders, forecast
-        wide = self.size.width >= 120
+        self.holders, self.forecast, self.running = holders, forecast, running
+        if snap.nodes:
+            self._draw_nodes(snap.nodes)
+            return
         sim = snap.source == "simulated"
-        gpus = snap.gpus
-        pairs = self.two_columns(len(gpus), bool(snap.banner), sim)
-        lines = [gpus[i:i + 2] for i in range(0, len(gpus), 2)] if pairs else [[g] for g in gpus]
+        self._draw_gpus(snap.gpus, snap.banner, sim, self.history, holders)
+        self._set_note("* SIMULATED numbers (--simulate-gpus), not a real GPU" if sim else "",
+                       "bold magenta")
+
+    def _draw_gpus(self, gpus, banner_text, sim: bool, history, holders) -> None:
+        wide = self.size.width >= 120
+        pairs = self.two_columns(len(gpus), bool(banner_text), sim)
+        groups = [gpus[i:i + 2] for i in range(0, len(gpus), 2)] if pairs else [[g] for g in gpus]
+        half = max(20, (self.size.width - 2) // 2)
+        lines = []
+        for group in groups:
+            if pairs:
+                t = Text()
+                for g in group:
+                    t.append_text(_cell(self._compact(g, sim, holders), half))
+                lines.append(t)
+            else:
+                lines.append(self._row(group[0], wide, sim, history, holders))
+        header = self._header_pairs() if pairs else self._header(wide, sim)
+        self._show(banner_text, header if gpus else Text(""), lines)
+
+    def _show(self, banner_text, header: Text, lines: list[Text]) -> None:
         rows = self.query_one("#gpu-rows", Vertical)
         while len(self._rows) < len(lines):
             line = QuietStatic()
             self._rows.append(line)
             rows.mount(line)
         banner = self.query_one("#gpu-banner", QuietStatic)
-        banner.display = bool(snap.banner)   # an empty line would still take a row
-        banner.set(Text(snap.banner or "", style="yellow"))
-        header = self._header_pairs() if pairs else self._header(wide, sim)
-        self.query_one("#gpu-header", QuietStatic).set(header if gpus else Text(""))
-        half = max(20, (self.size.width - 2) // 2)
-        for line, group in zip(self._rows, lines, strict=False):   # spare rows stay hidden
-            line.display = True
-            if pairs:
-                t = Text()
-                for g in group:
-                    t.append_text(_cell(self._compact(g, sim), half))
-                line.set(t)
-            else:
-                line.set(self._row(group[0], wide, sim))
-        for line in self._rows[len(lines):]:
-            line.display = False   # rows of the other layout: they would still take height
-        note = self.query_one("#gpu-note", QuietStatic)
-        note.display = sim
-        note.set(Text("* SIMULATED numbers (--simulate-gpus), not a real GPU",
-                      style="bold magenta"))
+        banner.display = bool(banner_text)   # an empty line would still take a row
+        banner.set(Text(banner_text or "", style="yellow"))
+        self.query_one("#gpu-header", QuietStatic).set(header)
+        for row, text in zip(self._rows, lines, strict=False):   # spare rows stay hidden
+            row.display = True
+            row.set(text)
+        for row in self._rows[len(lines):]:
+            row.display = False   # rows of the other layout: they would still take height
         self.query_one("#gpu-host", QuietStatic).set(self._host_line())
+
+    def _set_note(self, text: str, style: str) -> None:
+        note = self.query_one("#gpu-note", QuietStatic)
+        note.display = bool(text)
+        note.set(Text(text, style=style))
+
+    # -- several nodes (pipeline.node_telemetry) ----------------------------------
+    def drill_next(self) -> None:
+        """g: all nodes -> node 1 -> node 2 -> ... -> all nodes."""
+        n = len(self.snapshot.nodes) if self.snapshot is not None else 0
+        self.drill = None if not n or (self.drill is not None and self.drill + 1 >= n) else \
+            (0 if self.drill is None else self.drill + 1)
+        if self.snapshot is not None:
+            self.update_from(self.snapshot, self.holders, self.forecast, self.running)
+
+    def _node_state(self, node) -> tuple[str, str]:
+        if node.stage not in self.running:
+            return f"{node.stage} ended" if node.stage else "ended", "dim"
+        if node.stale:
+            return f"STALE {node.stale_s:.0f}s", "bold red"
+        return node.stage, "bold cyan"
+
+    def _draw_nodes(self, nodes) -> None:
+        if self.drill is not None and self.drill >= len(nodes):
+            self.drill = None
+        if self.drill is not None:
+            node = nodes[self.drill]
+            state, style = self._node_state(node)
+            sim = node.source == "simulated"
+            holders = {g.index: node.stage for g in node.gpus} if node.stage in self.running \
+                else {}
+            history = {g.index: self.history.get((node.host, g.index), ()) for g in node.gpus}
+            self._draw_gpus(node.gpus, None, sim, history, holders)
+            title = Text.assemble((f" node {node.host}", "bold"),
+                                  f" ({self.drill + 1} of {len(nodes)})  ", (state, style),
+                                  f"  job {node.job or '-'}  g: next node")
+            self._set_note(title.plain + ("  * SIMULATED" if sim else ""), style)
+            return
+        w = {"host": 14, "gpus": 5, "mem": 20, "util": 5, "temp": 5, "power": 8}
+        header = Text(" ", style="bold")
+        for name, key, right in (("Node", "host", False), ("GPUs", "gpus", True),
+                                 ("Memory", "mem", False), ("Util", "util", True),
+                                 ("Temp", "temp", True), ("Power", "power", True)):
+            header.append_text(_cell(name, w[key], right))
+            header.append(" ")
+        header.append("Stage")
+        lines = []
+        for node in nodes:
+            gpus = [g for g in node.gpus if not g.error]
+            used = sum(g.mem_used or 0 for g in gpus)
+            total = sum(g.mem_total or 0 for g in gpus)
+            utils = [g.util for g in gpus if g.util is not None]
+            temps = [g.temp for g in gpus if g.temp is not None]
+            power = sum(g.power or 0 for g in gpus)
+            mem = bar(used / total if total else None, 8)
+            mem.append(f" {used / GiB:4.0f}/{total / GiB:4.0f}G" if total else "")
+            state, style = self._node_state(node)
+            lost = len(node.gpus) - len(gpus)
+            t = Text(" ")
+            for value, key, right in (
+                    (node.host + ("*" if node.source == "simulated" else ""), "host", False),
+                    (f"{len(node.gpus)}" + (f"-{lost}" if lost else ""), "gpus", True),
+                    (mem, "mem", False),
+                    (f"{sum(utils) / len(utils):.0f}%" if utils else "-", "util", True),
+                    (f"{max(temps):.0f}C" if temps else "-", "temp", True),
+                    (f"{power / 1000:.1f}kW" if power >= 1000 else
+                     (f"{power:.0f}W" if gpus and power else "-"), "power", True)):
+                t.append_text(_cell(value, w[key], right))
+                t.append(" ")
+            t.append(state, style=style)
+            lines.append(t)
+        self._show(None, header, lines)
+        sim = any(n.source == "simulated" for n in nodes)
+        self._set_note(f" {len(nodes)} nodes report (util: mean, temp: max)  g: one node's GPUs"
+                       + ("  * SIMULATED" if sim else ""), "bold magenta" if sim else "dim")
 
     @staticmethod
     def _widths(wide: bool):
@@ -126,7 +219,7 @@ class GpuTable(Vertical):
                 t.append(" ")
         return t
 
-    def _row(self, g, wide: bool, sim: bool) -> Text:
+    def _row(self, g, wide: bool, sim: bool, history, holders) -> Text:
         w = self._widths(wide)
         t = Text(" ")
         # Styles only where they carry meaning: each style change costs ~25
@@ -149,8 +242,8 @@ class GpuTable(Vertical):
         if wide:
             cells.append(("-" if g.pcie_rx is None else
                           f"{fmt.nbytes(g.pcie_rx)}/s {fmt.nbytes(g.pcie_tx)}/s", "pcie", True))
-        cells += [(sparkline(self.history.get(g.index, ()), w["hist"]), "hist", False),
-                  (Text.assemble((self.holders.get(g.index, ""), "bold cyan")), "stage", False)]
+        cells += [(sparkline(history.get(g.index, ()), w["hist"]), "hist", False),
+                  (Text.assemble((holders.get(g.index, ""), "bold cyan")), "stage", False)]
         for value, key, right in cells:
             t.append_text(_cell(value, w[key], right))
             t.append(" ")
@@ -161,7 +254,7 @@ class GpuTable(Vertical):
         one = _cell(" GPU Memory           Util Temp Stage", half)
         return Text.assemble(one, one.copy(), style="bold")
 
-    def _compact(self, g, sim: bool) -> Text:
+    def _compact(self, g, sim: bool, holders) -> Text:
         """One GPU in half a line: index, memory bar and figures, util, temp, stage."""
         t = Text(" ")
         t.append_text(_cell(f"{g.index}" + ("*" if sim else ""), 3))
@@ -175,7 +268,7 @@ class GpuTable(Vertical):
         t.append_text(_cell("-" if g.util is None else f"{g.util:.0f}%", 5, right=True))
         t.append_text(_cell("-" if g.temp is None else f"{g.temp:.0f}C", 5, right=True))
         t.append(" ")
-        t.append(self.holders.get(g.index, ""), style="bold cyan")
+        t.append(holders.get(g.index, ""), style="bold cyan")
         return t
 
     def _host_line(self) -> Text:
@@ -197,5 +290,6 @@ class GpuTable(Vertical):
 
     def plain(self) -> str:
         """What the table shows, as text (tests, debugging)."""
-        parts = [w._last.plain for w in self.query(QuietStatic) if getattr(w, "_last", None)]
+        parts = [w._last.plain for w in self.query(QuietStatic)
+                 if getattr(w, "_last", None) and w.display]
         return "\n".join(parts)

@@ -23,6 +23,7 @@ HELP = """\
   e        training: EMA smoothing   o  log scale
   a        loss / accuracy           v  train / validation
   d        doctor: environment, GPUs, model, vLLM, KV and disk checks
+  g        GPUs of a Slurm run: one node's GPUs, the next node, all nodes
   ?        this help                 q  quit (stages keep running)
 """
 

@@ -23,22 +23,11 @@ from pipeline.diskspace import fmt_bytes
 from pipeline.events import EventType
 from pipeline.hsfile import Counters, hs_path, remove_leftovers, validate_file
 from pipeline.stages.common import StageContext, StageError, main_for, torch_dtype
+from pipeline.stages.extract_backends import backend_runner
 from pipeline.stages.extract_job import GB, DiskGuard, ExtractJob, RowIds
 from pipeline.vllm import compat
 from pipeline.vllm.environment import choose_backend, probe
 from pipeline.vllm.kv import combine_usage
-
-
-def backend_runner(name: str):
-    """The backend's `run(job) -> Counters` (imported on use: vLLM's
-    modules are never loaded by an hf run)."""
-    if name == "vllm-server":
-        from pipeline.vllm.extract_server import run
-    elif name == "vllm-engine":
-        from pipeline.vllm.engine import run
-    else:
-        from pipeline.stages.extract_hf import run
-    return run
 
 
 def resolve_backend(ctx: StageContext, devices: list[int]):
@@ -65,6 +54,24 @@ def resolve_backend(ctx: StageContext, devices: list[int]):
                               '"vllm-server"')
     print(f"extract: backend {backend}: {why}", flush=True)
     return backend, env
+
+
+def run_backend(ctx: StageContext, job: ExtractJob, backend: str) -> Counters:
+    """On this node, or across the nodes of the Slurm allocation the stage
+    runs in (`[cluster] nodes` > 1; pipeline.stages.extract_nodes)."""
+    cluster = ctx.cfg.cluster
+    if cluster.nodes > 1:
+        from pipeline.slurm import allocation_tasks
+        from pipeline.stages.extract_nodes import run_across_nodes
+        tasks = allocation_tasks()
+        if tasks > 1:
+            return run_across_nodes(job, backend, ctx.run.stage_dir("extract") / "queue", tasks,
+                                    cluster.lost_after_s, ctx.events.warning)
+        ctx.events.warning(f"[cluster] nodes = {cluster.nodes}, but this process is not in a "
+                           "Slurm allocation of several tasks: extracting on this node only",
+                           hint='the stage spreads over nodes when run as a Slurm job '
+                                '([cluster] scheduler = "slurm")')
+    return backend_runner(backend)(job)
 
 
 def body(ctx: StageContext) -> dict:
@@ -171,9 +178,8 @@ def body(ctx: StageContext) -> dict:
         should_stop=lambda: ctx.stop_requested, on_progress=on_progress, on_event=on_event)
     done = Counters()
     if todo:
-        run = backend_runner(backend)
         clock["t0"] = time.time()
-        done = run(job)
+        done = run_backend(ctx, job, backend)
     on_progress(done, force=True)
     ctx.check_stop()
     elapsed = max(time.time() - clock["t0"], 1e-9)

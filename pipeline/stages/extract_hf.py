@@ -141,6 +141,14 @@ def length_batches(indices: list[int], lengths: list[int], batch_tokens: int) ->
     return batches
 
 
+def _batches(job: ExtractJob, todo: list[int]):
+    """Batches of `todo`, then of each chunk the shared queue hands over
+    (across nodes); the writer keeps writing while a chunk is claimed."""
+    while todo:
+        yield from length_batches(todo, job.lengths, job.section.batch_tokens)
+        todo = [] if job.should_stop() else job.more()
+
+
 def extract_shard(backend: HFBackend, job: ExtractJob, writer_threads: int | None = None) -> Counters:
     """Run `job.todo` through the model and write the files."""
     import torch
@@ -149,8 +157,9 @@ def extract_shard(backend: HFBackend, job: ExtractJob, writer_threads: int | Non
     writer = Writer(job.folder, threads=writer_threads, release=job.disk.release)
     disk_full = False
     job.on_progress(writer.done)   # loaded: extraction starts now
+    todo = job.todo or job.more()
     try:
-        for batch in length_batches(job.todo, job.lengths, job.section.batch_tokens):
+        for batch in _batches(job, todo):
             if job.should_stop():
                 break
             ids = [job.rows[i] for i in batch]
@@ -189,7 +198,7 @@ def _worker(rank: int, job: ExtractJob, q, stop, devices: list[str], torch_threa
     device = devices[rank]
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    with reporting(q, rank):
+    with reporting(q, rank, job):
         job.should_stop = stop.is_set
         job.on_progress = lambda c: q.put(("progress", rank, c.as_tuple()))
         backend = HFBackend.load(job.target, job.layer_ids, device, job.dtype,

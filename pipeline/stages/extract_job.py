@@ -129,6 +129,26 @@ class ExtractJob:
     should_stop: Callable[[], bool] = _no_stop
     on_progress: Callable[[Counters], None] = _ignore
     on_event: Callable[[str, dict], None] = _ignore   # ("kv_cache" | "kv_usage", fields)
+    # Across nodes (pipeline.workqueue): more rows come from the shared queue
+    # once `todo` is used up; None on one node.
+    feed: Any = None
+    node: str = ""               # this node's worker id across nodes ("" on one node)
+
+    def more(self, wait: bool = True) -> list[int]:
+        """Rows beyond `todo`: the next chunk of the queue shared with other
+        nodes ([] without one, or when every chunk is done). A backend calls
+        it whenever its own rows run out, and ends when it returns []; one
+        with rows still in flight asks with wait=False (see WorkQueue)."""
+        return self.feed.next_rows(self.folder, self.should_stop, wait) if self.feed else []
+
+    def finish(self) -> None:
+        if self.feed is not None:
+            self.feed.finish()
+
+    def max_len(self) -> int:
+        """The longest row this job may see (all rows when a queue feeds it)."""
+        return max((self.lengths[i] for i in (self.todo if self.feed is None else
+                                               range(len(self.lengths)))), default=1)
 
     @property
     def dtype_name(self) -> str:
@@ -137,8 +157,10 @@ class ExtractJob:
     def groups(self) -> list[list[int]]:
         return gpu_groups(self.devices, self.section.tensor_parallel)
 
-    def shard(self, todo: list[int]) -> "ExtractJob":
+    def shard(self, todo: list[int], rank: int = 0) -> "ExtractJob":
         """The same job for a data-parallel process: its own rows, no
-        callbacks (they stay in the stage process)."""
+        callbacks (they stay in the stage process), its own place in the
+        shared queue."""
         return dataclasses.replace(self, todo=todo, should_stop=_no_stop,
-                                   on_progress=_ignore, on_event=_ignore)
+                                   on_progress=_ignore, on_event=_ignore,
+                                   feed=self.feed.for_rank(rank) if self.feed else None)

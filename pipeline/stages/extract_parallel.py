@@ -21,11 +21,15 @@ from pipeline.stages.extract_job import ExtractJob
 
 
 @contextmanager
-def reporting(q, rank: int):
+def reporting(q, rank: int, job: ExtractJob | None = None):
     """The body of a data-parallel process: its end, or its error, goes to
-    `monitor` in the stage process."""
+    `monitor` in the stage process (and its place in a shared queue ends)."""
     try:
-        yield
+        try:
+            yield
+        finally:
+            if job is not None:
+                job.finish()
         q.put(("done", rank, None))
     except StageError as e:
         q.put(("error", rank, (str(e), e.hint, False)))
@@ -43,7 +47,7 @@ def run_parallel(job: ExtractJob, shards: list[list[int]], worker, name, extra=(
     q, stop = spawn.Queue(), spawn.Event()
     procs = []
     for rank, rows in enumerate(shards):
-        p = spawn.Process(target=worker, args=(rank, job.shard(rows), q, stop, *extra))
+        p = spawn.Process(target=worker, args=(rank, job.shard(rows, rank), q, stop, *extra))
         p.start()
         procs.append(p)
     return monitor(job, procs, q, stop, name)

