@@ -76,11 +76,17 @@ class RowIds:
     def __init__(self, data_dir: Path):
         self.data_dir = Path(data_dir)
         self._ds = None
+        self._lock = threading.Lock()
 
     def _rows(self):
         if self._ds is None:
-            from datasets import load_from_disk
-            self._ds = load_from_disk(str(self.data_dir)).with_format(None)
+            # Opened once, by one thread: the server backend's clients all
+            # ask at once in a fresh process, and datasets' loader is not
+            # safe to run twice concurrently (tqdm: "no attribute '_lock'").
+            with self._lock:
+                if self._ds is None:
+                    from datasets import load_from_disk
+                    self._ds = load_from_disk(str(self.data_dir)).with_format(None)
         return self._ds
 
     def __getitem__(self, i: int) -> list[int]:

@@ -187,6 +187,12 @@ class Extraction:
                     self.job.on_event("kv_usage", usage)
 
     def client(self, server: VllmServer) -> None:
+        try:
+            self._client(server)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, never lost
+            self.errors.append(e)
+
+    def _client(self, server: VllmServer) -> None:
         job = self.job
         while not self.errors and not job.should_stop():
             try:
