@@ -7,7 +7,7 @@ run's measured per-sample times.
     python bench/cluster_sim.py --samples 50000 --tokens-per-s 23000 --mtbf-h 24 --nodes 1 2 16
 
 Per-sample time is tokens / the node's measured tokens/s (extract's
-summary in the run, or --tokens-per-s). Each node fails after an
+summary in the run, divided by its node workers; or --tokens-per-s). Each node fails after an
 exponential time with mean --mtbf-h and comes back after --repair-min
 (0: never). Prints, per node count, the wall time, the samples redone and
 the nodes lost, averaged over --trials seeds.
@@ -31,7 +31,8 @@ from pipeline.workqueue import plan_chunks
 def run_lengths(run: Path) -> tuple[list[int], float]:
     """Token counts of the run's prepared samples and extract's tokens/s."""
     from datasets import load_from_disk
-    lengths = list(load_from_disk(str(run / "prepare" / "out" / "data"))["seq_len"])
+    data = load_from_disk(str(run / "prepare" / "out" / "data")).with_format(None)
+    lengths = [int(n) for n in data["seq_len"]]
     summary = None
     for line in (run / "extract" / "events.jsonl").read_text().splitlines():
         ev = json.loads(line)
@@ -39,7 +40,9 @@ def run_lengths(run: Path) -> tuple[list[int], float]:
             summary = ev["summary"]
     if not summary or not summary.get("tokens_per_s"):
         raise SystemExit(f"{run}: extract has no finished summary with tokens_per_s")
-    return lengths, float(summary["tokens_per_s"])
+    # A run over several nodes measured all of them: one node's share.
+    nodes = max(1, len(list((run / "extract" / "queue" / "status").glob("*.json"))))
+    return lengths, float(summary["tokens_per_s"]) / nodes
 
 
 def simulate(lengths, tps: float, nodes: int, mtbf_s: float, repair_s: float,
@@ -110,6 +113,12 @@ def simulate(lengths, tps: float, nodes: int, mtbf_s: float, repair_s: float,
     return {"wall_s": now, "redone": redone, "lost": lost, "complete": all(done)}
 
 
+def _duration(s: float) -> str:
+    if s != s:   # nan: no trial finished
+        return "-"
+    return f"{s / 3600:.2f}h" if s >= 3600 else f"{s / 60:.1f}min" if s >= 60 else f"{s:.1f}s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", type=Path, help="a run directory whose extract finished")
@@ -147,7 +156,7 @@ def main() -> None:
                         a.inflight) for s in range(a.trials)]
         whole = [r["wall_s"] for r in res if r["complete"]]   # the others need a resume
         wall = statistics.mean(whole) if whole else float("nan")
-        print(f"{n:>5} {wall / 3600:>9.2f}h {ideal1 / wall:>7.2f}x "
+        print(f"{n:>5} {_duration(wall):>10} {ideal1 / wall:>7.2f}x "
               f"{statistics.mean(r['lost'] for r in res):>6.2f} "
               f"{statistics.mean(r['redone'] for r in res):>7.2f} "
               f"{sum(not r['complete'] for r in res):>10}")

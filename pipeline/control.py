@@ -78,14 +78,14 @@ def resolve_run(folder: Path, name: str | None) -> RunDir:
 def open_run(cfg: Config, run_id: str | None = None) -> RunDir:
     """Create (or reuse) the run directory with the config frozen into it
     (a scheduler that would refuse the jobs is said before, creating nothing)."""
-    check_scheduler(cfg, run_id or cfg.run.name)
+    check_scheduler(cfg, run_id or cfg.run.name, cfg.runs_dir())
     return runner.prepare_run(cfg, run_id)
 
 
-def check_scheduler(cfg: Config, run_id: str) -> None:
+def check_scheduler(cfg: Config, run_id: str, runs_dir: Path) -> None:
     if cfg.cluster.scheduler == "slurm":
         try:
-            slurm.preflight(cfg.cluster)
+            slurm.preflight(cfg.cluster, runs_dir)
         except slurm.SlurmError as e:
             raise Blocked(f"{run_id}: {e}") from None
 
@@ -98,7 +98,7 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
     if holder is not None:
         raise Busy(rd, holder)
     cfg = runner.load_run_config(rd)
-    check_scheduler(cfg, rd.id)
+    check_scheduler(cfg, rd.id, rd.path.parent)
     steps = runner.plan(cfg, runner.refresh(rd), only, force)
     blocked = [s for s in steps if s.action == "blocked"]
     if blocked:

@@ -355,7 +355,7 @@ def check_cluster(x: Inputs) -> list[Finding]:
     if c.scheduler != "slurm":
         return []
     try:
-        slurm.preflight(c)
+        slurm.preflight(c, x.cfg.runs_dir())
     except slurm.SlurmError as e:
         return [Finding("cluster", BLOCK, str(e))]
     out = [Finding("cluster", OK, "Slurm answers" + (f"; partition {c.partition!r} is up"

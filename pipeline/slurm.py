@@ -59,8 +59,13 @@ def missing_tools() -> list[str]:
     return [t for t in TOOLS if shutil.which(t) is None]
 
 
-def preflight(cluster) -> None:
+def preflight(cluster, runs_dir: Path | None = None) -> None:
     """Refuse, with the fix, before anything is submitted."""
+    if runs_dir is not None and cluster.nodes > 1 and _fs_type(runs_dir) == "tmpfs":
+        raise SlurmError(f"[cluster] nodes = {cluster.nodes}, but the runs directory {runs_dir} "
+                         "is on tmpfs, which every node has its own of: the other nodes would "
+                         "not see the run. Set [run] runs_dir to a filesystem every node mounts "
+                         "(NFS, Lustre, GPFS, BeeGFS, ...).")
     missing = missing_tools()
     if missing:
         raise SlurmError(f'[cluster] scheduler = "slurm", but {", ".join(missing)} is not on '
@@ -203,14 +208,21 @@ def rendezvous(port_base: int = 29500) -> str:
     return f"{head}:{port_base + int(os.environ.get('SLURM_JOB_ID', '0')) % 2000}"
 
 
+def _fs_type(path: Path) -> str:
+    """The filesystem type of `path` (or of its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return _run(["stat", "-f", "-c", "%T", str(path)]).stdout.strip()
+    except OSError:
+        return ""
+
+
 def shared_filesystem_note(path: Path) -> str | None:
     """A warning when the run directory looks node-local (other nodes would
     not see the stages' outputs), from the filesystem type."""
-    try:
-        r = _run(["stat", "-f", "-c", "%T", str(path)])
-    except OSError:
-        return None
-    kind = r.stdout.strip()
+    kind = _fs_type(path)
     local = {"tmpfs", "ext2/ext3", "ext4", "xfs", "btrfs", "overlayfs", "zfs"}
     if kind in local:
         return (f"{path} is on a {kind} filesystem: if that is local to this node, the jobs on "

@@ -175,6 +175,13 @@ def test_a_scheduler_that_would_refuse_is_said_before_anything(cluster, tmp_path
     p = cli("run", cwd=tmp_path, check=2)
     assert "partition = 'gpu' does not exist" in p.stderr and "debug" in p.stderr
     assert not (tmp_path / "runs").exists()
+    shm = Path("/dev/shm")
+    if shm.is_dir() and slurm._fs_type(shm) == "tmpfs":   # node-local by nature
+        runs = shm / f"ep-test-{os.getpid()}"
+        (tmp_path / "config.toml").write_text(
+            f'[run]\nname = "t"\nruns_dir = "{runs}"\n' + CLUSTER.format(extra="nodes = 2"))
+        p = cli("run", cwd=tmp_path, check=2)
+        assert "tmpfs" in p.stderr and "runs_dir" in p.stderr and not runs.exists(), p.stderr
     slurm_config(tmp_path)
     env = dict(os.environ, PATH="/usr/local/bin/none")
     p = cli("run", cwd=tmp_path, check=2, env=env)

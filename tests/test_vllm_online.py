@@ -29,7 +29,7 @@ name = "{name}"
 [pipeline]
 mode = "{mode}"
 [data]
-max_samples = 120
+max_samples = 64
 [stages.extract]
 backend = "auto"
 layer_ids = [1, 2, 3]

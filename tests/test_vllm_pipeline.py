@@ -28,7 +28,7 @@ CONFIG = """
 [run]
 name = "p"
 [data]
-max_samples = 70
+max_samples = 48
 [stages.regenerate]
 enabled = true
 max_tokens = 96
@@ -92,7 +92,7 @@ def test_regenerate_resumed_from_its_chunks(run):
     chunk = rd.out_dir("regenerate") / ".chunks" / "chunk_000000.json"
     assert chunk.stat().st_mtime_ns == seen["chunk_mtime"]   # not redone
     s = stage_summary(rd, "regenerate")
-    assert s["conversations"] == 70 and s["failed"] == 0 and s["rows"] >= 70
+    assert s["conversations"] == 48 and s["failed"] == 0 and s["rows"] >= 48
     rows = [json.loads(line) for line in open(rd.out_dir("regenerate") / "rows.jsonl")]
     assert len(rows) == s["rows"]
     for r in rows[:20]:

@@ -187,7 +187,21 @@ def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
     wait_for(lambda: not server_pids(), timeout=30, what="no vLLM process left")
 
 
-def test_servers_listen_on_loopback_only_and_want_the_runs_key(vllm_env, tmp_path):
+@pytest.fixture(scope="module")
+def served(vllm_env, tmp_path_factory):
+    """One real server for the tests that only talk to one (each start is
+    ~25 s on 2 cores). vLLM 0.32 serves /v1/chat/completions/render only
+    with --enable-scale-out."""
+    from pipeline.builtin.tiny_model import ensure_built
+    from pipeline.vllm.server import make_server, serving
+    log = tmp_path_factory.mktemp("served") / "vllm.log"
+    server = make_server(0, vllm_env, ensure_built(), [], log, "float32", 512, False,
+                         ["--enable-scale-out"], kv_tokens=2048, kv_bytes_per_token=1 << 14)
+    with serving(server, 600, lambda: False) as s:
+        yield s
+
+
+def test_servers_listen_on_loopback_only_and_want_the_runs_key(served):
     """Another account on a shared GPU server can neither reach the server
     from the network nor use it from this machine without the run's key,
     and cannot read the key off the process list."""
@@ -195,35 +209,31 @@ def test_servers_listen_on_loopback_only_and_want_the_runs_key(vllm_env, tmp_pat
     import urllib.error
     import urllib.request
 
-    from pipeline.builtin.tiny_model import ensure_built
-    from pipeline.vllm.server import make_server, serving
-    server = make_server(0, vllm_env, ensure_built(), [], tmp_path / "vllm.log", "float32", 256,
-                         False, [], kv_tokens=1024, kv_bytes_per_token=1 << 14)
-    with serving(server, 600, lambda: False) as s:
-        port = int(s.url.rsplit(":", 1)[1])
-        req = urllib.request.Request(s.url + "/v1/models")
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(req, timeout=10)
-        assert refused.value.code == 401
-        req.add_header("Authorization", f"Bearer {s.api_key}")
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert r.status == 200
-        # not on the machine's other addresses
-        hostname_ip = socket.gethostbyname(socket.gethostname())
-        if not hostname_ip.startswith("127."):
-            with pytest.raises(OSError):
-                socket.create_connection((hostname_ip, port), timeout=3).close()
-        listening = open("/proc/net/tcp").read().splitlines()[1:]
-        ours = [ln.split()[1] for ln in listening if ln.split()[1].endswith(f":{port:04X}")
-                and ln.split()[3] == "0A"]
-        assert ours == [f"0100007F:{port:04X}"], ours   # 127.0.0.1 only
-        # the key is in no command line (`ps` shows them to every user)
-        for pid in [s.proc.pid, *server_pids()]:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                assert s.api_key.encode() not in f.read()
+    s = served
+    port = int(s.url.rsplit(":", 1)[1])
+    req = urllib.request.Request(s.url + "/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=10)
+    assert refused.value.code == 401
+    req.add_header("Authorization", f"Bearer {s.api_key}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+    # not on the machine's other addresses
+    hostname_ip = socket.gethostbyname(socket.gethostname())
+    if not hostname_ip.startswith("127."):
+        with pytest.raises(OSError):
+            socket.create_connection((hostname_ip, port), timeout=3).close()
+    listening = open("/proc/net/tcp").read().splitlines()[1:]
+    ours = [ln.split()[1] for ln in listening if ln.split()[1].endswith(f":{port:04X}")
+            and ln.split()[3] == "0A"]
+    assert ours == [f"0100007F:{port:04X}"], ours   # 127.0.0.1 only
+    # the key is in no command line (`ps` shows them to every user)
+    for pid in [s.proc.pid, *server_pids()]:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert s.api_key.encode() not in f.read()
 
 
-def test_the_real_server_renders_tool_conversations_as_prepare_does(vllm_env, tmp_path):
+def test_the_real_server_renders_tool_conversations_as_prepare_does(served):
     """Agentic rows (tools, tool_calls with content null, tool turns) and a
     conversation the assistant opens, through vLLM's own render endpoint:
     the same token ids and loss masks as prepare's local renderer. And the
@@ -233,27 +243,23 @@ def test_the_real_server_renders_tool_conversations_as_prepare_does(vllm_env, tm
 
     from pipeline.builtin.tiny_model import ensure_built
     from pipeline.stages.chat_mask import EndpointRenderer, LocalRenderer, normalize, wire_messages
-    from pipeline.vllm.server import make_server, serving
     from tests.data_corpus import AGENTIC, AGENTIC_STRING_ARGS
     tok = AutoTokenizer.from_pretrained(str(ensure_built()))
     opening = {"messages": [{"role": "assistant", "content": "Welcome back!"},
                             {"role": "user", "content": "hi"},
                             {"role": "assistant", "content": "Hello."}]}
     rows = [normalize(r)[1:] for r in (AGENTIC, AGENTIC_STRING_ARGS, opening)]
-    # vLLM 0.32 serves /v1/chat/completions/render only with --enable-scale-out
-    server = make_server(0, vllm_env, ensure_built(), [], tmp_path / "vllm.log", "float32", 512,
-                         False, ["--enable-scale-out"], kv_tokens=2048, kv_bytes_per_token=1 << 14)
-    with serving(server, 600, lambda: False) as s:
-        remote = EndpointRenderer(s.url, 60, api_key=s.api_key)
-        local = LocalRenderer(tok)
-        for msgs, tools in rows:
-            a, b = local.rows(msgs, tools), remote.rows(msgs, tools)
-            assert [(r.input_ids, r.loss_mask) for r in a] == \
-                [(r.input_ids, r.loss_mask) for r in b], msgs
-        msgs, tools = rows[0]
-        resp = s.post("/v1/chat/completions",
-                      {"model": str(ensure_built()), "messages": wire_messages(msgs[:3]),
-                       "max_tokens": 4, "temperature": 0.0, "return_token_ids": True, "tools": tools,
-                       "tool_choice": "none"}, 120)
-        want = tok(local.text(msgs[:3], True, tools), add_special_tokens=False)["input_ids"]
-        assert resp["prompt_token_ids"] == want
+    s = served
+    remote = EndpointRenderer(s.url, 60, api_key=s.api_key)
+    local = LocalRenderer(tok)
+    for msgs, tools in rows:
+        a, b = local.rows(msgs, tools), remote.rows(msgs, tools)
+        assert [(r.input_ids, r.loss_mask) for r in a] == \
+            [(r.input_ids, r.loss_mask) for r in b], msgs
+    msgs, tools = rows[0]
+    resp = s.post("/v1/chat/completions",
+                  {"model": str(ensure_built()), "messages": wire_messages(msgs[:3]),
+                   "max_tokens": 4, "temperature": 0.0, "return_token_ids": True, "tools": tools,
+                   "tool_choice": "none"}, 120)
+    want = tok(local.text(msgs[:3], True, tools), add_special_tokens=False)["input_ids"]
+    assert resp["prompt_token_ids"] == want
