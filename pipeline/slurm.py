@@ -11,6 +11,11 @@ accounting is set up): cancelled, timed out, preempted, node failure. A job
 that ended any of those ways is a stage gone without recording its exit:
 resumable like a killed stage.
 
+With `[cluster] nodes` > 1, extract and train jobs get one task per node
+(--no-kill: a lost node does not end the job); the stage spreads itself
+over them with srun (pipeline.stages.extract_nodes, torchrun). Every GPU
+stage's job also runs a sampler step per node (pipeline.node_telemetry).
+
 Liveness is asked often (every refresh), so answers are cached for a
 second; a scheduler that does not answer counts as "still alive" (a slow
 slurmctld must not fail a running stage).
@@ -61,7 +66,7 @@ def missing_tools() -> list[str]:
 
 def preflight(cluster, runs_dir: Path | None = None) -> None:
     """Refuse, with the fix, before anything is submitted."""
-    if runs_dir is not None and cluster.nodes > 1 and _fs_type(runs_dir) == "tmpfs":
+    if runs_dir is not None and cluster.nodes > 1 and fs_type(runs_dir) == "tmpfs":
         raise SlurmError(f"[cluster] nodes = {cluster.nodes}, but the runs directory {runs_dir} "
                          "is on tmpfs, which every node has its own of: the other nodes would "
                          "not see the run. Set [run] runs_dir to a filesystem every node mounts "
@@ -208,7 +213,7 @@ def rendezvous(port_base: int = 29500) -> str:
     return f"{head}:{port_base + int(os.environ.get('SLURM_JOB_ID', '0')) % 2000}"
 
 
-def _fs_type(path: Path) -> str:
+def fs_type(path: Path) -> str:
     """The filesystem type of `path` (or of its nearest existing parent)."""
     path = Path(path)
     while not path.exists() and path != path.parent:
@@ -222,7 +227,7 @@ def _fs_type(path: Path) -> str:
 def shared_filesystem_note(path: Path) -> str | None:
     """A warning when the run directory looks node-local (other nodes would
     not see the stages' outputs), from the filesystem type."""
-    kind = _fs_type(path)
+    kind = fs_type(path)
     local = {"tmpfs", "ext2/ext3", "ext4", "xfs", "btrfs", "overlayfs", "zfs"}
     if kind in local:
         return (f"{path} is on a {kind} filesystem: if that is local to this node, the jobs on "

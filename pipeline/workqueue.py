@@ -73,6 +73,7 @@ class WorkQueue:
         self._chunks: list[list[int]] | None = None
         self._mine: set[int] = set()          # chunks this worker claimed, not yet done
         self._seen: dict[str, tuple[str, float]] = {}   # worker -> (beat, first seen at)
+        self._claims: dict[str, str] = {}     # claim file -> its worker (files never change)
         self._beat: threading.Thread | None = None
         self._stopped_beating = threading.Event()
         self._files: Path | None = None       # where the rows' files go (the hs folder)
@@ -114,7 +115,10 @@ class WorkQueue:
         return {int(n) for n in os.listdir(self.folder / "done")}
 
     def owners(self) -> dict[int, tuple[int, str]]:
-        """chunk -> (generation, worker) of its newest claim."""
+        """chunk -> (generation, worker) of its newest claim. A claim file
+        never changes once written, so each is read once (thousands of
+        chunks, polled every POLL_S, on a network filesystem); one still
+        empty (created, not yet written) is left for the next look."""
         out: dict[int, tuple[int, str]] = {}
         for name in os.listdir(self.folder / "claims"):
             k, _, g = name.partition(".")
@@ -123,10 +127,16 @@ class WorkQueue:
             k, g = int(k), int(g)
             if k in out and out[k][0] >= g:
                 continue
-            try:
-                out[k] = (g, (self.folder / "claims" / name).read_text())
-            except OSError:
-                continue
+            worker = self._claims.get(name)
+            if worker is None:
+                try:
+                    worker = (self.folder / "claims" / name).read_text()
+                except OSError:
+                    continue
+                if not worker:
+                    continue
+                self._claims[name] = worker
+            out[k] = (g, worker)
         return out
 
     def lost(self, workers) -> set[str]:

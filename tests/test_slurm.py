@@ -176,7 +176,7 @@ def test_a_scheduler_that_would_refuse_is_said_before_anything(cluster, tmp_path
     assert "partition = 'gpu' does not exist" in p.stderr and "debug" in p.stderr
     assert not (tmp_path / "runs").exists()
     shm = Path("/dev/shm")
-    if shm.is_dir() and slurm._fs_type(shm) == "tmpfs":   # node-local by nature
+    if shm.is_dir() and slurm.fs_type(shm) == "tmpfs":   # node-local by nature
         runs = shm / f"ep-test-{os.getpid()}"
         (tmp_path / "config.toml").write_text(
             f'[run]\nname = "t"\nruns_dir = "{runs}"\n' + CLUSTER.format(extra="nodes = 2"))

@@ -36,7 +36,7 @@ layer_ids = [1, 2, 3]
 [stages.vocab]
 draft_vocab_size = 256
 [stages.train]
-epochs = 2
+epochs = 1
 lr = 0.001
 total_seq_len = 1024
 dataloader_workers = 2

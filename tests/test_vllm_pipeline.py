@@ -31,7 +31,7 @@ name = "p"
 max_samples = 48
 [stages.regenerate]
 enabled = true
-max_tokens = 96
+max_tokens = 64
 [stages.prepare]
 seq_length = 192
 [stages.extract]

@@ -5,7 +5,12 @@ One line widget per row, redrawn only when its text changes (a GPU whose
 numbers hold still costs nothing over SSH). Every GPU stays on screen: when
 the tab is too short for one GPU per line (8 GPUs at 80x24 under six
 stages), two GPUs share a line in a compact form. The host line is cut to
-the width, never wrapped."""
+the width, never wrapped.
+
+A Slurm run's nodes (pipeline.node_telemetry) are shown one line per node
+(sums, mean utilization, hottest GPU, the stage, STALE when its sampler went
+quiet while the stage runs); `drill_next` shows one node's GPUs in the
+one-machine layout, then the next node's, then all nodes again."""
 
 from __future__ import annotations
 
