@@ -366,7 +366,7 @@ def check_cluster(x: Inputs) -> list[Finding]:
                            f"{c.gpus_per_node} per node", "set [cluster] gpus_per_node = "
                            f"{need}"))
     runs = x.cfg.runs_dir()
-    note = slurm.shared_filesystem_note(runs if runs.exists() else runs.parent)
+    note = slurm.shared_filesystem_note(runs)
     if note:
         out.append(Finding("cluster", WARN, note))
     if c.nodes > 1:

@@ -74,7 +74,7 @@ class NodeReport:
     gpus: list[GpuSample]
     host_stats: HostSample | None
     banner: str | None = None
-    stale_s: float = 0.0          # how long its seq has not moved (0: fresh)
+    stale_s: float = 0.0          # how long its seq has not moved (0: a new sample this look)
     stale: bool = False
     job: str | None = None
 

@@ -77,6 +77,7 @@ class WorkQueue:
         self._beat: threading.Thread | None = None
         self._stopped_beating = threading.Event()
         self._files: Path | None = None       # where the rows' files go (the hs folder)
+        self._idle_at = -POLL_S               # when a look without waiting last found nothing
 
     # ---- the coordinator's side -------------------------------------------------
     @classmethod
@@ -192,6 +193,8 @@ class WorkQueue:
         flight must not wait on its own chunk)."""
         self._files = Path(files)
         self._start_beating()
+        if not wait and time.monotonic() - self._idle_at < POLL_S:
+            return []   # asked again at once (an engine's step loop): no new look yet
         while True:
             if should_stop() or self.stop_requested():
                 return []
@@ -220,6 +223,7 @@ class WorkQueue:
                         return rows
                     self._settle_mine()
             if not wait:
+                self._idle_at = time.monotonic()
                 return []
             time.sleep(POLL_S)
 
@@ -247,8 +251,9 @@ class WorkQueue:
                 self._mine.discard(k)
 
     def finish(self) -> None:
-        """The worker ends: settle what it holds, say so (an exited worker is
-        not lost: a peer does not wait on it), stop beating."""
+        """The worker ends: settle what it holds, stop beating, and say so:
+        a chunk it leaves unfinished is taken over at once, without waiting
+        out lost_after_s."""
         if self._files is not None:
             self._settle_mine()
         self._stopped_beating.set()

@@ -68,8 +68,8 @@ class GpuTable(Vertical):
         for g in snap.gpus:
             self.history.setdefault(g.index, deque(maxlen=self.history_len)).append(g.util)
         for node in snap.nodes:
-            if node.stale:
-                continue   # no new sample: the history holds still
+            if node.stale_s > 0:
+                continue   # its file has not changed since the last look: no new sample
             for g in node.gpus:
                 self.history.setdefault((node.host, g.index),
                                         deque(maxlen=self.history_len)).append(g.util)

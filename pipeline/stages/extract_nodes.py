@@ -150,8 +150,7 @@ def node_main(queue_dir: Path) -> int:
             stop["checked"], stop["file"] = now, q.stop_requested()
         return stop["flag"] or stop["file"]
 
-    status = {"state": "running", "host": me.rsplit("-", 1)[0], "counters": (0, 0, 0),
-              "kv_cache": {}, "kv_usage": {}}
+    status = {"state": "running", "counters": (0, 0, 0), "kv_cache": {}, "kv_usage": {}}
     said = {"t": 0.0}
 
     def report(force: bool = False) -> None:
