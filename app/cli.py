@@ -77,7 +77,7 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
     (a driver that stopped before the `expected` stages ran is not a success)."""
     tails = {s: EventTail(rd.events_path(s), rd.events_path(s).stat().st_size
                           if rd.events_path(s).exists() else 0) for s in STAGE_NAMES}
-    last_progress: dict[str, float] = {}
+    last_progress: dict[str, tuple[float, float]] = {}   # stage -> (when, share done)
     # Give the driver a moment to take the lock before judging it gone.
     started = time.monotonic()
     try:
@@ -97,7 +97,7 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
         print(f"\n{rd.id}: stopped watching; the pipeline goes on. "
               f"`eagle-panel cancel {rd.id}` stops it.", file=out)
         return EXIT_CANCELLED
-    state = runner.refresh(rd)
+    state = runner.observe(rd)
     statuses = [state["stages"][s]["status"] for s in STAGE_NAMES]
     if Status.FAILED in statuses:
         return _disk_full(rd, out) if runner.failed_for_disk(rd, state) else EXIT_FAILED
@@ -115,6 +115,13 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
     return 0
 
 
+def _isatty(out) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def _disk_full(rd: RunDir, out) -> int:
     """Say it here: the stage or the launcher may not have been able to."""
     full = DiskFull(rd.path)
@@ -122,14 +129,26 @@ def _disk_full(rd: RunDir, out) -> int:
     return EXIT_DISK_FULL
 
 
+# Off a terminal (a file, a pipe, CI's log) progress is printed the way pip
+# and tqdm print there: a line when a tenth more is done or half a minute has
+# passed, not one per event (a train stage makes hundreds).
+PROGRESS_EVERY_S = {True: 1.0, False: 30.0}
+PROGRESS_STEP = 0.1
+
+
 def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
     t = ev.get("type")
     if t == EventType.PROGRESS:
         now = time.monotonic()
-        final = ev.get("total") and ev.get("done") == ev.get("total")
-        if not final and now - last_progress.get(stage, 0) < 1.0:
+        total, done = ev.get("total"), ev.get("done") or 0
+        final = total and done == total
+        tty = _isatty(out)
+        at, share = last_progress.get(stage, (-1e9, -1.0))
+        frac = done / total if total else None
+        moved = frac is not None and not tty and frac - share >= PROGRESS_STEP
+        if not (final or moved or now - at >= PROGRESS_EVERY_S[tty]):
             return
-        last_progress[stage] = now
+        last_progress[stage] = (now, frac if frac is not None else share)
         print(f"[{stage}] {fmt.progress_text(ev)}", file=out, flush=True)
     elif t in (EventType.WARNING, EventType.ERROR):
         hint = f" (hint: {ev['hint']})" if ev.get("hint") else ""
@@ -158,7 +177,7 @@ def stage_summary(rd: RunDir, stage: str) -> dict:
 
 
 def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
-    state = runner.refresh(rd)
+    state = runner.observe(rd)
     now = time.time()
     rows = []
     for s in STAGE_NAMES:

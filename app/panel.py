@@ -303,12 +303,17 @@ class PanelApp(App):
         self.query_one(LossChart).update_from(m, force)
 
     def _backend(self) -> str | None:
-        """The run's extract backend, re-read only when its frozen config changes."""
+        """The backend extract runs: what the stage resolved (its `backend`
+        event: "auto" may become hf), else the run's frozen config when it
+        names one; re-read only when that config changes."""
+        said = self.model.stages["extract"].backend
+        if said:
+            return said
         try:
             mtime = self.rundir.config_path.stat().st_mtime_ns
             if self._backend_cache[0] != mtime:
                 backend = runner.load_run_config(self.rundir).stages.extract.backend
-                self._backend_cache = (mtime, backend)
+                self._backend_cache = (mtime, None if backend == "auto" else backend)
             return self._backend_cache[1]
         except Exception:  # noqa: BLE001 - shown as "no report yet"
             return None

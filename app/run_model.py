@@ -52,6 +52,7 @@ class StageInfo:
     kv_servers: dict = field(default_factory=dict)   # server -> its kv_cache event
     kv_usage: dict | None = None
     online: dict | None = None    # online training's producer/consumer figures
+    backend: str | None = None    # the backend the stage resolved (its `backend` event)
 
 
 class RunModel:
@@ -93,7 +94,7 @@ class RunModel:
         self._state_sig = sig
         try:
             from pipeline import runner
-            self.state = runner.refresh(self.run)
+            self.state = runner.observe(self.run)
             self.state_error = None
         except RunDirError as e:
             self.state_error = str(e)
@@ -121,6 +122,7 @@ class RunModel:
         elif t == EventType.STAGE_STARTED:
             info.started, info.finished, info.last_error, info.progress = ev, None, None, None
             info.kv_servers.clear()
+            info.backend = None
         elif t == EventType.STAGE_FINISHED:
             info.finished = ev
         elif t == EventType.KV_CACHE:
@@ -131,6 +133,8 @@ class RunModel:
             info.kv_usage = ev
         elif t == EventType.ONLINE:
             info.online = ev
+        elif t == EventType.BACKEND:
+            info.backend = ev.get("backend")
 
     # derived views ------------------------------------------------------------
     def driver_pid(self) -> int | None:

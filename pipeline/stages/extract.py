@@ -36,12 +36,14 @@ def resolve_backend(ctx: StageContext, devices: list[int]):
     run is an error naming what and the fix."""
     sec = ctx.section
     if sec.backend == "hf":
+        ctx.events.emit(EventType.BACKEND, backend="hf", why="[stages.extract] backend = \"hf\"")
         return "hf", None
     env = probe(ctx.cfg.vllm_python())
     backend, why = choose_backend(sec.backend, env, devices)
     if sec.backend == "auto" and backend == "hf":
         ctx.events.warning(why, hint="scripts/install.sh installs vLLM's CPU build; on a GPU "
                                      "server set [runtime] vllm_python")
+        ctx.events.emit(EventType.BACKEND, backend="hf", why=why)
         return "hf", None
     problem = env.unusable(devices)
     if problem:
@@ -53,6 +55,7 @@ def resolve_backend(ctx: StageContext, devices: list[int]):
                          hint=f"set [runtime] python = {env.python!r}, or use backend = "
                               '"vllm-server"')
     print(f"extract: backend {backend}: {why}", flush=True)
+    ctx.events.emit(EventType.BACKEND, backend=backend, why=why)
     return backend, env
 
 
