@@ -17,12 +17,13 @@ import os
 import sys
 import time
 
-from app import fmt
-from pipeline import __version__, control, runner, slurm
+from pipeline import __version__, control, fmt
+from pipeline.cluster import slurm
 from pipeline.config import ConfigError
-from pipeline.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
-from pipeline.events import EventTail, EventType, last_event, tail_lines
-from pipeline.rundir import RunDir, RunDirError, Status, list_runs
+from pipeline.run import driver
+from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
+from pipeline.run.events import EventTail, EventType, last_event, tail_lines
+from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.stage_graph import STAGE_NAMES
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_CANCELLED = 1, 2, 3, 130
@@ -86,7 +87,7 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
                 for ev in tail.poll():
                     _print_event(s, ev, last_progress, out)
             state = rd.read_state()
-            driving = runner.driver_alive(state) or (proc is not None and proc.poll() is None)
+            driving = driver.driver_alive(state) or (proc is not None and proc.poll() is None)
             if not driving and time.monotonic() - started > 2:
                 for s, tail in tails.items():
                     for ev in tail.poll():
@@ -97,13 +98,13 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
         print(f"\n{rd.id}: stopped watching; the pipeline goes on. "
               f"`eagle-panel cancel {rd.id}` stops it.", file=out)
         return EXIT_CANCELLED
-    state = runner.observe(rd)
+    state = driver.observe(rd)
     statuses = [state["stages"][s]["status"] for s in STAGE_NAMES]
     if Status.FAILED in statuses:
-        return _disk_full(rd, out) if runner.failed_for_disk(rd, state) else EXIT_FAILED
+        return _disk_full(rd, out) if driver.failed_for_disk(rd, state) else EXIT_FAILED
     if Status.CANCELLED in statuses:
         return EXIT_CANCELLED
-    left = [s for s in expected or [] if state["stages"][s]["status"] not in runner.DONE]
+    left = [s for s in expected or [] if state["stages"][s]["status"] not in driver.DONE]
     if left:
         code = proc.poll() if proc is not None else None
         if code == EXIT_DISK_FULL or free_bytes(rd.path) < NEARLY_FULL:
@@ -177,7 +178,7 @@ def stage_summary(rd: RunDir, stage: str) -> dict:
 
 
 def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
-    state = runner.observe(rd)
+    state = driver.observe(rd)
     now = time.time()
     rows = []
     for s in STAGE_NAMES:
@@ -203,11 +204,11 @@ def cmd_status(args) -> int:
     driver = state.get("driver") or {}
     if args.json:
         json.dump({"run_id": rd.id, "path": str(rd.path),
-                   "driver_pid": driver.get("pid") if runner.driver_alive(state) else None,
+                   "driver_pid": driver.get("pid") if driver.driver_alive(state) else None,
                    "stages": rows}, sys.stdout, indent=1, default=str)
         print()
         return 0
-    drv = f"driver pid {driver['pid']}" if runner.driver_alive(state) else "no launcher running"
+    drv = f"driver pid {driver['pid']}" if driver.driver_alive(state) else "no launcher running"
     print(f"run {rd.id}  ({rd.path})  {drv}")
     print(f"{'STAGE':10} {'STATUS':10} {'ATT':>3}  {'DURATION':>8}  {'EXIT':7} PROGRESS")
     for r in rows:

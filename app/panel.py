@@ -21,22 +21,23 @@ from textual.containers import Vertical
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Input, TabbedContent, TabPane
 
-from app import fmt
-from app.run_model import RunModel
+from app.run_view import RunView
 from app.screens.confirm import ConfirmScreen
 from app.screens.doctor import DoctorScreen
 from app.screens.help import HelpScreen
-from pipeline import control, runner
+from pipeline import control, fmt
+from pipeline.cluster.node_telemetry import NodeWatch
 from pipeline.config import ConfigError
-from pipeline.events import ChangeWaiter
-from pipeline.node_telemetry import NodeWatch
-from pipeline.rundir import RunDir, RunDirError, Status, list_runs
+from pipeline.run import driver
+from pipeline.run.events import ChangeWaiter
+from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
 from widgets.gpu_table import GpuTable
 from widgets.kv_panel import KVCachePanel
 from widgets.log_view import LogView
 from widgets.loss_chart import LossChart
+from widgets.online_view import online_text
 from widgets.quiet import QuietStatic
 from widgets.stage_table import StageTable
 
@@ -97,7 +98,7 @@ class PanelApp(App):
         # are most of what a slow SSH link would carry.
         self.refresh_s = max(self.interval, refresh)
         self._gpus_drawn_at = -1e9
-        self.model = RunModel(run) if run else None
+        self.model = RunView(run) if run else None
         self.lock = threading.Lock()
         self.telemetry = telemetry or Telemetry(simulate_gpus, disk_path=(run.path if run else runs_dir))
         # Cluster nodes' GPUs, from the files their jobs write (no NVML here for them).
@@ -298,7 +299,7 @@ class PanelApp(App):
             t.append("no training yet", style="dim")
         if m.stages["train"].online:
             t.append("\n")
-            t.append_text(fmt.online_text(m.stages["train"].online))
+            t.append_text(online_text(m.stages["train"].online))
         self.query_one("#train-info", QuietStatic).set(t)
         self.query_one(LossChart).update_from(m, force)
 
@@ -312,7 +313,7 @@ class PanelApp(App):
         try:
             mtime = self.rundir.config_path.stat().st_mtime_ns
             if self._backend_cache[0] != mtime:
-                backend = runner.load_run_config(self.rundir).stages.extract.backend
+                backend = driver.load_run_config(self.rundir).stages.extract.backend
                 self._backend_cache = (mtime, None if backend == "auto" else backend)
             return self._backend_cache[1]
         except Exception:  # noqa: BLE001 - shown as "no report yet"
@@ -332,7 +333,7 @@ class PanelApp(App):
         # A finished pipeline rings once, when the statuses turn all done (not
         # when the launcher is seen to end: a quick run can start and end
         # between two redraws).
-        all_done = all(self.model.stages[s].state.get("status") in runner.DONE
+        all_done = all(self.model.stages[s].state.get("status") in driver.DONE
                        for s in STAGE_NAMES)
         if all_done and self._all_done is False:
             self.bell()
@@ -427,7 +428,7 @@ class PanelApp(App):
     def action_doctor(self) -> None:
         def load():
             if self.rundir is not None:
-                return runner.load_run_config(self.rundir)
+                return driver.load_run_config(self.rundir)
             return control.load_config(self.config_path and str(self.config_path),
                                        gpu_check=False)
         self.push_screen(DoctorScreen(load))
@@ -451,7 +452,7 @@ class PanelApp(App):
 
     def _attach(self, run: RunDir) -> None:
         self.rundir = run
-        self.model = RunModel(run)
+        self.model = RunView(run)
         self.telemetry.disk_path = run.path
         self.nodes = NodeWatch(run.path)
         with self.lock:

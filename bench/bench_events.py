@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.events import ChangeWaiter, EventTail, EventWriter  # noqa: E402
-from pipeline.rundir import RunDir  # noqa: E402
+from pipeline.run.events import ChangeWaiter, EventTail, EventWriter  # noqa: E402
+from pipeline.run.rundir import RunDir  # noqa: E402
 
 
 def bench_throughput(tmp: Path, n: int) -> tuple[float, float]:
@@ -49,7 +49,7 @@ def bench_throughput(tmp: Path, n: int) -> tuple[float, float]:
 
 WRITER = """
 import sys, time, random
-from pipeline.events import EventWriter
+from pipeline.run.events import EventWriter
 w = EventWriter(sys.argv[1]); n = int(sys.argv[2])
 random.seed(0)
 for i in range(n):

@@ -150,8 +150,8 @@ def part_extract(small: bool):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from pipeline.extract.hf import HFBackend
     from pipeline.stages.extract import Writer, extract_shard, length_batches
-    from pipeline.stages.extract_hf import HFBackend
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     if small:
@@ -319,7 +319,7 @@ def part_pipeline(small: bool):
     n_metrics = sum(1 for e in events(run / "train/events.jsonl") if e["type"] == "metric")
     t0 = time.perf_counter()
     r = sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-            "-m", "pipeline.stages.train_worker", "--run-dir", str(run), "--",
+            "-m", "pipeline.train.worker", "--run-dir", str(run), "--",
             *train_direct.recorded_argv(run)], tmp,
            check=False)
     ckpts = sorted(p.name for p in (run / "train/out/checkpoints").glob("*")) if (

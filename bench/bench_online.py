@@ -56,7 +56,7 @@ enabled = false
 
 
 def stage(d: Path, name: str) -> tuple[float, dict]:
-    from pipeline.events import read_events
+    from pipeline.run.events import read_events
     env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",

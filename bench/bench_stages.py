@@ -59,8 +59,8 @@ def extract_vs_bare(run: Path, batch_tokens: int, rounds: int = 3):
     from datasets import load_from_disk
 
     from pipeline.builtin.tiny_model import ensure_built
+    from pipeline.extract.hf import HFBackend
     from pipeline.stages.extract import RowIds, extract_shard, length_batches
-    from pipeline.stages.extract_hf import HFBackend
     ds = load_from_disk(str(run / "prepare/out/data")).with_format(None)
     ids, lengths = RowIds(ds), list(ds["seq_len"])
     backend = HFBackend.load(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)

@@ -77,7 +77,7 @@ def random_target(tmp: Path, hidden: int, layers: int) -> Path:
 
 
 def stage(tmp: Path, name: str, backend: str, a) -> dict:
-    from pipeline.events import read_events
+    from pipeline.run.events import read_events
     layer_ids = [1, a.layers // 2, a.layers - 2] if a.layers else [1, 2, 3]
     (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
         target=a.target, vllm_python=a.vllm_python, samples=a.samples, backend=backend,
@@ -94,7 +94,7 @@ def stage(tmp: Path, name: str, backend: str, a) -> dict:
 def no_capture(tmp: Path, a) -> float:
     """The same server and requests, without the extraction flags: tokens/s."""
     from pipeline.builtin.tiny_model import ensure_built
-    from pipeline.stages.extract_job import RowIds
+    from pipeline.extract.job import RowIds
     from pipeline.vllm.environment import cpu_kv_space_gib, probe, process_env
     from pipeline.vllm.server import VllmServer, free_port, serve_argv
     env = probe(a.vllm_python)

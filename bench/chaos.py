@@ -48,10 +48,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.events import read_events  # noqa: E402
-from pipeline.proctree import TOKEN_VAR, cmdline, environ, live_pids, proc_name  # noqa: E402
-from pipeline.rundir import RunDir, proc_alive  # noqa: E402
-from pipeline.runner import DONE  # noqa: E402
+from pipeline.run.driver import DONE  # noqa: E402
+from pipeline.run.events import read_events  # noqa: E402
+from pipeline.run.proctree import TOKEN_VAR, cmdline, environ, live_pids, proc_name  # noqa: E402
+from pipeline.run.rundir import RunDir, proc_alive  # noqa: E402
 
 CONFIG = """
 [run]

@@ -1,5 +1,5 @@
 """Extraction over N nodes with nodes failing, simulated: the shared queue's
-policy (pipeline.workqueue: chunks from plan_chunks, a silent node's chunk
+policy (pipeline.cluster.workqueue: chunks from plan_chunks, a silent node's chunk
 claimed again after lost_after_s, finished files kept) replayed over a
 run's measured per-sample times.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.workqueue import plan_chunks
+from pipeline.cluster.workqueue import plan_chunks
 
 
 def run_lengths(run: Path) -> tuple[list[int], float]:

@@ -14,14 +14,14 @@ DIRECT = """
 import json, sys, time
 from speculators.train import cli
 from speculators.train.config import TrainConfig
-from pipeline.stages import train_shims
+from pipeline.train import trainer as panel_trainer
 
 class NoHooks:
     def on_total_steps(self, n, per_epoch): pass
     def should_stop(self): return False
     def on_interrupted(self, *a): pass
 
-train_shims.install(cpu=sys.argv[2] == "cpu", hooks=NoHooks())
+panel_trainer.install(cpu=sys.argv[2] == "cpu", hooks=NoHooks())
 t0 = time.perf_counter()
 cli.main(TrainConfig.resolve(json.loads(sys.argv[1])))
 print("DIRECT_SECONDS", time.perf_counter() - t0)

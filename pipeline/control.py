@@ -2,7 +2,7 @@
 
 Everything here returns what happened (or raises a typed error); printing,
 notifying and exit codes are the caller's. A run is driven by a detached
-driver (pipeline.runner), so none of these calls keeps a stage alive.
+driver (pipeline.run.driver), so none of these calls keeps a stage alive.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline import runner, slurm
+from pipeline.cluster import slurm
 from pipeline.config import Config, ConfigError
-from pipeline.rundir import RunDir, RunDirError, list_runs
-from pipeline.runner import CancelResult, Step
+from pipeline.run import driver
+from pipeline.run.driver import CancelResult, Step
+from pipeline.run.rundir import RunDir, RunDirError, list_runs
 
 # Grace times when a run's config cannot be read (config.py's defaults).
 DEFAULT_GRACE = (config_mod.RuntimeSection.cancel_grace_s, config_mod.RuntimeSection.term_grace_s)
@@ -79,7 +80,7 @@ def open_run(cfg: Config, run_id: str | None = None) -> RunDir:
     """Create (or reuse) the run directory with the config frozen into it
     (a scheduler that would refuse the jobs is said before, creating nothing)."""
     check_scheduler(cfg, run_id or cfg.run.name, cfg.runs_dir())
-    return runner.prepare_run(cfg, run_id)
+    return driver.prepare_run(cfg, run_id)
 
 
 def check_scheduler(cfg: Config, run_id: str, runs_dir: Path) -> None:
@@ -94,19 +95,19 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
           busy_wait: float = 3.0) -> Started:
     """Plan and start the run's driver (not started when everything is up
     to date). Raises Busy, or Blocked when `only` needs an unfinished stage."""
-    holder = runner.busy_launcher(rd, wait=busy_wait)
+    holder = driver.busy_launcher(rd, wait=busy_wait)
     if holder is not None:
         raise Busy(rd, holder)
-    cfg = runner.load_run_config(rd)
+    cfg = driver.load_run_config(rd)
     check_scheduler(cfg, rd.id, rd.path.parent)
-    steps = runner.plan(cfg, runner.reconcile(rd), only, force)
+    steps = driver.plan(cfg, driver.reconcile(rd), only, force)
     blocked = [s for s in steps if s.action == "blocked"]
     if blocked:
         raise Blocked(f"{rd.id}: cannot run {only}: {blocked[0].why}. Run the pipeline "
                       "without --stage first.")
     if all(s.action == "skip" for s in steps):
         return Started(rd, steps)
-    return Started(rd, steps, runner.start_driver(rd, only, force))
+    return Started(rd, steps, driver.start_driver(rd, only, force))
 
 
 def resume(rd: RunDir, busy_wait: float = 3.0) -> Started:
@@ -118,7 +119,7 @@ def resume(rd: RunDir, busy_wait: float = 3.0) -> Started:
 def cancel_graces(rd: RunDir) -> tuple[float, float]:
     """(after SIGINT, after SIGTERM) from the run's frozen config."""
     try:
-        cfg = runner.load_run_config(rd)
+        cfg = driver.load_run_config(rd)
     except (ConfigError, RunDirError):
         return DEFAULT_GRACE
     return cfg.runtime.cancel_grace_s, cfg.runtime.term_grace_s
@@ -128,4 +129,4 @@ def cancel(rd: RunDir, stage: str | None = None, grace: float | None = None) -> 
     """SIGINT, then SIGTERM, then SIGKILL to the running stage's tree (or
     one stage's); no further stage starts when the whole run is cancelled."""
     default_grace, term = cancel_graces(rd)
-    return runner.cancel_run(rd, stage, default_grace if grace is None else grace, term)
+    return driver.cancel_run(rd, stage, default_grace if grace is None else grace, term)

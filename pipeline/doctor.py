@@ -21,11 +21,11 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline import slurm
+from pipeline.cluster import slurm
 from pipeline.config import Config
-from pipeline.model_info import ModelInfo, hs_bytes_per_token, kv_bytes_per_token, read_model
+from pipeline.model.info import ModelInfo, hs_bytes_per_token, kv_bytes_per_token, read_model
 from pipeline.paths import PROJECT_ROOT
-from pipeline.rundir import RunDir
+from pipeline.run.rundir import RunDir
 from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv, choose_backend, cpu_kv_space_gib
 from pipeline.vllm.environment import probe as probe_vllm
@@ -259,7 +259,7 @@ def check_model(x: Inputs) -> list[Finding]:
 
 
 def check_layers(x: Inputs) -> list[Finding]:
-    from pipeline.stages.extract_hf import validate_layer_ids
+    from pipeline.extract.hf import validate_layer_ids
     if x.model is None:
         return []
     m = x.model

@@ -49,7 +49,7 @@ class Snapshot:
     host: HostSample | None
     source: str                       # "nvml" | "simulated" | "none"
     banner: str | None = None         # why there are no GPU numbers
-    nodes: list = field(default_factory=list)   # cluster nodes' reports (pipeline.node_telemetry)
+    nodes: list = field(default_factory=list)   # cluster nodes (pipeline.cluster.node_telemetry)
 
 
 class NvmlSource:

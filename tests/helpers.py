@@ -59,8 +59,8 @@ def stagekit_config(tmp_path: Path, actions: dict[str, str] | None = None, extra
 def run_body(tmp_path, stage, body, config: str, run="r"):
     """One real stage's body in this process, with the stage protocol
     around it; returns (exit code, run dir, its events)."""
-    from pipeline.events import read_events
-    from pipeline.rundir import RunDir
+    from pipeline.run.events import read_events
+    from pipeline.run.rundir import RunDir
     from pipeline.stages.common import run_stage
     cfg = tmp_path / "config.toml"
     # an empty config file is refused as a mistake: all defaults say so
@@ -77,7 +77,7 @@ def run_body(tmp_path, stage, body, config: str, run="r"):
 
 def stage_summary(rd, stage: str) -> dict:
     """The summary of a stage's last `stage_finished` event."""
-    from pipeline.events import read_events
+    from pipeline.run.events import read_events
     return finished(read_events(rd.events_path(stage)))["summary"]
 
 

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from pipeline import hsfile
-from pipeline.events import read_events
-from pipeline.rundir import RunDir
+from pipeline.model import hsfile
+from pipeline.run.events import read_events
+from pipeline.run.rundir import RunDir
 from tests.helpers import ROOT, cli, stagekit_config, wait_for
 
 pytestmark = pytest.mark.integration

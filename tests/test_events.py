@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from pipeline.events import EventTail, EventWriter, last_event, read_events, tail_lines
+from pipeline.run.events import EventTail, EventWriter, last_event, read_events, tail_lines
 from tests.helpers import ROOT
 
 
@@ -80,7 +80,7 @@ def test_tail_lines(tmp_path):
 def test_concurrent_writers_no_lost_or_duplicated_events(tmp_path):
     p = tmp_path / "e.jsonl"
     n_writers, n_events = 4, 5000
-    code = ("import sys; from pipeline.events import EventWriter\n"
+    code = ("import sys; from pipeline.run.events import EventWriter\n"
             "w = EventWriter(sys.argv[1]); k = int(sys.argv[2])\n"
             "for i in range(int(sys.argv[3])):\n"
             "    w.emit('metric', step=i, writer=k, seq=i, values={'pad': 'x' * (i % 300)})\n")
@@ -104,7 +104,7 @@ def test_writer_refuses_unknown_types_and_missing_fields(tmp_path):
     type, or a missing required field, is an error, not a line readers skip."""
     import pytest
 
-    from pipeline.events import EventType, check_event
+    from pipeline.run.events import EventType, check_event
     with EventWriter(tmp_path / "e.jsonl") as w:
         with pytest.raises(ValueError, match="progres"):
             w.emit("progres", done=1, total=2, unit="x")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pipeline.builtin.tiny_model import ensure_built
+from pipeline.extract.hf import HFBackend
 from pipeline.stages import extract
-from pipeline.stages.extract_hf import HFBackend
 from pipeline.vllm import compat as vllm_compat
 from tests.fakes import standin_engine as se
 from tests.helpers import finished, hs_files, prepared_once, run_body
@@ -153,8 +153,8 @@ def test_a_request_vllm_ends_short_or_a_lost_file_fails_the_stage(prepared, monk
     """Guards against hanging: a request vLLM finishes before all its prompt
     positions were captured fails at once; one whose file never comes fails
     after STUCK_S."""
-    from pipeline.vllm import engine as extract_engine
-    from pipeline.vllm.capture import Capture
+    from pipeline.extract import vllm_engine as extract_engine
+    from pipeline.extract.vllm_capture import Capture
     tmp, rd = prepared
     monkeypatch.setattr(vllm_compat, "load_engine_api", se.api_0_16)
     monkeypatch.setattr(se.Scheduler_0_12, "finish_early", True)
@@ -225,7 +225,7 @@ def test_data_parallel_engines_share_the_samples(prepared, monkeypatch):
 def test_the_decoder_is_found_through_multimodal_wrappers():
     import torch.nn as nn
 
-    from pipeline.vllm.capture import CaptureError, find_base_model
+    from pipeline.extract.vllm_capture import CaptureError, find_base_model
 
     class Decoder(nn.Module):
         def __init__(self):
@@ -252,10 +252,10 @@ def test_the_decoder_is_found_through_multimodal_wrappers():
 
 def test_engines_fed_by_the_shared_queue_of_the_nodes(prepared, monkeypatch, tmp_path):
     """The engine loop fed chunk by chunk from the queue that nodes share
-    (pipeline.workqueue), as on each node of a multi-node extract: two engine
+    (pipeline.cluster.workqueue), as on each node of a multi-node extract: two engine
     processes (2 GPUs), each its own place in the queue, no rows given up
     front; every sample once, bit for bit the hf backend's numbers."""
-    from pipeline.workqueue import WorkQueue, plan_chunks
+    from pipeline.cluster.workqueue import WorkQueue, plan_chunks
     tmp, rd = prepared
     monkeypatch.setattr(vllm_compat, "load_engine_api", se.api_0_16)
     real = extract.backend_runner

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pipeline.builtin.tiny_model import ensure_built
-from pipeline.proctree import environ, live_pids
+from pipeline.extract.hf import HFBackend
+from pipeline.run.proctree import environ, live_pids
 from pipeline.stages import extract
-from pipeline.stages.extract_hf import HFBackend
 from pipeline.vllm.server import SERVER_TOKEN_VAR
 from tests.fakes import installed_vllm
 from tests.helpers import finished, hs_files, prepared_once, run_body
@@ -179,7 +179,7 @@ def test_data_parallel_servers_share_the_samples(prepared, fake_vllm):
 def test_serve_command_line_carries_the_extraction_settings(tmp_path):
     import json
 
-    from pipeline.vllm.extract_server import extraction_flags
+    from pipeline.extract.vllm_server import extraction_flags
     from pipeline.vllm.server import serve_argv
     extra = extraction_flags([2, 30, 58, 61], tmp_path, True) + ["--gpu-memory-utilization", "0.9"]
     argv = serve_argv("/opt/env/bin/python", "", Path("/models/kimi"), 8001, 8, "bfloat16",
@@ -213,8 +213,8 @@ def test_stock_connector_file_is_trimmed_converted_and_checked(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from pipeline.errors import StageError
-    from pipeline.vllm.extract_server import take_staged
+    from pipeline.extract.vllm_server import take_staged
+    from pipeline.stage_error import StageError
     job = SimpleNamespace(layer_ids=[1, 2], hidden=8, dtype=torch.bfloat16)
     ids = [5, 6, 7]
     hs = torch.randn(4, 2, 8)

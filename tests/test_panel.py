@@ -6,8 +6,8 @@ import time
 import pytest
 
 from app.panel import PanelApp
-from pipeline.events import EventWriter
-from pipeline.rundir import RunDir, proc_alive
+from pipeline.run.events import EventWriter
+from pipeline.run.rundir import RunDir, proc_alive
 from pipeline.telemetry import Telemetry
 from tests.helpers import cli, kv_tab_text, screen_text, wait_for
 from widgets.gpu_table import GpuTable
@@ -360,7 +360,7 @@ def test_nvml_source_on_a_real_gpu():
 
 
 def test_metric_series_stay_bounded():
-    from app.run_model import Series
+    from app.run_view import Series
     s = Series(cap=1000)
     for i in range(100_000):
         s.add(i, 1.0 / (i + 1))
@@ -463,7 +463,7 @@ async def test_gpus_of_cluster_nodes_grouped_stale_marked_and_drilled(tmp_path, 
     import subprocess
     import sys
 
-    from pipeline.node_telemetry import NodeWatch, folder, sample_forever
+    from pipeline.cluster.node_telemetry import NodeWatch, folder, sample_forever
     stagekit({"extract": "sleep:120"})
     cli("run", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs/t")
@@ -478,7 +478,7 @@ async def test_gpus_of_cluster_nodes_grouped_stale_marked_and_drilled(tmp_path, 
         f'"host": "{mine.stem}"', '"host": "gpu-a"'))
     mine.unlink()
     env = dict(os.environ, EAGLE_PANEL_SIMULATE_GPUS="4")
-    live = subprocess.Popen([sys.executable, "-m", "pipeline.node_telemetry", "--run-dir",
+    live = subprocess.Popen([sys.executable, "-m", "pipeline.cluster.node_telemetry", "--run-dir",
                              str(rd.path), "--stage", "extract", "--interval", "0.5"], env=env)
     try:
         app = make_app(rd, tmp_path)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from app.panel import PanelApp
-from pipeline.rundir import RunDir, atomic_write_json
+from pipeline.run.rundir import RunDir, atomic_write_json
 from pipeline.telemetry import Telemetry
 from tests.helpers import cli
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.events import read_events
-from pipeline.rundir import RunDir
+from pipeline.run.events import read_events
+from pipeline.run.rundir import RunDir
 from tests.helpers import cli, wait_for
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pipeline.proctree import stage_processes
-from pipeline.rundir import RunDir, proc_alive
+from pipeline.run.proctree import stage_processes
+from pipeline.run.rundir import RunDir, proc_alive
 from pipeline.stage_graph import STAGE_NAMES
 from tests.helpers import ROOT, cli, wait_for
 
@@ -238,7 +238,7 @@ def test_logs_and_runs(tmp_path, stagekit):
 def test_state_survives_writers_killed_mid_write(tmp_path):
     rd = RunDir(tmp_path / "r")
     rd.create("", tmp_path)
-    code = ("import sys; from pipeline.rundir import RunDir\n"
+    code = ("import sys; from pipeline.run.rundir import RunDir\n"
             "rd = RunDir(sys.argv[1]); i = 0\n"
             "while True:\n"
             "    i += 1; rd.update_stage('train', attempt=i, reason='x' * (i % 5000))\n")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import slurm
-from pipeline.rundir import RunDir
+from pipeline.cluster import slurm
+from pipeline.run.rundir import RunDir
 from pipeline.vllm.server import free_port
 from tests.helpers import cli, stagekit_config, wait_for
 
@@ -120,7 +120,7 @@ def test_stages_run_as_slurm_jobs(cluster, tmp_path):
         assert slurm.job_state(job, fresh=True).state == "COMPLETED"
         assert state["stages"][s]["status"] == "succeeded" and state["stages"][s]["pid"]
         assert f"stagekit {s}: ok" in rd.log_path(s).read_text()   # the job's output: the log
-        assert "pipeline.supervise" in (rd.stage_dir(s) / "slurm-1.sh").read_text()
+        assert "pipeline.run.supervise" in (rd.stage_dir(s) / "slurm-1.sh").read_text()
     assert "Slurm job" in (rd.path / "driver.log").read_text() and "succeeded" in p.stdout
 
 
@@ -193,7 +193,7 @@ def test_a_controller_that_does_not_answer_fails_nothing(monkeypatch, tmp_path):
     is down: nothing listens at its port): the stage stays running."""
     if slurm.missing_tools():
         pytest.skip(f"Slurm client tools missing: {slurm.missing_tools()}")
-    from pipeline import runner
+    from pipeline.run import driver
     conf = tmp_path / "slurm.conf"
     conf.write_text(f"ClusterName=down\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\n"
                     "MessageTimeout=1\nAuthType=auth/munge\n"
@@ -201,7 +201,7 @@ def test_a_controller_that_does_not_answer_fails_nothing(monkeypatch, tmp_path):
                     "PartitionName=debug Nodes=localhost Default=YES State=UP\n")
     monkeypatch.setenv("SLURM_CONF", str(conf))
     assert slurm.job_state("424242", fresh=True) is None
-    assert runner.stage_alive({"slurm_job": "424242"})
+    assert driver.stage_alive({"slurm_job": "424242"})
 
 
 MULTI_NODE = """
@@ -239,9 +239,9 @@ sbatch_args = ["--nodes=1", "--ntasks-per-node=2"]
 
 
 def _node_worker_pids(task: str) -> list[int]:
-    from pipeline import proctree
+    from pipeline.run import proctree
     return [pid for pid in proctree.live_pids()
-            if "pipeline.stages.extract_nodes" in proctree.cmdline(pid)
+            if "pipeline.extract.nodes" in proctree.cmdline(pid)
             and f"SLURM_PROCID={task}".encode() in proctree.environ(pid)]
 
 
@@ -250,9 +250,9 @@ def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
     shared queue; the worker of task 1 is SIGKILLed mid-run (its node lost):
     task 0 takes over its unfinished samples, the stage succeeds with every
     file valid, none missing."""
-    from pipeline.events import read_events
-    from pipeline.hsfile import hs_path, validate_file
-    from pipeline.stages.extract_job import RowIds
+    from pipeline.extract.job import RowIds
+    from pipeline.model.hsfile import hs_path, validate_file
+    from pipeline.run.events import read_events
     (tmp_path / "config.toml").write_text(MULTI_NODE)
     cli("run", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs" / "mn")
@@ -281,11 +281,11 @@ def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
     assert any("stopped reporting" in w for w in warnings), warnings
     # Each job's node sampler wrote the node's (simulated) GPUs for the panel,
     # and ended with its job.
-    from pipeline import proctree
+    from pipeline.run import proctree
     report = json.loads(next((rd.path / "telemetry").glob("*.json")).read_text())
     assert report["source"] == "simulated" and len(report["gpus"]) == 2, report
     assert report["stage"] in ("prepare", "extract", "vocab", "train") and report["job"]
-    wait_for(lambda: not [p for p in proctree.live_pids() if "pipeline.node_telemetry" in
+    wait_for(lambda: not [p for p in proctree.live_pids() if "pipeline.cluster.node_telemetry" in
                           proctree.cmdline(p) and str(rd.path) in proctree.cmdline(p)],
              timeout=60, what="the node samplers to end with their jobs")
     statuses = [json.loads(p.read_text())
@@ -303,7 +303,7 @@ def test_train_torchrun_meets_over_the_allocation(cluster, tmp_path):
         import subprocess, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from pipeline.stages.train import torchrun_command
-        from pipeline.slurm import allocation_tasks
+        from pipeline.cluster.slurm import allocation_tasks
         cmd = torchrun_command("tests.fakes.dist_probe", [{str(tmp_path)!r}], 1, allocation_tasks())
         print(cmd, flush=True)
         sys.exit(subprocess.call(cmd))
@@ -337,10 +337,10 @@ def test_extract_over_two_nodes_through_real_vllm_servers(cluster, tmp_path):
     workers (STAND-IN: two tasks on this one machine) starts its own real
     vLLM server (0.32 CPU build) and takes chunks until the queue is empty;
     the stage gets both nodes' KV-cache reports and every file is valid."""
-    from pipeline.events import read_events
-    from pipeline.hsfile import hs_path, validate_file
+    from pipeline.extract.job import RowIds
+    from pipeline.model.hsfile import hs_path, validate_file
     from pipeline.paths import VLLM_VENV
-    from pipeline.stages.extract_job import RowIds
+    from pipeline.run.events import read_events
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.skip(f"no real vLLM: {VLLM_VENV} is missing (scripts/install.sh makes it)")
     config = (MULTI_NODE.replace('backend = "hf"', 'backend = "vllm-server"\nmax_inflight = 2')

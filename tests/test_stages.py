@@ -8,13 +8,14 @@ import threading
 import pytest
 import torch
 
-from pipeline import hsfile
 from pipeline.builtin import broken_conversations_path, conversations_path
 from pipeline.builtin.make_conversations import BROKEN
 from pipeline.builtin.tiny_model import ensure_built
-from pipeline.stages import extract, extract_hf, prepare, train, vocab
-from pipeline.stages.chat_mask import LocalRenderer, RowError, normalize
-from pipeline.stages.extract_hf import validate_layer_ids
+from pipeline.data.chat_mask import LocalRenderer, RowError, normalize
+from pipeline.extract import hf as extract_hf
+from pipeline.extract.hf import validate_layer_ids
+from pipeline.model import hsfile
+from pipeline.stages import extract, prepare, train, vocab
 from tests.helpers import finished, run_body
 
 pytestmark = pytest.mark.integration
@@ -435,7 +436,7 @@ def shard_job(folder, rows, lengths):
     """The ExtractJob for extract_hf.extract_shard on two hand-made rows."""
     from types import SimpleNamespace
 
-    from pipeline.stages.extract_job import DiskGuard, ExtractJob
+    from pipeline.extract.job import DiskGuard, ExtractJob
     return ExtractJob(target=None, layer_ids=[1, 2], dtype=torch.float32, hidden=4,
                       trust_remote_code=False, rows=rows, lengths=lengths, todo=[0, 1],
                       folder=folder, bytes_per_token=40, disk=DiskGuard(folder, 0),
@@ -444,7 +445,7 @@ def shard_job(folder, rows, lengths):
 
 
 def test_non_finite_hidden_states_stop_the_stage_but_padding_does_not(tmp_path):
-    from pipeline.errors import StageError
+    from pipeline.stage_error import StageError
     rows = [[1] * 5, [2] * 3]          # sample 1 is padded to 5 positions
     lengths = [5, 3]
     # NaN in sample 1's padding (position 4): not part of any file, not an error.

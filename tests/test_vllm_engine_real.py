@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from pipeline.events import read_events
 from pipeline.paths import PROJECT_ROOT
+from pipeline.run.events import read_events
 from tests.helpers import ROOT, finished, hs_files, prepared_once
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm016]
@@ -52,7 +52,7 @@ def test_engine_route_on_real_vllm_016_writes_the_hf_numbers(extracted):
     from safetensors.torch import load_file
 
     from pipeline.builtin.tiny_model import ensure_built
-    from pipeline.stages.extract_hf import HFBackend
+    from pipeline.extract.hf import HFBackend
     tmp, rd, p = extracted
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert len(hs_files(rd)) == N

@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from pipeline.events import read_events
 from pipeline.paths import VLLM_VENV
-from pipeline.rundir import RunDir
+from pipeline.run.events import read_events
+from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
 from tests.helpers import cli, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from pipeline.paths import VLLM_VENV
-from pipeline.rundir import RunDir
+from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
 from tests.helpers import cli, finished, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from pipeline.paths import VLLM_VENV
-from pipeline.proctree import environ, live_pids
-from pipeline.rundir import RunDir
+from pipeline.run.proctree import environ, live_pids
+from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import SERVER_TOKEN_VAR
 from tests.helpers import ROOT, finished, hs_files, kv_tab_text, prepared_once, wait_for
@@ -73,7 +73,7 @@ def stage(tmp, name="extract", config=CONFIG, run="r"):
 
 @pytest.fixture(scope="module")
 def extracted(vllm_env, tmp_path_factory):
-    from pipeline.events import read_events
+    from pipeline.run.events import read_events
     tmp, rd = prepared_once(tmp_path_factory, "real_vllm", CONFIG)
     t0 = time.monotonic()
     # 1. Start, and SIGKILL the server's whole tree once a few files are written.
@@ -117,7 +117,7 @@ def test_real_files_match_the_hf_backend(extracted):
     from safetensors.torch import load_file
 
     from pipeline.builtin.tiny_model import ensure_built
-    from pipeline.stages.extract_hf import HFBackend
+    from pipeline.extract.hf import HFBackend
     rd = extracted["rd"]
     ds = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)
     ref = HFBackend.load(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)
@@ -172,7 +172,7 @@ def test_doctor_predicts_the_adaptations_that_fired(extracted, vllm_env):
 
 def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
     """A real start failure: a max length past what the model allows."""
-    from pipeline.events import read_events
+    from pipeline.run.events import read_events
     tmp, rd = tmp_path, RunDir(tmp_path / "r")
     bad = CONFIG + 'server_args = ["--max-model-len", "100000"]\n'
     p = stage(tmp, "prepare", bad)
@@ -242,7 +242,7 @@ def test_the_real_server_renders_tool_conversations_as_prepare_does(served):
     from transformers import AutoTokenizer
 
     from pipeline.builtin.tiny_model import ensure_built
-    from pipeline.stages.chat_mask import EndpointRenderer, LocalRenderer, normalize, wire_messages
+    from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, normalize, wire_messages
     from tests.data_corpus import AGENTIC, AGENTIC_STRING_ARGS
     tok = AutoTokenizer.from_pretrained(str(ensure_built()))
     opening = {"messages": [{"role": "assistant", "content": "Welcome back!"},

@@ -1,5 +1,5 @@
 """The shared queue of samples for extraction across nodes
-(pipeline.workqueue), tested directly with real processes as the node
+(pipeline.cluster.workqueue), tested directly with real processes as the node
 workers: no sample handed out twice, none left out, and a worker SIGKILLed
 (a lost node) or frozen mid-chunk has its unfinished samples taken over."""
 
@@ -8,8 +8,8 @@ import os
 import signal
 import time
 
-from pipeline.hsfile import hs_path
-from pipeline.workqueue import WorkQueue, plan_chunks
+from pipeline.cluster.workqueue import WorkQueue, plan_chunks
+from pipeline.model.hsfile import hs_path
 from tests.helpers import wait_for
 
 

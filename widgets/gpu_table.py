@@ -7,7 +7,7 @@ the tab is too short for one GPU per line (8 GPUs at 80x24 under six
 stages), two GPUs share a line in a compact form. The host line is cut to
 the width, never wrapped.
 
-A Slurm run's nodes (pipeline.node_telemetry) are shown one line per node
+A Slurm run's nodes (pipeline.cluster.node_telemetry) are shown one line per node
 (sums, mean utilization, hottest GPU, the stage, STALE when its sampler went
 quiet while the stage runs); `drill_next` shows one node's GPUs in the
 one-machine layout, then the next node's, then all nodes again."""
@@ -19,7 +19,7 @@ from collections import deque
 from rich.text import Text
 from textual.containers import Vertical
 
-from app import fmt
+from pipeline import fmt
 from widgets.bars import bar, sparkline
 from widgets.quiet import QuietStatic
 
@@ -137,7 +137,7 @@ class GpuTable(Vertical):
         note.display = bool(text)
         note.set(Text(text, style=style))
 
-    # -- several nodes (pipeline.node_telemetry) ----------------------------------
+    # -- several nodes (pipeline.cluster.node_telemetry) ----------------------------------
     def drill_next(self) -> None:
         """g: all nodes -> node 1 -> node 2 -> ... -> all nodes."""
         n = len(self.snapshot.nodes) if self.snapshot is not None else 0

@@ -6,7 +6,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from app import fmt
+from pipeline import fmt
 
 
 class KVCachePanel(Static):

@@ -18,7 +18,7 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from pipeline.events import tail_lines
+from pipeline.run.events import tail_lines
 
 
 def collapse_cr(line: str) -> str:

@@ -14,8 +14,8 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message
 
-from app import fmt
-from pipeline.rundir import Status
+from pipeline import fmt
+from pipeline.run.rundir import Status
 from pipeline.stage_graph import STAGE_NAMES
 from widgets.bars import progress_bar
 from widgets.quiet import QuietStatic

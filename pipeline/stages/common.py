@@ -19,10 +19,10 @@ from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.config import Config
-from pipeline.diskspace import DiskFull, explain
-from pipeline.errors import StageError
-from pipeline.events import EventType, EventWriter
-from pipeline.rundir import RunDir, Status, atomic_write_bytes
+from pipeline.run.diskspace import DiskFull, explain
+from pipeline.run.events import EventType, EventWriter
+from pipeline.run.rundir import RunDir, Status, atomic_write_bytes
+from pipeline.stage_error import StageError
 
 __all__ = ["StageError", "Interrupted", "Skipped", "StageContext", "main_for", "run_stage",
            "torch_dtype"]

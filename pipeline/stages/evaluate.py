@@ -27,11 +27,11 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.events import EventType
-from pipeline.model_info import kv_bytes_per_token, read_model
+from pipeline.model.info import kv_bytes_per_token, read_model
+from pipeline.run.events import EventType
 from pipeline.stages.common import Skipped, StageContext, StageError, main_for
 from pipeline.stages.train import acceptance_length, read_val_metrics
-from pipeline.stages.train_shims import complete_checkpoint
+from pipeline.train.checkpoints import complete_checkpoint
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import acceptance, spec_counters
 from pipeline.vllm.server import make_server, serving

@@ -1,17 +1,17 @@
 """Stage 2, extract: the target's hidden states for every prepared sample.
 
-    extract/out/hidden_states/hs_{i}.safetensors   (pipeline.hsfile)
+    extract/out/hidden_states/hs_{i}.safetensors   (pipeline.model.hsfile)
     extract/out/meta.json   layer ids, hidden size, dtype (written last)
 
 The stage decides what is left (on resume every existing file is validated:
 shape, dtype, finite, token ids; only missing or bad ones are redone), the
 layers, the dtype and the disk budget, and hands one `ExtractJob` to the
-configured backend (pipeline.stages.extract_job):
+configured backend (pipeline.extract.job):
 
     hf            transformers forward with hooks (extract_hf)
     vllm-server   vLLM serving the target, our connector writing the files
-                  (pipeline.vllm.extract_server)
-    vllm-engine   vLLM 0.11-0.16's engine driven in-process (pipeline.vllm.engine)
+                  (pipeline.extract.vllm_server)
+    vllm-engine   vLLM 0.11-0.16's engine driven in-process (pipeline.extract.vllm_engine)
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 import shutil
 import time
 
-from pipeline.diskspace import fmt_bytes
-from pipeline.events import EventType
-from pipeline.hsfile import Counters, hs_path, remove_leftovers, validate_file
+from pipeline.extract.backends import backend_runner
+from pipeline.extract.job import GB, DiskGuard, ExtractJob, RowIds
+from pipeline.model.hsfile import Counters, hs_path, remove_leftovers, validate_file
+from pipeline.run.diskspace import fmt_bytes
+from pipeline.run.events import EventType
 from pipeline.stages.common import StageContext, StageError, main_for, torch_dtype
-from pipeline.stages.extract_backends import backend_runner
-from pipeline.stages.extract_job import GB, DiskGuard, ExtractJob, RowIds
 from pipeline.vllm import compat
 from pipeline.vllm.environment import choose_backend, probe
 from pipeline.vllm.kv import combine_usage
@@ -61,11 +61,11 @@ def resolve_backend(ctx: StageContext, devices: list[int]):
 
 def run_backend(ctx: StageContext, job: ExtractJob, backend: str) -> Counters:
     """On this node, or across the nodes of the Slurm allocation the stage
-    runs in (`[cluster] nodes` > 1; pipeline.stages.extract_nodes)."""
+    runs in (`[cluster] nodes` > 1; pipeline.extract.nodes)."""
     cluster = ctx.cfg.cluster
     if cluster.nodes > 1:
-        from pipeline.slurm import allocation_tasks
-        from pipeline.stages.extract_nodes import run_across_nodes
+        from pipeline.cluster.slurm import allocation_tasks
+        from pipeline.extract.nodes import run_across_nodes
         tasks = allocation_tasks()
         if tasks > 1:
             return run_across_nodes(job, backend, ctx.run.stage_dir("extract") / "queue", tasks,
@@ -81,7 +81,7 @@ def body(ctx: StageContext) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.stages.extract_hf import text_config, validate_layer_ids
+    from pipeline.extract.hf import text_config, validate_layer_ids
 
     sec = ctx.section
     data_dir = ctx.out_of("prepare") / "data"

@@ -14,10 +14,10 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from pipeline.events import EventType
-from pipeline.stages.chat_mask import EndpointRenderer, LocalRenderer, RowError, normalize
+from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, RowError, normalize
+from pipeline.data.rows import count_rows, iter_raw, regenerated_rows
+from pipeline.run.events import EventType
 from pipeline.stages.common import StageContext, StageError, main_for
-from pipeline.stages.sources import count_rows, iter_raw, regenerated_rows
 
 CHUNK_ROWS = 200
 MAX_LISTED = 50

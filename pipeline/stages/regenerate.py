@@ -27,11 +27,11 @@ import queue
 import threading
 import time
 
-from pipeline.events import EventType
-from pipeline.model_info import kv_bytes_per_token, read_model
-from pipeline.stages.chat_mask import RowError, normalize, wire_messages
+from pipeline.data.chat_mask import RowError, normalize, wire_messages
+from pipeline.data.rows import iter_raw, regenerated_rows
+from pipeline.model.info import kv_bytes_per_token, read_model
+from pipeline.run.events import EventType
 from pipeline.stages.common import Skipped, StageContext, StageError, main_for
-from pipeline.stages.sources import iter_raw, regenerated_rows
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import make_server, serving
 

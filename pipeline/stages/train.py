@@ -5,9 +5,9 @@
 
 The trainer is speculators 0.9's (`speculators.train.cli.main`, resolved
 from the same flags as `speculators train`), with its metrics logger turned
-into `metric` events. On CPU it runs in this process with the shims of
-train_shims.py; with several GPUs this stage re-launches itself under
-torchrun, one process per GPU.
+into `metric` events, adjusted by pipeline/train/ (trainer.py, checkpoints.py,
+and cpu_patches.py on the CPU, where it runs in this process); with several
+GPUs this stage re-launches itself under torchrun, one process per GPU.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline import slurm
-from pipeline.events import EventType
+from pipeline.cluster import slurm
+from pipeline.run.events import EventType
 from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
-from pipeline.stages.train_shims import latest_checkpoint, set_aside_incomplete
+from pipeline.train.checkpoints import latest_checkpoint, set_aside_incomplete
 
 # torch versions whose compile of speculators' fused loss is known to fail
 # (docs/FACTS.md: torch 2.11, "ListVariable(...) is already tracked for mutation").
@@ -190,7 +190,7 @@ def online_meta(ctx: StageContext) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.stages.extract_hf import text_config, validate_layer_ids
+    from pipeline.extract.hf import text_config, validate_layer_ids
     trust = ctx.cfg.model.trust_remote_code
     mcfg = text_config(AutoConfig.from_pretrained(str(ctx.cfg.target_path()),
                                                   trust_remote_code=trust))
@@ -233,7 +233,7 @@ def body(ctx: StageContext) -> dict:
     if online:
         from datasets import load_from_disk
 
-        from pipeline.stages.train_online import OnlineServers, online_argv
+        from pipeline.train.online import OnlineServers, online_argv
         lengths = load_from_disk(str(ctx.out_of("prepare") / "data"))["seq_len"]
         servers = OnlineServers(ctx, meta, int(max(lengths)))
         try:
@@ -299,16 +299,16 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
     from speculators.train import cli as cli_mod
     from speculators.train.config import TrainConfig
 
-    from pipeline.stages import train_shims
+    from pipeline.train import trainer as panel_trainer
 
     metrics = MetricEvents(ctx, servers)
     if servers is not None:
         from speculators.train import dataloader as dl_mod
 
-        from pipeline.stages.train_online import keyed_dataset_class
+        from pipeline.train.online import keyed_dataset_class
         dl_mod.ArrowDataset = keyed_dataset_class()   # our key, our servers
     hooks = Hooks(ctx, metrics)
-    train_shims.install(cpu=device_type == "cpu", hooks=hooks)
+    panel_trainer.install(cpu=device_type == "cpu", hooks=hooks)
     real_setup = cli_mod.setup_metric_logger
 
     def setup_metric_logger(*a, **kw):
@@ -349,7 +349,7 @@ def run_torchrun(ctx: StageContext, argv: list[str]) -> None:
     """One process per GPU under torchrun (over the allocation's nodes with
     `[cluster] nodes` > 1); global rank 0 writes the events."""
     nodes = slurm.allocation_tasks() if ctx.cfg.cluster.nodes > 1 else 1
-    cmd = torchrun_command("pipeline.stages.train_worker",
+    cmd = torchrun_command("pipeline.train.worker",
                            ["--run-dir", str(ctx.run.path), "--", *argv], len(ctx.devices),
                            max(1, nodes))
     if nodes > 1:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from pipeline.events import EventType
-from pipeline.rundir import atomic_write_bytes
+from pipeline.run.events import EventType
+from pipeline.run.rundir import atomic_write_bytes
 from pipeline.stages.common import StageContext, StageError, main_for
 
 

@@ -1,6 +1,6 @@
 """eagle-panel's KV connector: vLLM loads it into the server
 (`--kv-transfer-config` with `kv_connector_module_path`) and it writes each
-request's hidden states straight into our format (pipeline.hsfile):
+request's hidden states straight into our format (pipeline.model.hsfile):
 `<storage>/hs_{i}.safetensors`, tmp + rename, the token ids beside them, i
 taken from the request (`kv_transfer_params.eagle_panel_index`). No
 staging folder, no second move, and it works on a CPU as on a GPU.
@@ -30,7 +30,7 @@ from functools import partial
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
 
-from pipeline.hsfile import hs_path, write_sample
+from pipeline.model.hsfile import hs_path, write_sample
 from pipeline.vllm.compat import INDEX_KEY
 
 

@@ -1,6 +1,6 @@
 """vLLM's KV-cache figures, wherever they come from: a server's log lines
 and /metrics, or an engine's KVCacheConfig. All become the same `kv_cache`
-and `kv_usage` events (pipeline.events).
+and `kv_usage` events (pipeline.run.events).
 
 The formats are vLLM's own (every release 0.11-0.33; tests check them
 against the format strings in the source releases):
@@ -24,7 +24,7 @@ _MEM = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 
 
 def kv_cache_fields(source: str, **known) -> dict:
-    """A `kv_cache` event's fields (pipeline.events.KvCacheEvent): what the
+    """A `kv_cache` event's fields (pipeline.run.events.KvCacheEvent): what the
     source knows, None for the rest. The one place the event is built."""
     fields = {"num_blocks": None, "block_size": None, "bytes_per_block": None,
               "total_bytes": None, "tokens_capacity": None, "max_concurrency": None,

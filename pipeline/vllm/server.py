@@ -6,7 +6,7 @@ the end (vLLM's EngineCore and workers can outlive a killed parent and keep
 their GPU memory: they are found by a token in their environment).
 
 When it dies, the error quotes the log lines that explain it and names a
-death by signal in words (pipeline.failures).
+death by signal in words (pipeline.run.exit_reasons).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.errors import StageError
-from pipeline.events import tail_lines
-from pipeline.failures import explain_exit, quote_error
-from pipeline.proctree import stop_tree
+from pipeline.run.events import tail_lines
+from pipeline.run.exit_reasons import explain_exit, quote_error
+from pipeline.run.proctree import stop_tree
+from pipeline.stage_error import StageError
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
 from pipeline.vllm.kv import KvLogReader, parse_metrics
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from pipeline.events import EventWriter
-from pipeline.rundir import RunDir
+from pipeline.run.events import EventWriter
+from pipeline.run.rundir import RunDir
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 extract backend drives (vLLM cannot run on these machines) — used only by
 the tests.
 
-What is real: the capture extension (pipeline/vllm/capture.py) is mixed into
+What is real: the capture extension (pipeline/extract/vllm_capture.py) is mixed into
 the stand-in worker the way vLLM does it (appended to the Worker's bases,
 methods called by name through collective_rpc); the hidden states come from
 a real forward of the tiny target (the hf backend's math, in fp32, cast to the
@@ -190,7 +190,7 @@ class _Embed(nn.Module):
         self.runner = runner
 
     def forward(self, input_ids):
-        return self.runner.table_for(0, input_ids.shape[0])
+        return self.driver.table_for(0, input_ids.shape[0])
 
 
 class _Layer(nn.Module):
@@ -199,7 +199,7 @@ class _Layer(nn.Module):
         self.runner, self.k = runner, k
 
     def forward(self, positions, hidden_states, residual):
-        stream = self.runner.table_for(self.k + 1, hidden_states.shape[0])
+        stream = self.driver.table_for(self.k + 1, hidden_states.shape[0])
         if residual is None:
             hidden_states.add_(1.0)   # vLLM's fused add writes into the embedding output
         r = torch.trunc(stream)       # exact split: (stream - r) + r == stream
@@ -230,7 +230,7 @@ class Runner:
     """vLLM's GPU model runner, reduced to what the capture depends on."""
 
     def __init__(self, vllm_config, fault=None):
-        from pipeline.stages.extract_hf import HFBackend
+        from pipeline.extract.hf import HFBackend
         mc = vllm_config.model_config
         self.dtype = getattr(torch, mc.dtype)
         probe = HFBackend.load(Path(mc.model), [1], "cpu", torch.float32)

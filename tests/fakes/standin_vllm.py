@@ -84,8 +84,8 @@ def main():
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.hsfile import write_sample
-    from pipeline.stages.extract_hf import HFBackend
+    from pipeline.extract.hf import HFBackend
+    from pipeline.model.hsfile import write_sample
     backend = HFBackend.load(Path(a.model), layer_ids, "cpu", torch.float32,
                              a.trust_remote_code)
     dtype = getattr(torch, a.dtype)

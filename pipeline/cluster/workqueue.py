@@ -42,9 +42,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.diskspace import DiskFull
-from pipeline.hsfile import hs_path
-from pipeline.rundir import atomic_write_bytes, atomic_write_json
+from pipeline.model.hsfile import hs_path
+from pipeline.run.diskspace import DiskFull
+from pipeline.run.rundir import atomic_write_bytes, atomic_write_json
 
 POLL_S = 0.5
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
-from pipeline.diskspace import DiskFull, is_full_errno
+from pipeline.run.diskspace import DiskFull, is_full_errno
 
 
 class EventType(str, enum.Enum):

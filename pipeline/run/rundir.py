@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.diskspace import DiskFull, is_full_errno
+from pipeline.run.diskspace import DiskFull, is_full_errno
 from pipeline.stage_graph import STAGE_NAMES
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.errors import StageError
-from pipeline.stages.chat_mask import RowError
+from pipeline.data.chat_mask import RowError
+from pipeline.stage_error import StageError
 
 
 def regenerated_rows(run) -> Path:

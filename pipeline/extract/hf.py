@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.hsfile import Counters, Writer
-from pipeline.stages.extract_job import ExtractJob
-from pipeline.stages.extract_parallel import reporting, run_parallel
+from pipeline.extract.job import ExtractJob
+from pipeline.extract.parallel import reporting, run_parallel
+from pipeline.model.hsfile import Counters, Writer
 
 
 def text_config(config):

@@ -2,9 +2,9 @@
 
 Process layout (all detached from whoever asked for the run):
 
-    driver      python -m pipeline.runner drive   own session, holds runs/<id>/lock,
+    driver      python -m pipeline.run.driver drive   own session, holds runs/<id>/lock,
                                                   starts the stages one after another
-    supervisor  python -m pipeline.supervise      own session per stage attempt,
+    supervisor  python -m pipeline.run.supervise      own session per stage attempt,
                                                   records the exit in state.json
     stage       python -m pipeline.stages.NAME    own process group under the supervisor
 
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline import slurm
+from pipeline.cluster import slurm
 from pipeline.config import GPU_STAGES, Config
-from pipeline.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
-from pipeline.events import EventType, EventWriter, last_event
 from pipeline.paths import pythonpath_with_project
-from pipeline.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, stop_tree, wait_gone
-from pipeline.rundir import RunDir, Status, proc_alive, proc_start_ticks
+from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
+from pipeline.run.events import EventType, EventWriter, last_event
+from pipeline.run.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, stop_tree, wait_gone
+from pipeline.run.rundir import RunDir, Status, proc_alive, proc_start_ticks
 from pipeline.stage_graph import STAGE_INPUTS, STAGE_NAMES
 
 POLL_S = 0.2
@@ -257,7 +257,7 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
     log.write(f"\n===== eagle-panel: {stage} attempt {attempt} at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
     log.flush()
-    supervise = [sys.executable, "-m", "pipeline.supervise", "--run-dir", str(rd.path),
+    supervise = [sys.executable, "-m", "pipeline.run.supervise", "--run-dir", str(rd.path),
                  "--stage", stage, "--", *argv]
     if cfg.cluster.scheduler == "slurm":
         log.close()
@@ -422,7 +422,7 @@ def busy_launcher(rd: RunDir, wait: float = 3.0) -> int | None:
 
 def start_driver(rd: RunDir, only: str | None = None, force: bool = False) -> subprocess.Popen:
     """Detach a driver for the run: it survives the terminal that started it."""
-    args = [sys.executable, "-m", "pipeline.runner", "drive", "--run-dir", str(rd.path)]
+    args = [sys.executable, "-m", "pipeline.run.driver", "drive", "--run-dir", str(rd.path)]
     if only:
         args += ["--stage", only]
     if force:
@@ -513,7 +513,7 @@ def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.runner")
+    ap = argparse.ArgumentParser(prog="python -m pipeline.run.driver")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("drive", help="run the pipeline of a run directory "
                                      "(detached by `eagle-panel run`)")

@@ -2,7 +2,7 @@
 in-process (what older speculators did), through pipeline.vllm.compat.
 
     executor   MultiprocExecutor: one worker process per GPU of the group
-               (tensor parallel), each with pipeline.vllm.capture mixed in
+               (tensor parallel), each with pipeline.extract.vllm_capture mixed in
     scheduler  vLLM's own Scheduler, fed a window of prompt-only requests
                (max_tokens 1, prefix caching off, torch.compile off)
     step       schedule -> tell the workers the step's token counts and starts ->
@@ -23,12 +23,12 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.errors import StageError
-from pipeline.hsfile import Counters
-from pipeline.stages.extract_job import ExtractJob
-from pipeline.stages.extract_parallel import reporting, run_parallel
+from pipeline.extract.job import ExtractJob
+from pipeline.extract.parallel import reporting, run_parallel
+from pipeline.extract.vllm_capture import CLASS_PATH
+from pipeline.model.hsfile import Counters
+from pipeline.stage_error import StageError
 from pipeline.vllm import compat
-from pipeline.vllm.capture import CLASS_PATH
 from pipeline.vllm.kv import kv_cache_event
 
 BLOCK_SIZE = 16

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import StageError
+from pipeline.stage_error import StageError
 
 
 def hs_path(folder: Path, i: int) -> Path:

@@ -13,8 +13,8 @@ resumable like a killed stage.
 
 With `[cluster] nodes` > 1, extract and train jobs get one task per node
 (--no-kill: a lost node does not end the job); the stage spreads itself
-over them with srun (pipeline.stages.extract_nodes, torchrun). Every GPU
-stage's job also runs a sampler step per node (pipeline.node_telemetry).
+over them with srun (pipeline.extract.nodes, torchrun). Every GPU
+stage's job also runs a sampler step per node (pipeline.cluster.node_telemetry).
 
 Liveness is asked often (every refresh), so answers are cached for a
 second; a scheduler that does not answer counts as "still alive" (a slow
@@ -91,7 +91,7 @@ def preflight(cluster, runs_dir: Path | None = None) -> None:
 
 
 # The stages that spread over `[cluster] nodes`: extract (one worker per node,
-# pipeline.stages.extract_nodes) and train (torchrun over the nodes).
+# pipeline.extract.nodes) and train (torchrun over the nodes).
 MULTI_NODE_STAGES = ("extract", "train")
 
 
@@ -125,10 +125,10 @@ def submit(cluster, stage: str, run_id: str, log: Path, workdir: Path, gpu_stage
             + shlex.join(sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage)) + "\n")
     if gpu_stage:
         # Each node's GPUs into the run directory for the panel
-        # (pipeline.node_telemetry); a step beside the stage's, ended with the job.
+        # (pipeline.cluster.node_telemetry); a step beside the stage's, ended with the job.
         text += ('srun --ntasks="${SLURM_JOB_NUM_NODES:-1}" '
                  + shlex.join(["--overlap", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
-                               "--output=/dev/null", command[0], "-m", "pipeline.node_telemetry",
+                               "--output=/dev/null", command[0], "-m", "pipeline.cluster.node_telemetry",
                                "--run-dir", str(workdir), "--stage", stage]) + " &\n")
     script.write_text(text + "exec " + shlex.join(command) + "\n")
     script.chmod(0o700)

@@ -1,6 +1,6 @@
 """Extract across the nodes of a Slurm allocation (`[cluster] nodes` > 1):
 data parallel over nodes through one shared queue of samples
-(pipeline.workqueue) in the run directory.
+(pipeline.cluster.workqueue) in the run directory.
 
 The extract stage (on the allocation's first node, under its supervisor)
 is the coordinator: it writes the queue and the job, starts one node
@@ -13,7 +13,7 @@ lost, its task killed) is not waited for: its unfinished chunks go back
 to the queue for the others. srun runs with --kill-on-bad-exit=0 and the
 job with --no-kill, so one lost task or node does not end the rest.
 
-    python -m pipeline.stages.extract_nodes --queue DIR    one node's worker
+    python -m pipeline.extract.nodes --queue DIR    one node's worker
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.diskspace import DiskFull
-from pipeline.errors import StageError
-from pipeline.hsfile import Counters
-from pipeline.rundir import atomic_write_bytes
-from pipeline.stages.extract_backends import backend_runner
-from pipeline.stages.extract_job import ExtractJob
+from pipeline.cluster.workqueue import WorkQueue, plan_chunks, worker_id
+from pipeline.extract.backends import backend_runner
+from pipeline.extract.job import ExtractJob
+from pipeline.model.hsfile import Counters
+from pipeline.run.diskspace import DiskFull
+from pipeline.run.rundir import atomic_write_bytes
+from pipeline.stage_error import StageError
 from pipeline.vllm.kv import combine_usage
-from pipeline.workqueue import WorkQueue, plan_chunks, worker_id
 
 REPORT_S = 0.5     # node workers' status files, and how often the stage reads them
 USAGE_S = 2.0      # one kv_usage event for all nodes at most this often (as one node's)
@@ -51,7 +51,7 @@ def run_across_nodes(job: ExtractJob, backend: str, queue_dir: Path, tasks: int,
     print(f"extract: {len(job.todo)} samples in {len(chunks)} chunks for {tasks} node "
           f"workers (srun; queue {queue_dir})", flush=True)
     argv = ["srun", f"--ntasks={tasks}", "--kill-on-bad-exit=0", "--label",
-            sys.executable, "-m", "pipeline.stages.extract_nodes", "--queue", str(queue_dir)]
+            sys.executable, "-m", "pipeline.extract.nodes", "--queue", str(queue_dir)]
     proc = subprocess.Popen(argv)
     return Coordinator(job, WorkQueue(queue_dir, "coordinator", lost_after_s), warn).follow(proc)
 

@@ -14,10 +14,10 @@ import queue
 import traceback
 from contextlib import contextmanager
 
-from pipeline.diskspace import DiskFull
-from pipeline.errors import StageError
-from pipeline.hsfile import Counters
-from pipeline.stages.extract_job import ExtractJob
+from pipeline.extract.job import ExtractJob
+from pipeline.model.hsfile import Counters
+from pipeline.run.diskspace import DiskFull
+from pipeline.stage_error import StageError
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 
 The stage decides what is left to do (resume), the layers, dtype and disk
 budget; a backend only turns `job.todo` into hs_{i}.safetensors files
-(pipeline.hsfile) and reports progress and KV-cache events through the
+(pipeline.model.hsfile) and reports progress and KV-cache events through the
 job's callbacks. The rules every backend shares live here once: the disk
 guard and the grouping of GPUs into tensor-parallel groups.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.diskspace import DiskFull, fmt_bytes
-from pipeline.hsfile import Counters
+from pipeline.model.hsfile import Counters
+from pipeline.run.diskspace import DiskFull, fmt_bytes
 
 GB = 1 << 30
 
@@ -135,7 +135,7 @@ class ExtractJob:
     should_stop: Callable[[], bool] = _no_stop
     on_progress: Callable[[Counters], None] = _ignore
     on_event: Callable[[str, dict], None] = _ignore   # ("kv_cache" | "kv_usage", fields)
-    # Across nodes (pipeline.workqueue): more rows come from the shared queue
+    # Across nodes (pipeline.cluster.workqueue): more rows come from the shared queue
     # once `todo` is used up; None on one node.
     feed: Any = None
     node: str = ""               # this node's worker id across nodes ("" on one node)

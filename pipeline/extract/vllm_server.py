@@ -27,11 +27,11 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.diskspace import DiskFull
-from pipeline.errors import StageError
-from pipeline.hsfile import Counters, check_header, hs_path, write_sample
-from pipeline.model_info import kv_bytes_per_token, read_model
-from pipeline.stages.extract_job import ExtractJob
+from pipeline.extract.job import ExtractJob
+from pipeline.model.hsfile import Counters, check_header, hs_path, write_sample
+from pipeline.model.info import kv_bytes_per_token, read_model
+from pipeline.run.diskspace import DiskFull
+from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.server import VllmServer, make_server, served_model_name
 from pipeline.vllm.source import VllmSource

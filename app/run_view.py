@@ -13,8 +13,8 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.events import EventTail, EventType
-from pipeline.rundir import RunDir, RunDirError, Status
+from pipeline.run.events import EventTail, EventType
+from pipeline.run.rundir import RunDir, RunDirError, Status
 from pipeline.stage_graph import STAGE_NAMES
 
 
@@ -55,7 +55,7 @@ class StageInfo:
     backend: str | None = None    # the backend the stage resolved (its `backend` event)
 
 
-class RunModel:
+class RunView:
     def __init__(self, run: RunDir, poll_bytes: int = 8 << 20):
         self.run = run
         self.stages = {s: StageInfo(s) for s in STAGE_NAMES}
@@ -93,8 +93,8 @@ class RunModel:
             return False
         self._state_sig = sig
         try:
-            from pipeline import runner
-            self.state = runner.observe(self.run)
+            from pipeline.run import driver
+            self.state = driver.observe(self.run)
             self.state_error = None
         except RunDirError as e:
             self.state_error = str(e)
@@ -138,9 +138,9 @@ class RunModel:
 
     # derived views ------------------------------------------------------------
     def driver_pid(self) -> int | None:
-        from pipeline import runner
+        from pipeline.run import driver
         d = self.state.get("driver") or {}
-        return d.get("pid") if self.state and runner.driver_alive(self.state) else None
+        return d.get("pid") if self.state and driver.driver_alive(self.state) else None
 
     def focus_stage(self) -> str:
         """The stage a user opening the panel wants to see: the running one,

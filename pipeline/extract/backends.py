@@ -1,6 +1,6 @@
 """Which code runs an extract job: the backend's `run(job) -> Counters`
-(pipeline.stages.extract_job), for the stage on one node and for each node
-worker across nodes (pipeline.stages.extract_nodes)."""
+(pipeline.extract.job), for the stage on one node and for each node
+worker across nodes (pipeline.extract.nodes)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 def backend_runner(name: str):
     """Imported on use: vLLM's modules are never loaded by an hf run."""
     if name == "vllm-server":
-        from pipeline.vllm.extract_server import run
+        from pipeline.extract.vllm_server import run
     elif name == "vllm-engine":
-        from pipeline.vllm.engine import run
+        from pipeline.extract.vllm_engine import run
     else:
-        from pipeline.stages.extract_hf import run
+        from pipeline.extract.hf import run
     return run

@@ -33,12 +33,12 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.events import EventType
-from pipeline.model_info import kv_bytes_per_token, read_model
+from pipeline.extract.job import gpu_groups
+from pipeline.extract.vllm_server import extraction_flags
+from pipeline.model.info import kv_bytes_per_token, read_model
+from pipeline.run.events import EventType
 from pipeline.stages.common import StageContext, StageError
-from pipeline.stages.extract_job import gpu_groups
 from pipeline.vllm.environment import probe
-from pipeline.vllm.extract_server import extraction_flags
 from pipeline.vllm.metrics import samples
 from pipeline.vllm.server import VllmServer, make_server, served_model_name
 

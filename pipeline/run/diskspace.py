@@ -6,7 +6,7 @@ named as such, with the path, what is free and, where known, what is
 needed, so that the user frees space and resumes. Nothing a later step
 trusts can be left half-written by it: outputs are written to a temporary
 name and renamed (rundir.atomic_write_bytes, hsfile), checkpoints are
-complete only with their marker (train_shims), and resume redoes only what
+complete only with their marker (pipeline.train.checkpoints), and resume redoes only what
 is missing.
 
 Libraries do not always say ENOSPC (torch's zip writer raises a
@@ -29,7 +29,7 @@ HINT = ("free space on that disk (or move [run] runs_dir to a bigger one), then 
 
 
 def fmt_bytes(n: float) -> str:
-    """A size for people (the panel's too: app/fmt.nbytes)."""
+    """A size for people (pipeline.fmt.nbytes calls it)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -2,7 +2,7 @@
 vLLM 0.11-0.16).
 
 vLLM loads this itself: the stage sets ParallelConfig.worker_extension_cls
-to `pipeline.vllm.capture.HiddenStateCapture`, which vLLM adds to its Worker
+to `pipeline.extract.vllm_capture.HiddenStateCapture`, which vLLM adds to its Worker
 class's bases, so the `eagle_*` methods run in every worker process and the
 stage calls them through `executor.collective_rpc`. Nothing here imports vLLM.
 
@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-CLASS_PATH = "pipeline.vllm.capture.HiddenStateCapture"
+CLASS_PATH = "pipeline.extract.vllm_capture.HiddenStateCapture"
 
 
 class CaptureError(Exception):
@@ -269,7 +269,7 @@ class HiddenStateCapture:
     the worker's). Attributes are prefixed so they cannot shadow the Worker's."""
 
     def eagle_setup(self, layer_ids: list[int], folder: str, writer_threads: int = 2) -> dict:
-        from pipeline.hsfile import Writer
+        from pipeline.model.hsfile import Writer
         model = self.model_runner.model
         base = find_base_model(model)
         layers = base.layers

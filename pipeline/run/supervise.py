@@ -5,7 +5,7 @@ signal into state.json. It lives in a new session of its own, so closing the
 panel, losing SSH or killing the launcher does not touch it, and the stage's
 end is recorded even when nobody is watching.
 
-    python -m pipeline.supervise --run-dir R --stage S -- ARGV...
+    python -m pipeline.run.supervise --run-dir R --stage S -- ARGV...
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import subprocess
 import sys
 import time
 
-from pipeline.diskspace import EXIT_DISK_FULL, DiskFull
-from pipeline.events import EventType, EventWriter, last_event, tail_lines
-from pipeline.failures import explain_exit, quote_error
-from pipeline.proctree import TOKEN_VAR, stop_tree
-from pipeline.rundir import RunDir, Status, proc_start_ticks, signal_name
+from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull
+from pipeline.run.events import EventType, EventWriter, last_event, tail_lines
+from pipeline.run.exit_reasons import explain_exit, quote_error
+from pipeline.run.proctree import TOKEN_VAR, stop_tree
+from pipeline.run.rundir import RunDir, Status, proc_start_ticks, signal_name
 
 
 def _classify(code: int, cancel_requested: bool, events_path) -> tuple[str, int | None, str | None]:
@@ -124,7 +124,7 @@ def _restore_signals():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.supervise")
+    ap = argparse.ArgumentParser(prog="python -m pipeline.run.supervise")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--stage", required=True)
     ap.add_argument("argv", nargs=argparse.REMAINDER)

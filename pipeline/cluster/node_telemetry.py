@@ -5,9 +5,9 @@ the files (it never reaches the nodes itself).
     RUN/telemetry/<host>.json   {host, seq, t, stage, job, source, banner,
                                  gpus: [GpuSample fields], host_stats: ...}
 
-The sampler (`python -m pipeline.node_telemetry --run-dir R --stage S`,
+The sampler (`python -m pipeline.cluster.node_telemetry --run-dir R --stage S`,
 started with `srun --overlap`, one task per node, by the batch script of a
-GPU stage: pipeline.slurm) samples with the same sources and rates as the
+GPU stage: pipeline.cluster.slurm) samples with the same sources and rates as the
 panel (pipeline.telemetry: NVML, slow fields cached) and rewrites its file
 atomically every `--interval` seconds. The job's end ends it (Slurm stops
 every step of the job).
@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.diskspace import DiskFull
-from pipeline.rundir import atomic_write_json
+from pipeline.run.diskspace import DiskFull
+from pipeline.run.rundir import atomic_write_json
 from pipeline.telemetry import GpuSample, HostSample, Telemetry
 
 STALE_S = 10.0

@@ -1,0 +1,85 @@
+"""speculators 0.9's Trainer as the train stage runs it: progress from the
+real number of steps (the packed batches change every epoch), a stop
+request honoured between steps, and SIGINT saving a mid-epoch checkpoint
+under the epoch's number with its step (speculators' own `interrupted`
+folder is not resumable), so resume continues at the same global step.
+
+`install` puts it, the safe checkpointer and (on the CPU) the CPU patches
+into speculators' module namespaces for this process — never by editing
+site-packages.
+"""
+
+from __future__ import annotations
+
+from pipeline.train.checkpoints import safe_checkpointer
+
+
+def panel_trainer(base, hooks):
+    """A subclass of speculators' Trainer `base` reporting to `hooks`: an
+    object with `on_total_steps(n, per_epoch)`, `should_stop()` and
+    `on_interrupted(epoch, local_step, global_step)`."""
+
+    class PanelTrainer(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            steps = len(self.train_loader) * self.config.num_epochs
+            if self.config.max_steps:
+                steps = min(steps, self.config.max_steps)
+            hooks.on_total_steps(steps, len(self.train_loader))
+            self._epoch = self.current_epoch
+            self._epoch_origin = self.global_step - self._resume_local_step
+
+        def train_epoch(self, epoch, **kwargs):
+            self._epoch = epoch
+            self._epoch_origin = self.global_step - (
+                self._resume_local_step if epoch == self.current_epoch else 0)
+            # The packed batches are drawn anew each epoch and their number
+            # changes with them: the total is re-counted from this epoch's
+            # (later epochs estimated alike), so progress never ends at 118/117.
+            sampler = self.train_loader.batch_sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            per_epoch = len(self.train_loader)
+            total = self._epoch_origin + per_epoch * (self.config.num_epochs - epoch)
+            if self.config.max_steps:
+                total = min(total, self.config.max_steps)
+            hooks.on_total_steps(total, per_epoch)
+            return super().train_epoch(epoch, **kwargs)
+
+        def run_training(self):
+            if hooks.should_stop():
+                hooks.on_interrupted(self._epoch, 0, self.global_step)
+                return None
+            return super().run_training()
+
+        def maybe_save_checkpoint(self, epoch, local_step=0):
+            if epoch != "interrupted":
+                return super().maybe_save_checkpoint(epoch, local_step)
+            local = self.global_step - self._epoch_origin
+            hooks.on_interrupted(self._epoch, local, self.global_step)
+            if local <= 0:
+                return None  # nothing done since the last checkpoint
+            steps = len(self.train_loader)
+            saved = self.config
+            # Save now whatever the checkpoint frequency says: a mid-epoch
+            # checkpoint (or the epoch's end) that speculators resumes from.
+            self.config = saved._replace(checkpoint_freq=1, save_best=False)
+            try:
+                return super().maybe_save_checkpoint(self._epoch, 0 if local >= steps else local)
+            finally:
+                self.config = saved
+
+    return PanelTrainer
+
+
+def install(cpu: bool, hooks) -> None:
+    """Patch speculators' training modules for this process."""
+    from speculators.train import checkpointer as ck_mod
+    from speculators.train import cli as cli_mod
+    from speculators.train import trainer as tr_mod
+
+    tr_mod.SingleGPUCheckpointer = safe_checkpointer(ck_mod.SingleGPUCheckpointer)
+    cli_mod.Trainer = panel_trainer(tr_mod.Trainer, hooks)
+    if cpu:
+        from pipeline.train.cpu_patches import patch_for_cpu
+        patch_for_cpu(tr_mod, ck_mod)
