@@ -201,14 +201,14 @@ def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
 def cmd_status(args) -> int:
     rd = resolve_run(args, args.run)
     state, rows = status_rows(rd)
-    driver = state.get("driver") or {}
+    launcher = state.get("driver") or {}
     if args.json:
         json.dump({"run_id": rd.id, "path": str(rd.path),
-                   "driver_pid": driver.get("pid") if driver.driver_alive(state) else None,
+                   "driver_pid": launcher.get("pid") if driver.driver_alive(state) else None,
                    "stages": rows}, sys.stdout, indent=1, default=str)
         print()
         return 0
-    drv = f"driver pid {driver['pid']}" if driver.driver_alive(state) else "no launcher running"
+    drv = f"driver pid {launcher['pid']}" if driver.driver_alive(state) else "no launcher running"
     print(f"run {rd.id}  ({rd.path})  {drv}")
     print(f"{'STAGE':10} {'STATUS':10} {'ATT':>3}  {'DURATION':>8}  {'EXIT':7} PROGRESS")
     for r in rows:

@@ -2,7 +2,8 @@
 is chosen by STAGEKIT in its environment (per stage via [stages.X.env]).
 
   ok | sleep:S | sleep_once:S | fail:CODE | fail_once | sigkill | ignore_term:S | grandchild:S |
-  events:N | flood:S | graceful:S (exits 130 on SIGINT after writing a marker)
+  events:N | flood:S | graceful:S (writes graceful.ready once its SIGINT handler is in;
+  exits 130 on SIGINT after writing graceful.marker)
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> int:
             ev.emit("stage_finished", status="cancelled", duration_s=time.time() - t0, summary={})
             sys.exit(130)
         signal.signal(signal.SIGINT, stop)
+        (rd.stage_dir(stage) / "graceful.ready").write_text("handler installed")
         time.sleep(float(arg))
     ev.emit("stage_finished", status="succeeded", duration_s=time.time() - t0,
              summary={"action": action})
