@@ -41,13 +41,13 @@ def resolve_run(args, name: str | None) -> RunDir:
 
 def cmd_run(args) -> int:
     cfg = control.load_config(args.config)
-    return _start(lambda: control.start(control.open_run(cfg, args.run), args.stage, args.force),
-                  args.wait)
+    return _start(lambda: control.launch(cfg, args.run, args.stage, args.force,
+                                         skip_checks=args.skip_checks), args.wait)
 
 
 def cmd_resume(args) -> int:
     rd = resolve_run(args, args.run)
-    return _start(lambda: control.resume(rd), args.wait)
+    return _start(lambda: control.resume(rd, skip_checks=args.skip_checks), args.wait)
 
 
 def _start(begin, wait: bool) -> int:
@@ -58,6 +58,12 @@ def _start(begin, wait: bool) -> int:
         return EXIT_BUSY
     except control.Blocked as e:
         print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except control.Refused as e:
+        from pipeline import doctor
+        print(doctor.as_text([f for f in e.findings if f.level != doctor.OK]), file=sys.stderr)
+        print(f"{e}; nothing was started. Fix the config (`eagle-panel doctor` has the whole "
+              "report), or launch anyway with --skip-checks.", file=sys.stderr)
         return EXIT_BAD_INPUT
     rd = started.run
     for step in started.steps:
@@ -330,6 +336,8 @@ def _panel_options() -> argparse.ArgumentParser:
     return p
 
 
+SKIP_CHECKS = ("launch even when doctor's launch checks block (said in the run's driver.log); "
+               "for experts who know better")
 DEFAULTS = {"config": None, "runs_dir": None, "simulate_gpus": 0, "interval": 1.0,
             "refresh": 2.0, "run": None}
 
@@ -357,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-run even up-to-date stages, from scratch")
     p.add_argument("--wait", action="store_true",
                    help="stream progress; exit with the pipeline's status")
+    p.add_argument("--skip-checks", action="store_true", help=SKIP_CHECKS)
 
     p = command("status", cmd_status, "stages, status, attempt, duration, exit, last progress")
     p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
@@ -366,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
     p.add_argument("--wait", action="store_true",
                    help="stream progress; exit with the pipeline's status")
+    p.add_argument("--skip-checks", action="store_true", help=SKIP_CHECKS)
 
     p = command("cancel", cmd_cancel, "stop the running stage: SIGINT, then SIGTERM, then SIGKILL")
     p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")

@@ -437,10 +437,16 @@ class PanelApp(App):
         try:
             if self.rundir is None:
                 cfg = control.load_config(self.config_path and str(self.config_path))
-                self._attach(control.open_run(cfg))
-            started = control.resume(self.rundir, busy_wait=1.0)
+                started = control.launch(cfg, busy_wait=1.0)
+                self._attach(started.run)
+            else:
+                started = control.resume(self.rundir, busy_wait=1.0)
         except control.Busy:
             self.notify("the pipeline is already running", timeout=3)
+            return
+        except control.Refused as e:
+            self.push_screen(DoctorScreen(findings=e.findings, heading=f"{e}; nothing was "
+                                          "started. Fix the config, then press r again."))
             return
         except (ConfigError, RunDirError, control.Blocked) as e:
             self.notify(str(e), severity="error", timeout=15)
@@ -472,6 +478,9 @@ class PanelApp(App):
                 control.start(self.rundir, only=stage, force=True, busy_wait=1.0)
             except control.Busy:
                 self.notify("cancel the running pipeline first", severity="warning", timeout=4)
+                return
+            except control.Refused as e:
+                self.push_screen(DoctorScreen(findings=e.findings, heading=str(e)))
                 return
             except (control.Blocked, ConfigError, RunDirError) as e:
                 self.notify(str(e), severity="warning", timeout=6)

@@ -23,9 +23,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from pipeline import __version__
+from pipeline import __version__, builtin
 from pipeline.builtin import conversations_path
-from pipeline.builtin.tiny_model import ensure_built
 from pipeline.paths import PROJECT_ROOT, VLLM_VENV
 from pipeline.stage_graph import STAGE_INPUTS
 
@@ -77,6 +76,9 @@ class GpusSection:
     extract: list[int] | None = None
     train: list[int] | None = None
     evaluate: list[int] | None = None
+    # Memory of one GPU in GB, for doctor's plans on a machine that does not
+    # have the GPUs (a Slurm login node): 0 = as NVML reports here.
+    memory_gb: float = 0.0
 
 
 @dataclass
@@ -282,8 +284,8 @@ class Config:
 
     def target_path(self) -> Path:
         """The target model's folder (the built-in one is built on first use)."""
-        if self.model.target == BUILTIN_MODEL:
-            return ensure_built()
+        if self.model.target in builtin.TARGETS:
+            return builtin.target(self.model.target).ensure_built()
         return self.resolve(self.model.target)
 
     def data_path(self) -> Path:
@@ -500,6 +502,9 @@ def _check_ranges(cfg: Config, src: str) -> None:
                          ("stages.evaluate.temperature", cfg.stages.evaluate.temperature)):
         if value < 0:
             raise ConfigError(f"{src}: `{where}` must be 0 (greedy) or positive, got {value}.")
+    if cfg.gpus.memory_gb < 0:
+        raise ConfigError(f"{src}: `gpus.memory_gb` must be 0 (as NVML reports) or a GPU's "
+                          f"memory in GB, got {cfg.gpus.memory_gb}.")
     if any(i < 0 for i in cfg.stages.extract.layer_ids):
         raise ConfigError(f"{src}: `stages.extract.layer_ids` must be layer numbers >= 0.")
 
@@ -511,12 +516,13 @@ def _check_paths(cfg: Config, src: str) -> None:
             f"{src}: `stages.evaluate.prompts` = {cfg.stages.evaluate.prompts!r}: "
             f"{cfg.resolve(cfg.stages.evaluate.prompts)} is not a file. Give a JSONL file of "
             'chats (`messages`) or prompts (`prompt`), or "" for the validation split.')
+    known = {"model.target": tuple(builtin.TARGETS), "data.path": (BUILTIN_DATA,)}
     for kind, value in (("model.target", cfg.model.target), ("data.path", cfg.data.path)):
         if value.startswith("builtin:"):
-            if value not in (BUILTIN_MODEL, BUILTIN_DATA):
+            if value not in known[kind]:
                 raise ConfigError(
                     f"{src}: `{kind}` = {value!r} is not a built-in; the built-ins are "
-                    f"{BUILTIN_MODEL!r} and {BUILTIN_DATA!r}."
+                    f"{', '.join(map(repr, known[kind]))}."
                 )
             continue
         if not cfg.resolve(value).exists():

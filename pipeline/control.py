@@ -32,7 +32,18 @@ class Busy(Exception):
 
 
 class Blocked(Exception):
-    """The requested stage needs one that has not succeeded."""
+    """The requested stage needs one that has not succeeded, or the
+    scheduler would refuse the jobs."""
+
+
+class Refused(Exception):
+    """doctor's launch checks found something blocking; nothing was created
+    or started. `findings` are all of the checks' findings."""
+
+    def __init__(self, run_id: str, findings: list):
+        n = sum(f.level == "blocking" for f in findings)
+        super().__init__(f"{run_id}: not launched: doctor found {n} blocking problem(s)")
+        self.findings = findings
 
 
 @dataclass
@@ -76,13 +87,6 @@ def resolve_run(folder: Path, name: str | None) -> RunDir:
     return runs[0]
 
 
-def open_run(cfg: Config, run_id: str | None = None) -> RunDir:
-    """Create (or reuse) the run directory with the config frozen into it
-    (a scheduler that would refuse the jobs is said before, creating nothing)."""
-    check_scheduler(cfg, run_id or cfg.run.name, cfg.runs_dir())
-    return driver.prepare_run(cfg, run_id)
-
-
 def check_scheduler(cfg: Config, run_id: str, runs_dir: Path) -> None:
     if cfg.cluster.scheduler == "slurm":
         try:
@@ -91,15 +95,45 @@ def check_scheduler(cfg: Config, run_id: str, runs_dir: Path) -> None:
             raise Blocked(f"{run_id}: {e}") from None
 
 
+def check_launch(cfg: Config, run_id: str, skip_checks: bool = False) -> list:
+    """doctor's launch checks (pipeline.doctor.LAUNCH_CHECKS: from the config
+    and the target's config.json, no probes). Raises Refused when one blocks,
+    unless `skip_checks`; returns the blocking findings that were skipped."""
+    from pipeline import doctor
+    findings = doctor.launch_findings(cfg)
+    blocking = [f for f in findings if f.level == doctor.BLOCK]
+    if blocking and not skip_checks:
+        raise Refused(run_id, findings)
+    return blocking
+
+
+def launch(cfg: Config, run_id: str | None = None, only: str | None = None,
+           force: bool = False, skip_checks: bool = False, busy_wait: float = 3.0) -> Started:
+    """`run`: check the config, then create (or reuse) the run directory with
+    the config frozen into it, then start. A check that refuses (the
+    scheduler's, doctor's) creates and changes nothing."""
+    rid = run_id or cfg.run.name
+    check_scheduler(cfg, rid, cfg.runs_dir())
+    skipped = check_launch(cfg, rid, skip_checks)
+    return _start(driver.prepare_run(cfg, run_id), cfg, only, force, busy_wait, skipped)
+
+
 def start(rd: RunDir, only: str | None = None, force: bool = False,
-          busy_wait: float = 3.0) -> Started:
-    """Plan and start the run's driver (not started when everything is up
-    to date). Raises Busy, or Blocked when `only` needs an unfinished stage."""
+          busy_wait: float = 3.0, skip_checks: bool = False) -> Started:
+    """Plan and start the run's driver with its frozen config (not started
+    when everything is up to date). Raises Busy, Refused, or Blocked when
+    `only` needs an unfinished stage."""
+    cfg = driver.load_run_config(rd)
+    check_scheduler(cfg, rd.id, rd.path.parent)
+    skipped = check_launch(cfg, rd.id, skip_checks)
+    return _start(rd, cfg, only, force, busy_wait, skipped)
+
+
+def _start(rd: RunDir, cfg: Config, only: str | None, force: bool, busy_wait: float,
+           skipped: list) -> Started:
     holder = driver.busy_launcher(rd, wait=busy_wait)
     if holder is not None:
         raise Busy(rd, holder)
-    cfg = driver.load_run_config(rd)
-    check_scheduler(cfg, rd.id, rd.path.parent)
     steps = driver.plan(cfg, driver.reconcile(rd), only, force)
     blocked = [s for s in steps if s.action == "blocked"]
     if blocked:
@@ -107,13 +141,16 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
                       "without --stage first.")
     if all(s.action == "skip" for s in steps):
         return Started(rd, steps)
+    if skipped:
+        driver.say_in_log(rd, "launched with --skip-checks over doctor's blocking findings: "
+                          + "; ".join(f"{f.area}: {f.message}" for f in skipped))
     return Started(rd, steps, driver.start_driver(rd, only, force))
 
 
-def resume(rd: RunDir, busy_wait: float = 3.0) -> Started:
+def resume(rd: RunDir, busy_wait: float = 3.0, skip_checks: bool = False) -> Started:
     """Restart from the first stage that has not succeeded, with the run's
     frozen config; each stage resumes from its own finished work."""
-    return start(rd, busy_wait=busy_wait)
+    return start(rd, busy_wait=busy_wait, skip_checks=skip_checks)
 
 
 def cancel_graces(rd: RunDir) -> tuple[float, float]:

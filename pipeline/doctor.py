@@ -23,7 +23,14 @@ from pathlib import Path
 
 from pipeline.cluster import slurm
 from pipeline.config import Config
-from pipeline.model.info import ModelInfo, hs_bytes_per_token, kv_bytes_per_token, read_model
+from pipeline.model.info import (
+    ModelInfo,
+    hs_bytes_per_token,
+    kv_bytes_per_token,
+    model_info,
+    read_model,
+    validate_layer_ids,
+)
 from pipeline.paths import PROJECT_ROOT
 from pipeline.run.rundir import RunDir
 from pipeline.vllm import compat
@@ -219,6 +226,11 @@ def check_backends(x: Inputs) -> list[Finding]:
 
 def check_gpus(x: Inputs) -> list[Finding]:
     configured = x.cfg.gpus.devices
+    if x.gpus is None and configured and x.cfg.cluster.scheduler == "slurm":
+        return [Finding("gpus", OK, f"no GPU on this machine (a login node); the jobs get "
+                        f"GPUs {configured} on the compute nodes: planned with "
+                        + (f"{x.cfg.gpus.memory_gb:g} GB each ([gpus] memory_gb)"
+                           if x.cfg.gpus.memory_gb else "no memory size ([gpus] memory_gb)"))]
     if x.gpus is None:
         level = BLOCK if configured else OK
         return [Finding("gpus", level, "no NVIDIA driver / GPU found"
@@ -259,7 +271,6 @@ def check_model(x: Inputs) -> list[Finding]:
 
 
 def check_layers(x: Inputs) -> list[Finding]:
-    from pipeline.extract.hf import validate_layer_ids
     if x.model is None:
         return []
     m = x.model
@@ -267,10 +278,87 @@ def check_layers(x: Inputs) -> list[Finding]:
         x.layer_ids = validate_layer_ids(list(x.cfg.stages.extract.layer_ids), m.layers)
     except ValueError as e:
         return [Finding("layers", BLOCK, f"[stages.extract] layer_ids: {e}",
-                        f"use ids in 0..{m.layers - 1}, e.g. [2, {m.layers // 2}, "
-                        f"{m.layers - 3}]")]
+                        "edit [stages.extract] layer_ids" + (
+                            f", e.g. [2, {m.layers // 2}, {m.layers - 3}]" if m.layers >= 6
+                            else ""))]
     return [Finding("layers", OK, f"aux layer ids {x.layer_ids[:-1]} + last {x.layer_ids[-1]} "
                     "(vLLM convention) are valid for {} layers".format(m.layers))]
+
+
+def vllm_servers(cfg: Config) -> list[tuple[str, int]]:
+    """(what, tensor-parallel size) of each kind of vLLM server the run starts:
+    extract's (and online train's) per `tensor_parallel` group, regenerate's and
+    evaluate's over all of their GPUs."""
+    out = []
+    ext = cfg.stages.extract
+    if cfg.online or ext.backend != "hf":
+        out.append(("[stages.extract] tensor_parallel", max(1, ext.tensor_parallel)))
+    for stage in ("regenerate", "evaluate"):
+        if cfg.enabled(stage):
+            out.append((f"[stages.{stage}]'s server (its GPUs: {cfg.stage_devices(stage)})",
+                        max(1, len(cfg.stage_devices(stage)))))
+    return out
+
+
+def tp_sizes(m: ModelInfo, upto: int = 64) -> list[int]:
+    """Tensor-parallel sizes vLLM accepts for this model: they divide the
+    attention heads, and the KV heads divide them or they divide the KV heads
+    (each rank then holds a copy). MLA has one latent, copied on every rank."""
+    ok = []
+    for tp in range(1, upto + 1):
+        if m.heads % tp:
+            continue
+        if not m.mla and m.kv_heads % tp and tp % m.kv_heads:
+            continue
+        ok.append(tp)
+    return ok
+
+
+def check_shapes(x: Inputs) -> list[Finding]:
+    """What a launch on GPUs breaks on after minutes of loading: tensor
+    parallel against the heads, sequence lengths against the target's
+    positions, the draft's vocabulary and tokens against the target's."""
+    if x.model is None:
+        return []
+    m, cfg, out = x.model, x.cfg, []
+    heads = f"{m.heads} attention heads" + ("" if m.mla else f" / {m.kv_heads} KV heads")
+    for what, tp in vllm_servers(cfg):
+        if tp not in tp_sizes(m, max(tp, 1)):
+            fits = [t for t in tp_sizes(m) if t <= 64]
+            out.append(Finding("shapes", BLOCK, f"{what}: tensor-parallel size {tp} does not "
+                               f"fit the target's {heads} (vLLM refuses it at startup)",
+                               f"use a size in {fits[:8]}"))
+    sec = cfg.stages
+    if m.max_position:
+        need = [("[stages.prepare] seq_length", sec.prepare.seq_length + 8)]
+        if cfg.enabled("regenerate"):
+            need.append(("[stages.prepare] seq_length + [stages.regenerate] max_tokens",
+                         sec.prepare.seq_length + sec.regenerate.max_tokens + 8))
+        if cfg.enabled("evaluate"):
+            need.append(("[stages.prepare] seq_length + [stages.evaluate] max_tokens",
+                         sec.prepare.seq_length + sec.evaluate.max_tokens + 8))
+        for what, n in need:
+            if n > m.max_position:
+                out.append(Finding("shapes", BLOCK, f"{what} (+8) = {n:,} tokens per request, "
+                                   f"more than the target's max_position_embeddings "
+                                   f"{m.max_position:,}", f"lower {what.split(' + ')[-1]}"))
+    if m.vocab_size and sec.vocab.draft_vocab_size > m.vocab_size:
+        out.append(Finding("shapes", BLOCK, f"[stages.vocab] draft_vocab_size "
+                           f"{sec.vocab.draft_vocab_size:,} is larger than the target's vocabulary "
+                           f"({m.vocab_size:,} tokens)",
+                           f"set draft_vocab_size <= {m.vocab_size} (32000 is usual)"))
+    k, ttt = sec.evaluate.num_speculative_tokens, sec.train.ttt_steps
+    if cfg.enabled("evaluate") and k > ttt:
+        out.append(Finding("shapes", WARN, f"[stages.evaluate] num_speculative_tokens = {k} but "
+                           f"the draft is trained for {ttt} ([stages.train] ttt_steps): "
+                           "positions past it are drafted untrained and mostly rejected",
+                           f"set num_speculative_tokens <= {ttt}, or ttt_steps = {k}"))
+    if not out:
+        tps = sorted({tp for _, tp in vllm_servers(cfg)})
+        out.append(Finding("shapes", OK, f"{heads}: tensor-parallel {tps or '-'} fits; "
+                           f"requests of up to {sec.prepare.seq_length:,} tokens within "
+                           f"{m.max_position or '?'} positions"))
+    return out
 
 
 def check_eagle3(x: Inputs) -> list[Finding]:
@@ -306,14 +394,28 @@ def expected_adaptations(src, route: str, env: VllmEnv | None) -> list[compat.Ad
 
 
 def check_kv_cache(x: Inputs) -> list[Finding]:
+    """The plan is for where the stages will run: the CPU build's KV space
+    when the config names no GPU, else the GPUs the config names (bf16) —
+    whatever machine doctor runs on (a login node has none: [gpus] memory_gb)."""
     if not x.uses_vllm or x.model is None:
         return []
     sec = x.cfg.stages.extract
     tp = max(1, sec.tensor_parallel)
-    if x.vllm is not None and x.vllm.cpu_build:
-        return [cpu_kv_plan(x.model, x.cfg, x.layer_ids)]
+    if not x.cfg.gpus.devices:
+        if x.vllm is not None and x.vllm.cpu_build:
+            return [cpu_kv_plan(x.model, x.cfg, x.layer_ids)]
+        return []
     util = sec.gpu_memory_utilization if x.backend == "vllm-engine" else _server_util(x.cfg)
-    return kv_plan(x.model, tp, x.gpus or [], x.cfg, util)
+    return kv_plan(x.model, tp, planned_gpus(x), x.cfg, util)
+
+
+def planned_gpus(x: Inputs) -> list[dict]:
+    """The GPUs to plan with: this machine's, or [gpus] memory_gb each."""
+    if x.gpus:
+        return x.gpus
+    gb = x.cfg.gpus.memory_gb
+    return [{"index": d, "name": "planned", "memory_total": int(gb * 1e9)}
+            for d in x.cfg.gpus.devices] if gb else []
 
 
 def check_disk(x: Inputs) -> list[Finding]:
@@ -398,8 +500,35 @@ def per_node_plan(x: Inputs) -> Finding:
 
 
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
-          check_layers, check_eagle3, check_adaptations, check_kv_cache, check_disk,
+          check_layers, check_shapes, check_eagle3, check_adaptations, check_kv_cache, check_disk,
           check_privacy, check_cluster)
+# What `run`, `resume` and the panel's `r` check before anything is created or
+# started: the checks that need no probe of an environment, no vLLM source and
+# no network — from the config and the target's config.json, in well under a
+# second. (The stages still check the rest themselves, with the same words.)
+LAUNCH_CHECKS = (check_gpus, check_model, check_layers, check_shapes)
+
+
+def target_info(cfg: Config) -> ModelInfo:
+    """The target's ModelInfo; a built-in one from its description, without
+    building it (a launch must not wait for a build the first stage does)."""
+    from pipeline import builtin
+    if cfg.model.target in builtin.TARGETS:
+        return model_info(builtin.target(cfg.model.target).describe())
+    return read_model(cfg.target_path())
+
+
+def launch_findings(cfg: Config) -> list[Finding]:
+    """The LAUNCH_CHECKS' findings for a config (doctor's own lines)."""
+    x = Inputs(cfg, env={}, vllm=None, gpus=nvml_gpus() if cfg.gpus.devices else None)
+    try:
+        x.model = target_info(cfg)
+    except (OSError, ValueError, KeyError) as e:
+        x.extra["model_error"] = str(e)
+    findings: list[Finding] = []
+    for check in LAUNCH_CHECKS:
+        findings += check(x)
+    return findings
 
 
 def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool = False,
@@ -488,7 +617,8 @@ def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -
     devices = [g for g in gpus if g["index"] in (cfg.stage_devices("extract") or [])]
     if not devices:
         return [Finding("kv_cache", OK, f"KV cache: {per_tok:,} B/token per GPU at TP={tp} "
-                        f"({kind}); no GPU memory to plan against")]
+                        f"({kind}); no GPU memory to plan against (no GPU here: set [gpus] "
+                        "memory_gb to plan for the GPUs the jobs will get)")]
     mem = min(g["memory_total"] for g in devices)
     weights = (m.weights_bytes or 0) / tp
     free = mem * util - weights

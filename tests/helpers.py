@@ -35,25 +35,26 @@ def wait_for(pred, timeout=30.0, poll=0.05, what="condition"):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def stagekit_config(tmp_path: Path, actions: dict[str, str] | None = None, extra: str = "",
-                    name: str = "t") -> Path:
-    """A config whose stages are tests.fakes.stagekit, each with its action."""
+def stagekit_config(tmp_path: Path, actions: dict[str, str] | None = None,
+                    extra: str | dict = "", name: str = "t") -> Path:
+    """A config whose stages are tests.fakes.stagekit, each with its action;
+    `extra` (TOML text or tables) is laid over it table by table."""
     from pipeline.stage_graph import STAGE_NAMES
+    from tests.configs import merged, write
     actions = actions or {}
-    parts = [f'[run]\nname = "{name}"\nruns_dir = "runs"\n',
-             '[runtime]\ncancel_grace_s = 2.0\nterm_grace_s = 2.0\n', extra]
     count = tmp_path / "starts.txt"
-    for stage in STAGE_NAMES:
-        # every stage on (regenerate is off by default): all six run as test stages
-        on = "enabled = true\n" if stage == "regenerate" else ""
-        parts.append(textwrap.dedent(f"""
-            [stages.{stage}]
-            entry = "tests.fakes.stagekit"
-            env = {{ STAGEKIT = "{actions.get(stage, 'ok')}", STAGEKIT_COUNT = "{count}" }}
-            """) + on)
-    path = tmp_path / "config.toml"
-    path.write_text("\n".join(parts))
-    return path
+    tables = {"run": {"name": name, "runs_dir": "runs"},
+              "runtime": {"cancel_grace_s": 2.0, "term_grace_s": 2.0},
+              "stages": {stage: {"entry": "tests.fakes.stagekit",
+                                 "env": {"STAGEKIT": actions.get(stage, "ok"),
+                                         "STAGEKIT_COUNT": str(count)}}
+                         for stage in STAGE_NAMES}}
+    # every stage on (regenerate is off by default): all six run as test stages
+    tables["stages"]["regenerate"]["enabled"] = True
+    # what a launch checks against the built-in target (4 layers, 1,024 tokens)
+    tables["stages"]["extract"]["layer_ids"] = [1, 2, 3]
+    tables["stages"]["vocab"]["draft_vocab_size"] = 256
+    return write(tmp_path / "config.toml", merged(tables, extra))
 
 
 def run_body(tmp_path, stage, body, config: str, run="r"):

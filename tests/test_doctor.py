@@ -159,7 +159,28 @@ def test_remote_code_and_layer_ids_are_blocking_with_fixes(tmp_path):
     blocks = {f.area: f for f in findings if f.level == doctor.BLOCK}
     assert "trust_remote_code = true" in blocks["model"].fix
     assert "layer id 61 is the last layer" in blocks["layers"].message
-    assert "0..60" in blocks["layers"].fix
+    assert "0..60" in blocks["layers"].message and "[2, 30, 58]" in blocks["layers"].fix
+
+
+def test_a_login_node_plans_for_the_gpus_the_config_names(tmp_path):
+    """No GPU here (a Slurm login node): the KV plan is for the jobs' 8 GPUs
+    from [gpus] memory_gb, in bf16 MLA bytes — not for this machine's CPU."""
+    target, cfg, gpus = kimi_on_8_h200(tmp_path)
+    cfg.gpus.memory_gb = H200 / 1e9
+    findings = diagnose(cfg, ENV_0_17, None, "0.22.0")
+    (kv,) = by_area(findings, "kv_cache")
+    # the same figures as on 8 real H200 (test_kimi_plan_on_eight_h200)
+    assert "70,272 B/token" in kv.message and "~872,386 tokens" in kv.message
+    cfg.gpus.memory_gb = 0
+    (kv,) = by_area(diagnose(cfg, ENV_0_17, None, "0.22.0"), "kv_cache")
+    assert "70,272 B/token" in kv.message and "[gpus] memory_gb" in kv.message
+
+
+def test_tensor_parallel_against_the_heads(tmp_path):
+    llama = doctor.read_model(model_dir(tmp_path, "llama-3.1-8b"))   # 32 heads / 8 KV heads
+    kimi = doctor.read_model(model_dir(tmp_path, "kimi-k2.5"))       # MLA, 64 heads
+    assert doctor.tp_sizes(llama, 16) == [1, 2, 4, 8, 16]
+    assert 3 not in doctor.tp_sizes(kimi, 16) and 16 in doctor.tp_sizes(kimi, 16)
 
 
 @pytest.mark.integration

@@ -13,8 +13,8 @@ from pipeline.builtin.make_conversations import BROKEN
 from pipeline.builtin.tiny_model import ensure_built
 from pipeline.data.chat_mask import LocalRenderer, RowError, normalize
 from pipeline.extract import hf as extract_hf
-from pipeline.extract.hf import validate_layer_ids
 from pipeline.model import hsfile
+from pipeline.model.info import validate_layer_ids
 from pipeline.stages import extract, prepare, train, vocab
 from tests.helpers import finished, run_body
 
@@ -292,12 +292,17 @@ def test_prepare_needs_trust_remote_code_for_custom_tokenizers(tmp_path):
 # -- extract --------------------------------------------------------------------
 
 def test_layer_ids_are_validated():
-    assert validate_layer_ids([3, 1, 2], 4) == [1, 2, 3, 4]
+    assert validate_layer_ids([1, 2, 3], 4) == [1, 2, 3, 4]
     assert validate_layer_ids([], 61) == [2, 30, 58, 61]
     with pytest.raises(ValueError, match="is the last layer"):
         validate_layer_ids([1, 4], 4)
     with pytest.raises(ValueError, match=r"out of range .* 0\.\.3"):
         validate_layer_ids([1, 9], 4)
+    with pytest.raises(ValueError, match="not in increasing order.*e.g. \\[1, 2, 3\\]"):
+        validate_layer_ids([3, 1, 2], 4)
+    # every problem at once: the repeat and the id out of range
+    with pytest.raises(ValueError, match=r"99 is out of range.*lists layer 1 twice.*e\.g\. \[1\]"):
+        validate_layer_ids([1, 1, 99], 4)
     with pytest.raises(ValueError, match="too few"):
         validate_layer_ids([], 4)
 

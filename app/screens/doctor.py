@@ -33,9 +33,11 @@ class DoctorScreen(ModalScreen[None]):
 
     BINDINGS = [("escape", "dismiss", "Close"), ("d", "dismiss", "Close"), ("q", "dismiss", "Close")]
 
-    def __init__(self, load_config):
+    def __init__(self, load_config=None, findings=None, heading: str = ""):
+        """Either `load_config` (the checks run here) or the `findings` of
+        checks already run (a launch they refused, with a `heading`)."""
         super().__init__()
-        self.load_config = load_config
+        self.load_config, self.findings, self.heading = load_config, findings, heading
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
@@ -43,7 +45,12 @@ class DoctorScreen(ModalScreen[None]):
                               style="dim"), id="doctor-report")
 
     def on_mount(self) -> None:
-        self.check()
+        if self.findings is None:
+            self.check()
+        else:
+            text = Text(self.heading + "\n\n", style="bold red") if self.heading else Text()
+            text.append_text(render(self.findings))
+            self.query_one("#doctor-report", Static).update(text)
 
     @work(thread=True, exclusive=True)
     def check(self) -> None:

@@ -1,8 +1,15 @@
-"""The embedded default: a tiny target model and a conversation dataset."""
+"""The embedded defaults: tiny target models and a conversation dataset.
 
+Each built-in target is a module with `ensure_built() -> Path` (the model
+folder, built on first use) and `describe() -> dict` (its config.json as it
+will be, known without building: what a launch checks against).
+"""
+
+import importlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TARGETS = {"builtin:tiny-llama": "pipeline.builtin.tiny_model"}
 
 
 def conversations_path() -> Path:
@@ -11,3 +18,8 @@ def conversations_path() -> Path:
 
 def broken_conversations_path() -> Path:
     return HERE / "conversations_broken.jsonl"
+
+
+def target(name: str):
+    """The module of the built-in target `name` ("builtin:tiny-llama")."""
+    return importlib.import_module(TARGETS[name])

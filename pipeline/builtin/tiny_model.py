@@ -153,6 +153,12 @@ def _build_model(out: Path, tokenizer) -> None:
         torch.set_num_threads(threads)
 
 
+def describe() -> dict:
+    """The config.json the build writes, as far as a launch check reads it."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": VOCAB_SIZE, "torch_dtype": "float32", **MODEL_CONFIG}
+
+
 def ensure_built() -> Path:
     """The model folder, built on first use (safe against concurrent callers)."""
     final = cache_dir()

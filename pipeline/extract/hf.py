@@ -46,26 +46,6 @@ def decoder_layers(model, num_layers: int):
     raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
 
 
-def validate_layer_ids(aux: list[int], num_layers: int) -> list[int]:
-    """Aux ids plus the last layer; errors say which id and the valid range."""
-    if not aux:
-        if num_layers < 6:
-            raise ValueError(
-                f"the target has {num_layers} layers, too few for the default aux layers "
-                f"[2, n/2, n-3]; set [stages.extract] layer_ids (0..{num_layers - 1})")
-        aux = [2, num_layers // 2, num_layers - 3]
-    for k in aux:
-        if k == num_layers:
-            raise ValueError(f"layer id {k} is the last layer, which is always captured; "
-                             f"aux layer ids must be in 0..{num_layers - 1}")
-        if not 0 <= k < num_layers:
-            raise ValueError(f"layer id {k} is out of range for a target with {num_layers} "
-                             f"layers; aux layer ids must be in 0..{num_layers - 1}")
-    if len(set(aux)) != len(aux):
-        raise ValueError(f"layer_ids {aux} lists a layer twice")
-    return sorted(aux) + [num_layers]
-
-
 class HFBackend:
     """Forward batches of token ids; returns [batch, seq, n_layers, hidden]."""
 

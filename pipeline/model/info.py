@@ -26,6 +26,7 @@ class ModelInfo:
     needs_remote_code: bool  # auto_map in config or tokenizer config
     weights_bytes: int | None
     max_position: int | None = None   # max_position_embeddings
+    vocab_size: int | None = None
 
     @property
     def mla(self) -> bool:
@@ -34,9 +35,6 @@ class ModelInfo:
 
 def read_model(folder: Path) -> ModelInfo:
     raw = json.loads((folder / "config.json").read_text())
-    text = raw.get("text_config") or raw
-    heads = int(text.get("num_attention_heads") or 1)
-    hidden = int(text["hidden_size"])
     tok_cfg = folder / "tokenizer_config.json"
     tok_auto = tok_cfg.exists() and "auto_map" in json.loads(tok_cfg.read_text() or "{}")
     weights = None
@@ -46,6 +44,15 @@ def read_model(folder: Path) -> ModelInfo:
     if weights is None:
         files = list(folder.glob("*.safetensors"))
         weights = sum(f.stat().st_size for f in files) if files else None
+    return model_info(raw, tokenizer_remote_code=tok_auto, weights_bytes=weights)
+
+
+def model_info(raw: dict, tokenizer_remote_code: bool = False,
+               weights_bytes: int | None = None) -> ModelInfo:
+    """What a config.json (as a dict) says about the model."""
+    text = raw.get("text_config") or raw
+    heads = int(text.get("num_attention_heads") or 1)
+    hidden = int(text["hidden_size"])
     return ModelInfo(
         architecture=(raw.get("architectures") or ["?"])[0],
         model_type=str(text.get("model_type") or raw.get("model_type") or "?"),
@@ -55,9 +62,42 @@ def read_model(folder: Path) -> ModelInfo:
         kv_lora_rank=text.get("kv_lora_rank"), qk_rope_head_dim=text.get("qk_rope_head_dim"),
         dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype")
                   or "bfloat16"),
-        wrapped="text_config" in raw, needs_remote_code="auto_map" in raw or tok_auto,
-        weights_bytes=int(weights) if weights else None,
-        max_position=text.get("max_position_embeddings"))
+        wrapped="text_config" in raw,
+        needs_remote_code="auto_map" in raw or tokenizer_remote_code,
+        weights_bytes=int(weights_bytes) if weights_bytes else None,
+        max_position=text.get("max_position_embeddings"),
+        vocab_size=text.get("vocab_size") or raw.get("vocab_size"))
+
+
+def validate_layer_ids(aux: list[int], num_layers: int) -> list[int]:
+    """The aux layer ids as given, plus the last layer (vLLM's convention: id k
+    is the residual stream after k layers). Every problem is said at once:
+    ids out of range, the last layer (always captured), repeats, and an
+    order other than increasing (vLLM hands the draft the aux states in the
+    order given, and the draft's first projection is trained on that order)."""
+    if not aux:
+        if num_layers < 6:
+            raise ValueError(
+                f"the target has {num_layers} layers, too few for the default aux layers "
+                f"[2, n/2, n-3]; set [stages.extract] layer_ids (0..{num_layers - 1})")
+        aux = [2, num_layers // 2, num_layers - 3]
+    problems = []
+    for k in aux:
+        if k == num_layers:
+            problems.append(f"layer id {k} is the last layer, which is always captured")
+        elif not 0 <= k < num_layers:
+            problems.append(f"layer id {k} is out of range for a target with {num_layers} "
+                            "layers")
+    twice = sorted({k for k in aux if aux.count(k) > 1})
+    if twice:
+        problems.append(f"{aux} lists layer {', '.join(map(str, twice))} twice")
+    elif aux != sorted(aux):
+        problems.append(f"{aux} is not in increasing order")
+    if problems:
+        good = sorted({k for k in aux if 0 <= k < num_layers})
+        raise ValueError("; ".join(problems) + f". Aux layer ids are distinct, increasing, in "
+                         f"0..{num_layers - 1}" + (f", e.g. {good}" if good else ""))
+    return list(aux) + [num_layers]
 
 
 def kv_bytes_per_token(m: ModelInfo, tp: int = 1, elem: int = 2) -> int:

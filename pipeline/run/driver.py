@@ -374,6 +374,12 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
+def say_in_log(rd: RunDir, line: str) -> None:
+    """A line in the run's driver.log, from whoever launches it."""
+    with contextlib.suppress(OSError), open(rd.path / "driver.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+
+
 def load_run_config(rd: RunDir, state: dict | None = None) -> Config:
     """The run's frozen config, with relative paths meaning what they meant
     next to the original config file."""

@@ -81,7 +81,8 @@ def body(ctx: StageContext) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.extract.hf import text_config, validate_layer_ids
+    from pipeline.extract.hf import text_config
+    from pipeline.model.info import validate_layer_ids
 
     sec = ctx.section
     data_dir = ctx.out_of("prepare") / "data"

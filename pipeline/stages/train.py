@@ -190,7 +190,8 @@ def online_meta(ctx: StageContext) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.extract.hf import text_config, validate_layer_ids
+    from pipeline.extract.hf import text_config
+    from pipeline.model.info import validate_layer_ids
     trust = ctx.cfg.model.trust_remote_code
     mcfg = text_config(AutoConfig.from_pretrained(str(ctx.cfg.target_path()),
                                                   trust_remote_code=trust))

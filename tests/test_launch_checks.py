@@ -1,0 +1,108 @@
+"""A launch refuses what cannot work: `run`, `resume` and the panel's `r`
+apply doctor's launch checks first (pipeline.doctor.LAUNCH_CHECKS) and refuse
+with exit 2 and doctor's own lines, before a run directory exists (or leaving
+an existing one byte-identical); `--skip-checks` launches anyway and says so
+in the run's driver.log."""
+
+import shutil
+
+import pytest
+
+from app.panel import PanelApp
+from pipeline.telemetry import Telemetry
+from tests.helpers import cli
+from tests.test_doctor import CONFIGS
+from tests.test_reads_never_write import tree
+
+pytestmark = pytest.mark.integration
+
+# each: (config lines for the stagekit config, what doctor's line says)
+REFUSED = {
+    "layer ids repeated and out of range": (
+        "[stages.extract]\nlayer_ids = [1, 1, 99]\n",
+        ["layer id 99 is out of range", "lists layer 1 twice"]),
+    "layer ids out of order": ("[stages.extract]\nlayer_ids = [3, 1, 2]\n",
+                               ["not in increasing order", "e.g. [1, 2, 3]"]),
+    "tensor parallel against 4 heads / 2 KV heads": (
+        '[stages.extract]\nbackend = "vllm-server"\ntensor_parallel = 3\n',
+        ["tensor-parallel size 3 does not fit the target's 4 attention heads / 2 KV heads",
+         "use a size in [1, 2, 4]"]),
+    "requests longer than the target's positions": (
+        "[stages.prepare]\nseq_length = 4000\n",
+        ["4,008 tokens per request, more than the target's max_position_embeddings 2,048"]),
+    "evaluate's answers past the positions": (
+        "[stages.prepare]\nseq_length = 1900\n[stages.evaluate]\nmax_tokens = 400\n",
+        ["seq_length + [stages.evaluate] max_tokens (+8) = 2,308"]),
+    "a draft vocabulary larger than the target's": (
+        "[stages.vocab]\ndraft_vocab_size = 32000\n",
+        ["draft_vocab_size 32,000 is larger than the target's vocabulary (1,024 tokens)"]),
+}
+
+
+def kimi_folder(tmp_path):
+    """Kimi-K2.5's config.json (auto_map: custom code) as a target folder."""
+    d = tmp_path / "kimi"
+    d.mkdir()
+    shutil.copy(CONFIGS / "kimi-k2.5.json", d / "config.json")
+    return d
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_run_refuses_before_creating_anything(tmp_path, stagekit, case):
+    extra, said = REFUSED[case]
+    stagekit(extra=extra)
+    p = cli("run", cwd=tmp_path, check=2)
+    for words in said:
+        assert words in p.stderr
+    assert "[ BLOCK ]" in p.stderr and "nothing was started" in p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_remote_code_target_with_the_flag_off(tmp_path, stagekit):
+    stagekit(extra=f'[model]\ntarget = "{kimi_folder(tmp_path)}"\n'
+                   "[stages.extract]\nlayer_ids = [2, 30, 58]\n"
+                   "[stages.vocab]\ndraft_vocab_size = 32000\n")
+    p = cli("run", cwd=tmp_path, check=2)
+    assert "auto_map (custom code) and [model] trust_remote_code = false" in p.stderr
+    assert "set [model] trust_remote_code = true" in p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_warning_does_not_block(tmp_path, stagekit):
+    stagekit(extra="[stages.evaluate]\nnum_speculative_tokens = 5\n")
+    cli("run", "--wait", cwd=tmp_path, check=0)
+
+
+def test_an_existing_run_is_left_untouched_and_skip_checks_is_logged(tmp_path, stagekit):
+    stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    run = tmp_path / "runs" / "t"
+    before = tree(run)
+    # the same run with a config that cannot work: refused, the run as it was
+    stagekit(extra="[stages.extract]\nlayer_ids = [1, 1, 99]\n")
+    cli("run", "--force", cwd=tmp_path, check=2)
+    assert tree(run) == before
+    # an expert launches anyway: said in the run's log; then resume (the frozen
+    # config is the bad one) is refused without touching the run
+    p = cli("run", "--force", "--skip-checks", "--wait", cwd=tmp_path, check=0)
+    assert "prepare" in p.stdout
+    log = (run / "driver.log").read_text()
+    assert "launched with --skip-checks over doctor's blocking findings: layers:" in log
+    before = tree(run)
+    p = cli("resume", cwd=tmp_path, check=2)
+    assert "lists layer 1 twice" in p.stderr
+    assert tree(run) == before
+
+
+async def test_the_panels_r_shows_the_blocking_lines(tmp_path, stagekit):
+    stagekit(extra='[stages.extract]\nbackend = "vllm-server"\ntensor_parallel = 3\n')
+    app = PanelApp(None, tmp_path / "config.toml", runs_dir=tmp_path / "runs",
+                   telemetry=Telemetry(simulate=0))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("r")
+        await pilot.pause(0.5)
+        report = str(app.screen.query_one("#doctor-report").render())
+        assert "nothing was started" in report
+        assert "tensor-parallel size 3 does not fit" in report and "BLOCK" in report
+        await pilot.press("escape")
+        assert not (tmp_path / "runs").exists()
