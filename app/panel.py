@@ -4,27 +4,27 @@ It reads only the run directory and NVML. Files are polled in a worker
 thread (woken by inotify when a file changes), telemetry is sampled in
 another, and the UI thread only draws — so the panel can be closed, lose its
 SSH connection or be opened twice without touching a running stage.
+
+The app holds what was read (`view`, `snapshot`) and the keys that act on
+the run (r, c, F) through pipeline.control; the main screen
+(app/screens/main.py) draws and owns the keys that change only the view.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from pathlib import Path
 
-from rich.text import Text
 from textual import work
-from textual.app import App, ComposeResult
+from textual.app import App
 from textual.binding import Binding
-from textual.containers import Vertical
-from textual.css.query import NoMatches
-from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from app.run_view import RunView
 from app.screens.confirm import ConfirmScreen
 from app.screens.doctor import DoctorScreen
 from app.screens.help import HelpScreen
+from app.screens.main import MainScreen, all_done, drawing_callback
 from pipeline import control, fmt
 from pipeline.cluster.node_telemetry import NodeWatch
 from pipeline.config import ConfigError
@@ -34,26 +34,6 @@ from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
 from widgets.gpu_table import GpuTable
-from widgets.kv_panel import KVCachePanel
-from widgets.log_view import LogView
-from widgets.loss_chart import LossChart
-from widgets.online_view import online_text
-from widgets.quiet import QuietStatic
-from widgets.stage_table import StageTable
-
-
-def drawing_callback(fn):
-    """Timers and thread callbacks can still fire while Textual tears the
-    screen down at exit (seen once in CI: the log poll found no LogView).
-    Their widgets exist for the app's whole life otherwise, so a missing
-    one means there is nothing left to draw."""
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        try:
-            return fn(self, *args, **kwargs)
-        except NoMatches:
-            return None
-    return wrapper
 
 
 class PanelApp(App):
@@ -62,24 +42,8 @@ class PanelApp(App):
     LOG_INTERVAL = 1.0  # seconds between log view updates
     CSS_PATH = Path(__file__).with_name("panel.tcss")
     TITLE = "eagle-panel"
-    BINDINGS = [
-        Binding("r", "run", "Run/resume"),
-        Binding("c", "cancel", "Cancel"),
-        Binding("F", "force", "Force re-run"),
-        Binding("1", "tab('logs')", "Logs", show=False),
-        Binding("2", "tab('gpus')", "GPUs", show=False),
-        Binding("3", "tab('kv')", "KV", show=False),
-        Binding("4", "tab('training')", "Train", show=False),
-        Binding("z", "fullscreen", "Full log"),
-        Binding("f", "follow", "Follow", show=False),
-        Binding("slash", "search", "Search", show=False),
-        Binding("n", "next_match", "Next", show=False),
-        Binding("e", "chart('smooth')", "EMA", show=False),
-        Binding("o", "chart('log')", "Log scale", show=False),
-        Binding("a", "chart('metric')", "Loss/acc", show=False),
-        Binding("v", "chart('split')", "Train/val", show=False),
+    BINDINGS = [   # r, c and F: the main screen's footer (app.run, app.cancel, app.force)
         Binding("d", "doctor", "Doctor", show=False),
-        Binding("g", "node", "Node", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
     ]
@@ -97,8 +61,7 @@ class PanelApp(App):
         # history every `interval`): 8 GPUs of changing numbers each second
         # are most of what a slow SSH link would carry.
         self.refresh_s = max(self.interval, refresh)
-        self._gpus_drawn_at = -1e9
-        self.model = RunView(run) if run else None
+        self.view = RunView(run) if run else None
         self.lock = threading.Lock()
         self.telemetry = telemetry or Telemetry(simulate_gpus, disk_path=(run.path if run else runs_dir))
         # Cluster nodes' GPUs, from the files their jobs write (no NVML here for them).
@@ -107,47 +70,21 @@ class PanelApp(App):
         self.snapshot = None
         self._statuses: dict[str, str] = {}
         self._all_done: bool | None = None   # unknown until the first look
-        self._log_stage = None
         self._stop = threading.Event()
         self._dirty = False  # set by the file watcher, drawn by _tick
         self._backend_cache: tuple[int | None, str | None] = (None, None)
 
-    # -- layout -----------------------------------------------------------------
-    def compose(self) -> ComposeResult:
-        yield QuietStatic(id="title")
-        yield StageTable(id="stages")
-        yield QuietStatic(id="detail")
-        with TabbedContent(initial="logs", id="tabs"):
-            with TabPane("1 Logs", id="logs"):
-                yield LogView(id="log")
-                yield Input(placeholder="search the log (Enter: find, Esc: close)", id="search")
-            with TabPane("2 GPUs", id="gpus"):
-                yield GpuTable(id="gpu")
-            with TabPane("3 KV cache", id="kv"):
-                yield KVCachePanel(id="kvpanel")
-            with TabPane("4 Training", id="training"):
-                with Vertical():
-                    yield QuietStatic(id="train-info")
-                    yield LossChart(id="chart")
-        yield Footer()
+    def get_default_screen(self) -> MainScreen:
+        return MainScreen()
+
+    @property
+    def main(self) -> MainScreen:
+        """The main screen, also while a modal screen is on top of it."""
+        return self.screen_stack[0]
 
     def on_mount(self) -> None:
-        self.query_one("#search").display = False
-        self.query_one(StageTable).focus()
-        self._draw_title()
-        if self.model is not None:
-            with self.lock:
-                self.model.poll()
-                self.query_one(StageTable).select(self.model.focus_stage())
-            self._apply_model()
-            self._select_log(self.query_one(StageTable).selected_stage)
-        else:
-            cfg = self.config_path.name if self.config_path else "config.toml"
-            self.query_one("#detail", QuietStatic).set(Text(
-                f"No runs yet. Press r to start one from {cfg}.", style="bold"))
         self._watch_files()
         self._sample_telemetry()
-        self.set_interval(self.LOG_INTERVAL, self._poll_log)
         self.set_interval(self.UI_INTERVAL, self._tick)
 
     # -- workers ------------------------------------------------------------------
@@ -156,14 +93,14 @@ class PanelApp(App):
         """Poll the run's files; wake at once when inotify sees a change."""
         waiter = None
         while not self._stop.is_set():
-            if self.model is None:
+            if self.view is None:
                 self._stop.wait(0.5)
                 continue
             if waiter is None:
                 waiter = ChangeWaiter([self.rundir.path]
                                       + [self.rundir.stage_dir(s) for s in STAGE_NAMES])
             with self.lock:
-                if self.model.poll():
+                if self.view.poll():
                     self._dirty = True
             waiter.wait(0.5)
             self._stop.wait(self.MIN_POLL)  # coalesce bursts of file changes
@@ -185,129 +122,51 @@ class PanelApp(App):
         self._stop.set()
         self.telemetry.close()
 
-    # -- drawing -------------------------------------------------------------------
-    def _draw_title(self) -> None:
-        t = Text("eagle-panel ", style="bold")
-        if self.rundir is None:
-            t.append("no run", style="dim")
-        else:
-            t.append(f"run {self.rundir.id}")
-            pid = self.model.driver_pid() if self.model else None
-            t.append(f"  launcher pid {pid}" if pid else "  idle (r runs/resumes)",
-                     style="green" if pid else "dim")
-        kind = self.telemetry.kind
-        t.append(f"  GPUs: {'SIMULATED' if kind == 'simulated' else kind}",
-                 style="magenta" if kind == "simulated" else "dim")
-        self.query_one("#title", QuietStatic).set(t)
-
-    def _apply_model(self) -> None:
-        if self.model is None:
+    # -- what was read -> the screen --------------------------------------------------
+    def first_look(self) -> None:
+        """The main screen is up: read the run, select the stage a user
+        opening the panel wants to see, draw."""
+        if self.view is None:
             return
         with self.lock:
-            table = self.query_one(StageTable)
-            table.refresh_from(self.model, self.clock())
-            self._notify_transitions()
-            self._draw_detail()
-            self._draw_title()
-            self._draw_active_tab()
+            self.view.poll()
+            self.main.select(self.view.focus_stage())
+        self._apply_view()
 
-    def _draw_active_tab(self, switched: bool = False) -> None:
-        """Hidden tabs are not drawn; switching to one draws it."""
-        tab = self.query_one(TabbedContent).active
-        if tab == "training" and self.model is not None:
-            self._draw_training(force=switched)
-        elif tab == "kv" and self.model is not None:
-            self.query_one(KVCachePanel).update_from(self.model, self._backend())
-        elif tab == "gpus" and self.snapshot is not None:
-            self._draw_gpus(force=switched)
-
-    def on_tabbed_content_tab_activated(self, _event) -> None:
+    def _apply_view(self) -> None:
+        if self.view is None:
+            return
         with self.lock:
-            self._draw_active_tab(switched=True)
+            self._notify_transitions()
+            self.main.draw_run(self.clock())
 
     @drawing_callback
     def _apply_snapshot(self, snap) -> None:
         self.snapshot = snap
         with self.lock:
-            self.query_one(GpuTable).record(snap)
-            if self.query_one(TabbedContent).active == "gpus":
-                self._draw_gpus()
+            self.main.query_one(GpuTable).record(snap)
+            if self.main.query_one("#tabs").active == "gpus":
+                self.main.draw_gpus()
 
-    def _draw_gpus(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._gpus_drawn_at < self.refresh_s:
-            return  # the history keeps every sample; the rows wait
-        self._gpus_drawn_at = now
-        holders = self.model.devices_by_gpu() if self.model else {}
-        forecast = self.model.stages["extract"].progress if self.model else None
-        running = frozenset(self.model.running_stages()) if self.model else frozenset()
-        self.query_one(GpuTable).update_from(self.snapshot, holders, forecast, running)
-
-    def action_node(self) -> None:
-        """g on the GPU tab: one cluster node's GPUs, the next, then all nodes."""
-        if self.query_one(TabbedContent).active == "gpus" and self.snapshot is not None:
-            with self.lock:
-                self.query_one(GpuTable).drill_next()
-
-    def _draw_detail(self) -> None:
-        stage = self.query_one(StageTable).selected_stage
-        info = self.model.stages[stage]
-        st = info.state
-        t = Text(f"{stage}: ", style="bold")
-        if self.model.state_error:
-            t.append(self.model.state_error, style="bold red")
-        elif st.get("status") == Status.FAILED:
-            err = info.last_error or {}
-            t.append(err.get("message") or f"failed ({fmt.exit_text(st)})", style="bold red")
-            if err.get("hint"):
-                t.append(f"\n  hint: {err['hint']}", style="yellow")
-            if st.get("reason"):
-                t.append(f"\n  {st['reason']}", style="dim")
-        elif info.warnings:
-            t.append(info.warnings[-1].get("message", ""), style="yellow")
-        elif info.finished:
-            summary = info.finished.get("summary") or {}
-            t.append(", ".join(f"{k}={v}" for k, v in summary.items()
-                               if isinstance(v, (int, float)) and not isinstance(v, bool)) or
-                     info.finished.get("status", ""), style="dim")
+    @drawing_callback
+    def _tick(self) -> None:
+        """The one redraw timer: at most once per UI_INTERVAL however fast a
+        stage writes (what reaches the terminal over SSH is what users feel);
+        durations advance even when no file changes."""
+        if self.view is None:
+            return
+        if self._dirty:
+            self._dirty = False
+            self._apply_view()
         else:
-            t.append(st.get("status", Status.PENDING), style="dim")
-        self.query_one("#detail", QuietStatic).set(t)
+            with self.lock:
+                self.main.draw_stages(self.clock())
 
-    def _draw_training(self, force: bool = False) -> None:
-        m = self.model
-        prog = m.stages["train"].progress
-        t = Text()
-        if prog:
-            t.append(f"step {prog.get('done')}/{prog.get('total')}  ")
-            if prog.get("epoch") is not None:
-                t.append(f"epoch {prog['epoch']}  ")
-            if prog.get("eta_s") is not None and m.stages["train"].state.get("status") == Status.RUNNING:
-                t.append(f"ETA {fmt.duration(prog['eta_s'])}  ")
-        lr = m.metrics.get(("train", "lr")) or m.metrics.get(("train", "lr_AdamW"))
-        if lr is not None and len(lr):
-            t.append(f"lr {lr.y[-1]:.2e}  ")
-        acc = m.acceptance_estimate()
-        measured = m.acceptance_measured()
-        if measured is not None:
-            t.append(f"acceptance length {measured:.2f} (vLLM)", style="bold green")
-            if acc is not None:
-                t.append(f", est. {acc:.2f}")
-        elif acc is not None:
-            t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
-        if not t.plain:
-            t.append("no training yet", style="dim")
-        if m.stages["train"].online:
-            t.append("\n")
-            t.append_text(online_text(m.stages["train"].online))
-        self.query_one("#train-info", QuietStatic).set(t)
-        self.query_one(LossChart).update_from(m, force)
-
-    def _backend(self) -> str | None:
+    def extract_backend(self) -> str | None:
         """The backend extract runs: what the stage resolved (its `backend`
         event: "auto" may become hf), else the run's frozen config when it
         names one; re-read only when that config changes."""
-        said = self.model.stages["extract"].backend
+        said = self.view.stages["extract"].backend
         if said:
             return said
         try:
@@ -320,7 +179,7 @@ class PanelApp(App):
             return None
 
     def _notify_transitions(self) -> None:
-        for s, info in self.model.stages.items():
+        for s, info in self.view.stages.items():
             status = info.state.get("status")
             before = self._statuses.get(s)
             self._statuses[s] = status
@@ -333,95 +192,13 @@ class PanelApp(App):
         # A finished pipeline rings once, when the statuses turn all done (not
         # when the launcher is seen to end: a quick run can start and end
         # between two redraws).
-        all_done = all(self.model.stages[s].state.get("status") in driver.DONE
-                       for s in STAGE_NAMES)
-        if all_done and self._all_done is False:
+        done = all_done(self.view)
+        if done and self._all_done is False:
             self.bell()
             self.notify("pipeline finished: all stages succeeded", timeout=10)
-        self._all_done = all_done
+        self._all_done = done
 
-    @drawing_callback
-    def _tick(self) -> None:
-        """The one redraw timer: at most once per UI_INTERVAL however fast a
-        stage writes (what reaches the terminal over SSH is what users feel);
-        durations advance even when no file changes."""
-        if self.model is None:
-            return
-        if self._dirty:
-            self._dirty = False
-            self._apply_model()
-        else:
-            with self.lock:
-                self.query_one(StageTable).refresh_from(self.model, self.clock())
-
-    def _select_log(self, stage: str) -> None:
-        if self.rundir is None or stage == self._log_stage:
-            return
-        self._log_stage = stage
-        self.query_one(LogView).watch_file(self.rundir.log_path(stage))
-
-    @drawing_callback
-    def _poll_log(self) -> None:
-        self.query_one(LogView).poll()
-
-    def on_stage_table_selected(self, event: StageTable.Selected) -> None:
-        if self.model is None:
-            return
-        stage = event.stage
-        self._select_log(stage)
-        with self.lock:
-            self._draw_detail()
-
-    # -- actions -------------------------------------------------------------------
-    def action_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = tab
-
-    def action_fullscreen(self) -> None:
-        self.screen.toggle_class("fullscreen")
-        self.query_one(TabbedContent).active = "logs"
-
-    def action_follow(self) -> None:
-        log = self.query_one(LogView)
-        log.set_follow(not log.follow)
-        self.notify(f"follow {'on' if log.follow else 'off'}", timeout=2)
-
-    def action_search(self) -> None:
-        self.query_one(TabbedContent).active = "logs"
-        box = self.query_one("#search", Input)
-        box.display = True
-        box.focus()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        found = self.query_one(LogView).find(event.value)
-        if not found and event.value:
-            self.notify(f"not found: {event.value}", severity="warning", timeout=3)
-        event.input.display = False
-        self.query_one(LogView).focus()
-
-    def on_key(self, event) -> None:
-        box = self.query_one("#search", Input)
-        if event.key == "escape" and box.display:
-            box.display = False
-            self.query_one(StageTable).focus()
-
-    def action_next_match(self) -> None:
-        log = self.query_one(LogView)
-        if log.search:
-            log.find(log.search)
-
-    def action_chart(self, what: str) -> None:
-        chart = self.query_one(LossChart)
-        if what == "smooth":
-            chart.smooth = not chart.smooth
-        elif what == "log":
-            chart.log = not chart.log
-        elif what == "metric":
-            chart.metric = chart.METRICS[(chart.METRICS.index(chart.metric) + 1)
-                                         % len(chart.METRICS)]
-        elif what == "split":
-            chart.split = "val" if chart.split == "train" else "train"
-        self.query_one(TabbedContent).active = "training"
-
+    # -- keys that act on the run ---------------------------------------------------
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -458,18 +235,18 @@ class PanelApp(App):
 
     def _attach(self, run: RunDir) -> None:
         self.rundir = run
-        self.model = RunView(run)
+        self.view = RunView(run)
         self.telemetry.disk_path = run.path
         self.nodes = NodeWatch(run.path)
         with self.lock:
-            self.model.poll()
-        self._apply_model()
-        self._select_log(self.query_one(StageTable).selected_stage)
+            self.view.poll()
+        self._apply_view()
+        self.main.show_log(self.main.selected_stage)
 
     def action_force(self) -> None:
         if self.rundir is None:
             return
-        stage = self.query_one(StageTable).selected_stage
+        stage = self.main.selected_stage
 
         def go(yes: bool | None) -> None:
             if not yes:
@@ -490,10 +267,10 @@ class PanelApp(App):
         self.push_screen(ConfirmScreen(f"Re-run {stage} from scratch? Its outputs are deleted."), go)
 
     def action_cancel(self) -> None:
-        if self.model is None:
+        if self.view is None:
             return
-        running = self.model.running_stage()
-        if running is None and self.model.driver_pid() is None:
+        running = self.view.running_stage()
+        if running is None and self.view.driver_pid() is None:
             self.notify("nothing is running", timeout=3)
             return
 

@@ -177,9 +177,6 @@ class RunView:
                         held[d] = f"{s}:vLLM"
         return held
 
-    def metric_keys(self, split: str) -> list[str]:
-        return sorted(k for sp, k in self.metrics if sp == split)
-
     def acceptance_measured(self) -> float | None:
         """The last acceptance length the evaluate stage measured."""
         s = self.metrics.get(("eval", "acceptance_length"))

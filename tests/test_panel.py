@@ -63,7 +63,7 @@ async def test_shows_a_failed_run_and_resumes_it(tmp_path, stagekit):
         try:
             await until(pilot, lambda: app.bells >= 1, what="finish bell")
         except AssertionError:
-            states = [i.state.get("status") for i in app.model.stages.values()]
+            states = [i.state.get("status") for i in app.view.stages.values()]
             raise AssertionError(f"no finish bell: states {states}") from None
 
 
@@ -370,7 +370,8 @@ def test_metric_series_stay_bounded():
 
 
 async def test_doctor_screen_shows_the_report(tmp_path):
-    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 9]\n")
+    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 9]\n"
+                                          "[stages.vocab]\ndraft_vocab_size = 256\n")
     app = make_app(None, tmp_path)
     async with app.run_test(size=(100, 40)) as pilot:
         await pilot.press("d")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
@@ -9,10 +11,19 @@ from textual.widgets import Static
 from pipeline import fmt
 
 
+@dataclass
+class KVReport:
+    """What the tab shows: the last `kv_cache` event, each server's, the live
+    use (`kv_usage`) and the backend the stage runs."""
+    kv: dict | None
+    servers: dict = field(default_factory=dict)
+    usage: dict | None = None
+    backend: str | None = None
+
+
 class KVCachePanel(Static):
-    def update_from(self, model, backend: str | None) -> None:
-        info = model.stages["extract"]
-        kv, usage = info.kv_cache, info.kv_usage
+    def update_from(self, report: KVReport) -> None:
+        kv, usage, backend = report.kv, report.usage, report.backend
         if kv is None:
             if backend == "hf":
                 self.update(Text("No KV cache for this backend: the `hf` extract backend runs a "
@@ -43,7 +54,7 @@ class KVCachePanel(Static):
         for g in kv.get("groups") or []:
             t.add_row("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
                                f"{fmt.nbytes(g.get('page_size_bytes'))}")
-        servers = info.kv_servers
+        servers = report.servers
         if len(servers) > 1:
             caps = [e.get("tokens_capacity") or 0 for e in servers.values()]
             t.add_row("servers", f"{len(servers)} (data parallel): {sum(caps):,} tokens in all; "

@@ -114,7 +114,7 @@ class LossChart(Widget):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.model = None
+        self.metrics: dict = {}   # (split, key) -> Series
         self._seen_version = -1
         self._drawn_at = -1e9
 
@@ -123,32 +123,31 @@ class LossChart(Widget):
     # whole chart to the terminal.
     REDRAW_INTERVAL = 5.0
 
-    def update_from(self, model, force: bool = False) -> None:
-        self.model = model
+    def update_from(self, metrics: dict, version: int, force: bool = False) -> None:
+        """metrics: (split, key) -> Series; version: bumps when any changed."""
+        self.metrics = metrics
         now = time.monotonic()
-        if model.version != self._seen_version and (
+        if version != self._seen_version and (
                 force or now - self._drawn_at >= self.REDRAW_INTERVAL):
-            self._seen_version, self._drawn_at = model.version, now
+            self._seen_version, self._drawn_at = version, now
             self.refresh()
 
     def series(self):
-        m = self.model
-        if m is None:
-            return []
+        m = self.metrics
         if self.metric == "acceptance":
-            return [(label, np.frombuffer(m.metrics[("eval", k)].x, dtype=float),
-                     np.frombuffer(m.metrics[("eval", k)].y, dtype=float))
+            return [(label, np.frombuffer(m[("eval", k)].x, dtype=float),
+                     np.frombuffer(m[("eval", k)].y, dtype=float))
                     for k, label in (("acceptance_length", "measured"),
                                      ("acceptance_estimate", "estimate"))
-                    if ("eval", k) in m.metrics]
-        keys = [k for k in m.metric_keys(self.split)
-                if k.startswith(self.metric + "_") and k[len(self.metric) + 1:].isdigit()]
+                    if ("eval", k) in m]
+        keys = [k for sp, k in m if sp == self.split and k.startswith(self.metric + "_")
+                and k[len(self.metric) + 1:].isdigit()]
         keys.sort(key=lambda k: int(k.rsplit("_", 1)[1]))
-        if self.metric == "loss" and (self.split, "loss") in m.metrics:
+        if self.metric == "loss" and (self.split, "loss") in m:
             keys = ["loss", *keys]
         out = []
         for k in keys:
-            s = m.metrics[(self.split, k)]
+            s = m[(self.split, k)]
             out.append((k, np.frombuffer(s.x, dtype=float), np.frombuffer(s.y, dtype=float)))
         return out
 

@@ -8,6 +8,7 @@ one ticking duration would send six lines instead of one.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from rich.text import Text
 from textual.binding import Binding
@@ -27,6 +28,12 @@ STATUS_STYLE = {Status.PENDING: "dim", Status.SKIPPED: "dim", Status.RUNNING: "b
 ENDED = (Status.FAILED, Status.CANCELLED, Status.SUCCEEDED, Status.SKIPPED)
 COLUMNS = (("Stage", 10), ("Status", 10), ("Att", 3), ("Time", 7), ("Progress", 18),
            ("Rate / ETA", 16), ("Exit", 7))
+
+
+class StageRow(NamedTuple):
+    """What one row shows: the stage's state.json entry and its last progress event."""
+    state: dict
+    progress: dict | None
 
 
 class StageTable(Vertical, can_focus=True):
@@ -90,13 +97,13 @@ class StageTable(Vertical, can_focus=True):
             t.append(" ")
         return t
 
-    def refresh_from(self, model, now: float | None = None) -> None:
+    def refresh_from(self, rows: dict[str, StageRow], now: float | None = None) -> None:
         now = now or time.time()
         for s in STAGE_NAMES:
-            info = model.stages[s]
-            st = info.state
+            row = rows[s]
+            st = row.state
             status = st.get("status", Status.PENDING)
-            prog = info.progress if st.get("attempt") else None
+            prog = row.progress if st.get("attempt") else None
             styled = {
                 "Stage": s,
                 "Status": Text(status, style=STATUS_STYLE.get(status, "")),

@@ -9,6 +9,17 @@ from textual.widgets import Label
 
 
 class ConfirmScreen(ModalScreen[bool]):
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen #confirm {
+        width: 70;
+        height: auto;
+        border: thick $warning;
+        background: $surface;
+        padding: 1 2;
+    }
+    ConfirmScreen #confirm Label { width: 100%; }
+    """
     BINDINGS = [("y", "answer(True)", "Yes"), ("n", "answer(False)", "No"),
                 ("escape", "answer(False)", "No")]
 

@@ -31,6 +31,17 @@ class DoctorScreen(ModalScreen[None]):
     """Runs the checks in a worker thread (the environment probe imports
     torch in the stage interpreter: seconds), then shows them."""
 
+    DEFAULT_CSS = """
+    DoctorScreen #help {
+    width: 84;
+    max-width: 100%;
+    height: auto;
+    max-height: 100%;
+    border: round $accent;
+    background: $surface;
+    padding: 0 1;
+    }
+    """
     BINDINGS = [("escape", "dismiss", "Close"), ("d", "dismiss", "Close"), ("q", "dismiss", "Close")]
 
     def __init__(self, load_config=None, findings=None, heading: str = ""):

@@ -29,6 +29,18 @@ HELP = """\
 
 
 class HelpScreen(ModalScreen[None]):
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen #help {
+    width: 84;
+    max-width: 100%;
+    height: auto;
+    max-height: 100%;
+    border: round $accent;
+    background: $surface;
+    padding: 0 1;
+    }
+    """
     BINDINGS = [("escape", "dismiss", "Close"), ("question_mark", "dismiss", "Close"),
                 ("q", "dismiss", "Close")]
 

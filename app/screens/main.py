@@ -1,0 +1,297 @@
+"""The panel's main screen: the stage table, the selected stage's detail and
+the four tabs (logs, GPUs, KV cache, training). It draws what the app has
+read (`app.view`, a RunView, and `app.snapshot`, the last telemetry sample)
+and handles the keys that change only what is shown; the keys that act on
+the run (r, c, F) are the app's."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.css.query import NoMatches
+from textual.screen import Screen
+from textual.widgets import Footer, Input, TabbedContent, TabPane
+
+from pipeline import fmt
+from pipeline.run import driver
+from pipeline.run.rundir import Status
+from pipeline.stage_graph import STAGE_NAMES
+from widgets.gpu_table import GpuTable
+from widgets.kv_panel import KVCachePanel, KVReport
+from widgets.log_view import LogView
+from widgets.loss_chart import LossChart
+from widgets.online_view import online_text
+from widgets.quiet import QuietStatic
+from widgets.stage_table import StageRow, StageTable
+
+
+def drawing_callback(fn):
+    """Timers and thread callbacks can still fire while Textual tears the
+    screen down at exit (seen once in CI: the log poll found no LogView).
+    Their widgets exist for the screen's whole life otherwise, so a missing
+    one means there is nothing left to draw."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except NoMatches:
+            return None
+    return wrapper
+
+
+class MainScreen(Screen):
+    BINDINGS = [
+        # the app acts on the run; listed here so the footer reads r c F first
+        Binding("r", "app.run", "Run/resume"),
+        Binding("c", "app.cancel", "Cancel"),
+        Binding("F", "app.force", "Force re-run"),
+        Binding("1", "tab('logs')", "Logs", show=False),
+        Binding("2", "tab('gpus')", "GPUs", show=False),
+        Binding("3", "tab('kv')", "KV", show=False),
+        Binding("4", "tab('training')", "Train", show=False),
+        Binding("z", "fullscreen", "Full log"),
+        Binding("f", "follow", "Follow", show=False),
+        Binding("slash", "search", "Search", show=False),
+        Binding("n", "next_match", "Next", show=False),
+        Binding("e", "chart('smooth')", "EMA", show=False),
+        Binding("o", "chart('log')", "Log scale", show=False),
+        Binding("a", "chart('metric')", "Loss/acc", show=False),
+        Binding("v", "chart('split')", "Train/val", show=False),
+        Binding("g", "node", "Node", show=False),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self._gpus_drawn_at = -1e9
+        self._log_stage = None
+
+    def compose(self) -> ComposeResult:
+        yield QuietStatic(id="title")
+        yield StageTable(id="stages")
+        yield QuietStatic(id="detail")
+        with TabbedContent(initial="logs", id="tabs"):
+            with TabPane("1 Logs", id="logs"):
+                yield LogView(id="log")
+                yield Input(placeholder="search the log (Enter: find, Esc: close)", id="search")
+            with TabPane("2 GPUs", id="gpus"):
+                yield GpuTable(id="gpu")
+            with TabPane("3 KV cache", id="kv"):
+                yield KVCachePanel(id="kvpanel")
+            with TabPane("4 Training", id="training"):
+                with Vertical():
+                    yield QuietStatic(id="train-info")
+                    yield LossChart(id="chart")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#search").display = False
+        self.query_one(StageTable).focus()
+        self.draw_title()
+        if self.app.view is None:
+            cfg = self.app.config_path.name if self.app.config_path else "config.toml"
+            self.query_one("#detail", QuietStatic).set(Text(
+                f"No runs yet. Press r to start one from {cfg}.", style="bold"))
+        self.app.first_look()
+        self.set_interval(self.app.LOG_INTERVAL, self._poll_log)
+
+    # -- drawing ---------------------------------------------------------------------
+    def draw_title(self) -> None:
+        app = self.app
+        t = Text("eagle-panel ", style="bold")
+        if app.rundir is None:
+            t.append("no run", style="dim")
+        else:
+            t.append(f"run {app.rundir.id}")
+            pid = app.view.driver_pid() if app.view else None
+            t.append(f"  launcher pid {pid}" if pid else "  idle (r runs/resumes)",
+                     style="green" if pid else "dim")
+        kind = app.telemetry.kind
+        t.append(f"  GPUs: {'SIMULATED' if kind == 'simulated' else kind}",
+                 style="magenta" if kind == "simulated" else "dim")
+        self.query_one("#title", QuietStatic).set(t)
+
+    def draw_run(self, now: float) -> None:
+        """Everything that follows the run's files (the caller holds the lock)."""
+        self.draw_stages(now)
+        self.draw_detail()
+        self.draw_title()
+        self.draw_active_tab()
+
+    def draw_stages(self, now: float) -> None:
+        view = self.app.view
+        self.query_one(StageTable).refresh_from(
+            {s: StageRow(info.state, info.progress) for s, info in view.stages.items()}, now)
+
+    def select(self, stage: str) -> None:
+        """Select a stage: the table's cursor, its log, its detail."""
+        self.query_one(StageTable).select(stage)
+        self.show_log(stage)
+
+    @property
+    def selected_stage(self) -> str:
+        return self.query_one(StageTable).selected_stage
+
+    def draw_active_tab(self, switched: bool = False) -> None:
+        """Hidden tabs are not drawn; switching to one draws it."""
+        tab = self.query_one(TabbedContent).active
+        view = self.app.view
+        if tab == "training" and view is not None:
+            self.draw_training(force=switched)
+        elif tab == "kv" and view is not None:
+            ext = view.stages["extract"]
+            self.query_one(KVCachePanel).update_from(KVReport(
+                ext.kv_cache, dict(ext.kv_servers), ext.kv_usage, self.app.extract_backend()))
+        elif tab == "gpus" and self.app.snapshot is not None:
+            self.draw_gpus(force=switched)
+
+    def on_tabbed_content_tab_activated(self, _event) -> None:
+        with self.app.lock:
+            self.draw_active_tab(switched=True)
+
+    def draw_gpus(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._gpus_drawn_at < self.app.refresh_s:
+            return  # the history keeps every sample; the rows wait
+        self._gpus_drawn_at = now
+        view = self.app.view
+        holders = view.devices_by_gpu() if view else {}
+        forecast = view.stages["extract"].progress if view else None
+        running = frozenset(view.running_stages()) if view else frozenset()
+        self.query_one(GpuTable).update_from(self.app.snapshot, holders, forecast, running)
+
+    def draw_detail(self) -> None:
+        view = self.app.view
+        stage = self.selected_stage
+        info = view.stages[stage]
+        st = info.state
+        t = Text(f"{stage}: ", style="bold")
+        if view.state_error:
+            t.append(view.state_error, style="bold red")
+        elif st.get("status") == Status.FAILED:
+            err = info.last_error or {}
+            t.append(err.get("message") or f"failed ({fmt.exit_text(st)})", style="bold red")
+            if err.get("hint"):
+                t.append(f"\n  hint: {err['hint']}", style="yellow")
+            if st.get("reason"):
+                t.append(f"\n  {st['reason']}", style="dim")
+        elif info.warnings:
+            t.append(info.warnings[-1].get("message", ""), style="yellow")
+        elif info.finished:
+            summary = info.finished.get("summary") or {}
+            t.append(", ".join(f"{k}={v}" for k, v in summary.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)) or
+                     info.finished.get("status", ""), style="dim")
+        else:
+            t.append(st.get("status", Status.PENDING), style="dim")
+        self.query_one("#detail", QuietStatic).set(t)
+
+    def draw_training(self, force: bool = False) -> None:
+        view = self.app.view
+        train = view.stages["train"]
+        t = Text()
+        prog = train.progress
+        if prog:
+            t.append(f"step {prog.get('done')}/{prog.get('total')}  ")
+            if prog.get("epoch") is not None:
+                t.append(f"epoch {prog['epoch']}  ")
+            if prog.get("eta_s") is not None and train.state.get("status") == Status.RUNNING:
+                t.append(f"ETA {fmt.duration(prog['eta_s'])}  ")
+        lr = view.metrics.get(("train", "lr")) or view.metrics.get(("train", "lr_AdamW"))
+        if lr is not None and len(lr):
+            t.append(f"lr {lr.y[-1]:.2e}  ")
+        acc, measured = view.acceptance_estimate(), view.acceptance_measured()
+        if measured is not None:
+            t.append(f"acceptance length {measured:.2f} (vLLM)", style="bold green")
+            if acc is not None:
+                t.append(f", est. {acc:.2f}")
+        elif acc is not None:
+            t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
+        if not t.plain:
+            t.append("no training yet", style="dim")
+        if train.online:
+            t.append("\n")
+            t.append_text(online_text(train.online))
+        self.query_one("#train-info", QuietStatic).set(t)
+        self.query_one(LossChart).update_from(view.metrics, view.version, force)
+
+    def show_log(self, stage: str) -> None:
+        if self.app.rundir is None or stage == self._log_stage:
+            return
+        self._log_stage = stage
+        self.query_one(LogView).watch_file(self.app.rundir.log_path(stage))
+
+    @drawing_callback
+    def _poll_log(self) -> None:
+        self.query_one(LogView).poll()
+
+    def on_stage_table_selected(self, event: StageTable.Selected) -> None:
+        if self.app.view is None:
+            return
+        self.show_log(event.stage)
+        with self.app.lock:
+            self.draw_detail()
+
+    # -- keys that change what is shown ------------------------------------------------
+    def action_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    def action_fullscreen(self) -> None:
+        self.toggle_class("fullscreen")
+        self.query_one(TabbedContent).active = "logs"
+
+    def action_follow(self) -> None:
+        log = self.query_one(LogView)
+        log.set_follow(not log.follow)
+        self.notify(f"follow {'on' if log.follow else 'off'}", timeout=2)
+
+    def action_search(self) -> None:
+        self.query_one(TabbedContent).active = "logs"
+        box = self.query_one("#search", Input)
+        box.display = True
+        box.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        found = self.query_one(LogView).find(event.value)
+        if not found and event.value:
+            self.notify(f"not found: {event.value}", severity="warning", timeout=3)
+        event.input.display = False
+        self.query_one(LogView).focus()
+
+    def on_key(self, event) -> None:
+        box = self.query_one("#search", Input)
+        if event.key == "escape" and box.display:
+            box.display = False
+            self.query_one(StageTable).focus()
+
+    def action_next_match(self) -> None:
+        log = self.query_one(LogView)
+        if log.search:
+            log.find(log.search)
+
+    def action_chart(self, what: str) -> None:
+        chart = self.query_one(LossChart)
+        if what == "smooth":
+            chart.smooth = not chart.smooth
+        elif what == "log":
+            chart.log = not chart.log
+        elif what == "metric":
+            chart.metric = chart.METRICS[(chart.METRICS.index(chart.metric) + 1)
+                                         % len(chart.METRICS)]
+        elif what == "split":
+            chart.split = "val" if chart.split == "train" else "train"
+        self.query_one(TabbedContent).active = "training"
+
+    def action_node(self) -> None:
+        """g on the GPU tab: one cluster node's GPUs, the next, then all nodes."""
+        if self.query_one(TabbedContent).active == "gpus" and self.app.snapshot is not None:
+            with self.app.lock:
+                self.query_one(GpuTable).drill_next()
+
+
+def all_done(view) -> bool:
+    return all(view.stages[s].state.get("status") in driver.DONE for s in STAGE_NAMES)
