@@ -393,6 +393,69 @@ def expected_adaptations(src, route: str, env: VllmEnv | None) -> list[compat.Ad
     return [a for a in plan if a.fires and a.route == route and a.key != "server_route"]
 
 
+def serves_vllm(x: Inputs) -> bool:
+    """Whether any stage of the run starts a vLLM server or engine."""
+    return x.uses_vllm or any(x.cfg.enabled(s) for s in ("regenerate", "evaluate"))
+
+
+def check_target_flags(x: Inputs) -> list[Finding]:
+    """What the target needs from `vllm serve` (pipeline.vllm.target_flags):
+    each would have stopped the server had it not been passed."""
+    if not (serves_vllm(x) and x.vllm is not None and x.model is not None):
+        return []
+    from pipeline.vllm.target_flags import target_flags
+    return [Finding("compat", OK, f"adapts: {t.detail}", key=t.key)
+            for t in target_flags(x.cfg.target_path(), x.vllm.cpu_build, x.source)]
+
+
+def draft_layer(cfg: Config, m: ModelInfo, cpu_build: bool) -> str:
+    """The draft's decoder layer [stages.train] draft_layer resolves to (the
+    train stage decides the same way): "auto" is MLA for an MLA target where
+    vLLM's CPU build serves it, else a Llama layer."""
+    want = getattr(cfg.stages.train, "draft_layer", "auto")
+    if want != "auto":
+        return want
+    return "mla" if m.mla and cpu_build else "llama"
+
+
+def check_cpu_attention(x: Inputs) -> list[Finding]:
+    """vLLM's CPU build: the target's attention against the head sizes its
+    kernels compile for, and (evaluate) whether the draft's attention can
+    share a KV block size with the target's — both read from its source."""
+    if not (serves_vllm(x) and x.vllm is not None and x.vllm.cpu_build
+            and x.source is not None and x.model is not None):
+        return []
+    m = x.model
+    kind, size = ("mla", int(m.kv_lora_rank) + int(m.qk_rope_head_dim or 0)) if m.mla \
+        else ("attn", m.head_dim)
+    heads, blocks = compat.cpu_attention(x.source, kind)
+    out = []
+    what = (f"MLA latent kv_lora_rank + qk_rope_head_dim = {size}" if m.mla
+            else f"head size {size}")
+    if heads is not None and size not in heads:
+        out.append(Finding("attention", BLOCK, f"the target's {what}: vLLM {x.vllm.version}'s "
+                           f"CPU kernels compile for {heads} only",
+                           "DeepSeek's and Kimi's sizes are 512 + 64; on GPUs vLLM has other "
+                           "kernels, or use the hf backend here" if m.mla else
+                           "use a target with a supported head size, or the hf backend"))
+    if x.cfg.enabled("evaluate"):
+        layer = draft_layer(x.cfg, m, True)
+        draft_kind = "mla" if layer == "mla" else "attn"
+        _, draft_blocks = compat.cpu_attention(x.source, draft_kind)
+        if blocks is not None and draft_blocks is not None and \
+                not compat.common_block_size(blocks, draft_blocks):
+            out.append(Finding("attention", BLOCK, f"evaluate: vLLM's CPU build cannot serve "
+                               f"this {'MLA' if m.mla else 'GQA/MHA'} target with a "
+                               f"{layer}-layer draft: no common KV block size ({blocks} vs "
+                               f"{draft_blocks})",
+                               'set [stages.train] draft_layer = "auto" (an MLA draft for '
+                               "an MLA target)"))
+        elif not out:
+            out.append(Finding("attention", OK, f"CPU kernels: the target's {what}; a "
+                               f"{layer}-layer draft shares its KV block size"))
+    return out
+
+
 def check_kv_cache(x: Inputs) -> list[Finding]:
     """The plan is for where the stages will run: the CPU build's KV space
     when the config names no GPU, else the GPUs the config names (bf16) —
@@ -500,8 +563,8 @@ def per_node_plan(x: Inputs) -> Finding:
 
 
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
-          check_layers, check_shapes, check_eagle3, check_adaptations, check_kv_cache, check_disk,
-          check_privacy, check_cluster)
+          check_layers, check_shapes, check_eagle3, check_adaptations, check_target_flags,
+          check_cpu_attention, check_kv_cache, check_disk, check_privacy, check_cluster)
 # What `run`, `resume` and the panel's `r` check before anything is created or
 # started: the checks that need no probe of an environment, no vLLM source and
 # no network — from the config and the target's config.json, in well under a

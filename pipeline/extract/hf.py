@@ -28,6 +28,20 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def load_model(model_path: Path, dtype, trust_remote_code: bool = False):
+    """The target with transformers: a causal LM, or a multimodal wrapper
+    (Kimi-K2.5's Kimi_K25ForConditionalGeneration) that AutoModelForCausalLM
+    does not take; the forward then runs its text decoder only."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    auto = AutoModelForCausalLM
+    if getattr(config, "text_config", None) is not None and \
+            type(config) not in AutoModelForCausalLM._model_mapping:
+        auto = AutoModelForImageTextToText
+    return auto.from_pretrained(str(model_path), config=config, dtype=dtype,
+                                trust_remote_code=trust_remote_code)
+
+
 def decoder_layers(model, num_layers: int):
     """The ModuleList of decoder layers, wherever the architecture keeps it."""
     import torch.nn as nn
@@ -73,10 +87,7 @@ class HFBackend:
     @classmethod
     def load(cls, model_path: Path, layer_ids: list[int], device: str, dtype,
              trust_remote_code: bool = False) -> "HFBackend":
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_path), dtype=dtype, trust_remote_code=trust_remote_code)
-        return cls(model.to(device), layer_ids)
+        return cls(load_model(model_path, dtype, trust_remote_code).to(device), layer_ids)
 
     def _pre_hook(self, _module, args, kwargs=None):
         self._captured[0] = args[0] if args else kwargs["hidden_states"]

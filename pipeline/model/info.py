@@ -47,6 +47,24 @@ def read_model(folder: Path) -> ModelInfo:
     return model_info(raw, tokenizer_remote_code=tok_auto, weights_bytes=weights)
 
 
+def weight_names(folder: Path) -> list[str]:
+    """The tensor names of a model folder's safetensors, from its index or
+    each file's JSON header (no tensor is read)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.exists():
+            return list(json.loads(index.read_text()).get("weight_map", {}))
+        names = []
+        for f in sorted(folder.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                names += [k for k in json.loads(fh.read(size)) if k != "__metadata__"]
+        return names
+    except (OSError, ValueError):
+        return []
+
+
 def model_info(raw: dict, tokenizer_remote_code: bool = False,
                weights_bytes: int | None = None) -> ModelInfo:
     """What a config.json (as a dict) says about the model."""

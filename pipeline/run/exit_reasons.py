@@ -87,4 +87,16 @@ def quote_error(lines: list[str], most: int = 8) -> str:
     picked = picked[-most:]
     if not picked:
         picked = [r[0] for r in rows[-most:]]
-    return "\n".join(picked) if picked else "(the log is empty)"
+    return "\n".join(map(shorten, picked)) if picked else "(the log is empty)"
+
+
+LINE_MAX = 300
+
+
+def shorten(line: str, most: int = LINE_MAX) -> str:
+    """A line a person reads: one of several KB (vLLM logs its whole engine
+    config in an error line) keeps its start and its end."""
+    if len(line) <= most:
+        return line
+    head, tail = most * 2 // 3, most // 4
+    return f"{line[:head]} … [{len(line) - head - tail:,} characters cut] … {line[-tail:]}"

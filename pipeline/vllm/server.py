@@ -26,8 +26,10 @@ from pipeline.run.events import tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
 from pipeline.run.proctree import stop_tree
 from pipeline.stage_error import StageError
+from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
 from pipeline.vllm.kv import KvLogReader, parse_metrics
+from pipeline.vllm.target_flags import target_flags
 
 SERVER_TOKEN_VAR = "EAGLE_PANEL_SERVER_TOKEN"
 
@@ -196,8 +198,12 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
     own `flags` then the user's server_args in them; tensor parallel over
     its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
     port, key = free_port(), secrets.token_hex(16)
+    needs = target_flags(target, env.cpu_build, env.source())
+    for t in needs:
+        compat.fired(t.key, t.detail)
     argv = serve_argv(env.python, serve_command, target, port, max(1, len(devices)), dtype,
-                      max_model_len, trust, flags, eager=env.cpu_build)
+                      max_model_len, trust, [f for t in needs for f in t.flags] + list(flags),
+                      eager=env.cpu_build)
     kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
     return VllmServer(k, argv, port, key, devices, log_path,
                       process_env(env, devices, kv_gib), what)

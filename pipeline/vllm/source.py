@@ -88,6 +88,26 @@ class VllmSource:
         names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
         return [n for n in names if n not in ("self", "cls")]
 
+    def returned_list(self, module: str, qualname: str) -> list | None:
+        """The list literal a method returns (`return [576]`,
+        `return [MultipleOf(32)]`): ints, and ("multiple", k) for MultipleOf(k)."""
+        fn = self._node(module, qualname)
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return None
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.List):
+                out = []
+                for el in node.value.elts:
+                    if isinstance(el, ast.Constant) and isinstance(el.value, int):
+                        out.append(el.value)
+                    elif isinstance(el, ast.Call) and ast.unparse(el.func).endswith("MultipleOf") \
+                            and el.args and isinstance(el.args[0], ast.Constant):
+                        out.append(("multiple", el.args[0].value))
+                    else:
+                        return None
+                return out
+        return None
+
     def dataclass_fields(self, module: str, cls: str) -> dict[str, bool] | None:
         """{field: is_required_initvar} of a (pydantic) dataclass."""
         node = self._node(module, cls)

@@ -1,0 +1,94 @@
+"""What a target needs from `vllm serve` beyond its path: decided from its
+config.json, its weights' names and the installed vLLM's own argument
+parser, never from version numbers. Every stage that serves the target
+(extract, online train, regenerate, evaluate) gets the same flags, and
+doctor reports the same decisions before a launch.
+
+- A multimodal wrapper (Kimi-K2.5: `vision_config` beside `text_config`) is
+  served text-only (`--language-model-only`): the pipeline sends token ids
+  and chats, never media, and the vision tower's memory and warm-up are
+  spared.
+- An MLA target on vLLM's CPU build runs on the reference `CPU_MLA` backend:
+  on a host with AMX tiles vLLM would pick AMX_MLA, which takes bf16 only,
+  and the CPU stages run float32 (docs/FACTS.md).
+- A DeepSeek-V3-style MoE whose checkpoint holds the router's
+  `e_score_correction_bias` while its config does not say `topk_method =
+  "noaux_tc"` (transformers' DeepseekV3Config writes none): vLLM creates
+  the bias only for noaux_tc and fails to load with a KeyError; it is told
+  with `--hf-overrides`. transformers routes DeepSeek-V3 with sigmoid scores
+  while vLLM's default is softmax: a config without `scoring_func` gets
+  "sigmoid" the same way, or vLLM would route differently, silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.model.info import weight_names
+
+# DeepSeek-V3's decoder under the names vLLM and transformers give it
+DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
+ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
+
+
+@dataclass
+class TargetFlag:
+    key: str
+    flags: list[str]
+    detail: str
+
+
+def parser_has(vllm_source, flag: str) -> bool:
+    """Whether the installed vLLM's argument parser declares `flag` (True
+    when its source cannot be read: then vLLM itself will say)."""
+    if vllm_source is None:
+        return True
+    text = vllm_source.text("engine.arg_utils")
+    return text is None or f'"{flag}"' in text
+
+
+def target_flags(target: Path, cpu_build: bool, vllm_source=None) -> list[TargetFlag]:
+    """The flags `vllm serve` needs for this target, each with why."""
+    try:
+        raw = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []   # vLLM says what is wrong with the folder itself
+    text = raw.get("text_config") or raw
+    out = []
+    if "vision_config" in raw and "text_config" in raw and \
+            parser_has(vllm_source, "--language-model-only"):
+        out.append(TargetFlag("language_model_only", ["--language-model-only"],
+                              f"{(raw.get('architectures') or ['the target'])[0]} is a "
+                              "multimodal wrapper: served text-only (--language-model-only)"))
+    if cpu_build and text.get("kv_lora_rank") and parser_has(vllm_source, "--attention-backend"):
+        out.append(TargetFlag("cpu_mla_backend", ["--attention-backend", "CPU_MLA"],
+                              "MLA target on vLLM's CPU build: the reference CPU_MLA backend "
+                              "(AMX_MLA, vLLM's pick on AMX hosts, takes bf16 only)"))
+    routing = routing_overrides(Path(target), text)
+    if routing:
+        body = {"text_config": routing} if "text_config" in raw else routing
+        out.append(TargetFlag("moe_routing", ["--hf-overrides", json.dumps(body)],
+                              "the target's MoE router as its weights and transformers have "
+                              f"it: {', '.join(f'{k} = {v!r}' for k, v in routing.items())} "
+                              "(--hf-overrides; config.json leaves it out)"))
+    return out
+
+
+def routing_overrides(target: Path, text: dict) -> dict:
+    """What vLLM must be told about a DeepSeek-V3 MoE router that its
+    config.json leaves out (see the module's note)."""
+    if str(text.get("model_type")) not in DEEPSEEK_V3 or not text.get("n_routed_experts"):
+        return {}
+    over = {}
+    if text.get("topk_method") != "noaux_tc" and \
+            any(n.endswith(ROUTER_BIAS) for n in weight_names(target)):
+        over["topk_method"] = "noaux_tc"
+    if "scoring_func" not in text:
+        over["scoring_func"] = "sigmoid"
+    return over
+
+
+def flags_for(target: Path, cpu_build: bool, vllm_source=None) -> list[str]:
+    return [f for t in target_flags(target, cpu_build, vllm_source) for f in t.flags]
