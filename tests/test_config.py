@@ -104,7 +104,8 @@ def test_cli_missing_config_and_bad_run_dir(tmp_path):
     (tmp_path / "runs" / "junk" / "x").write_text("")
     p = cli("status", tmp_path / "runs" / "junk", cwd=tmp_path, check=2)
     assert "no such run directory" in p.stderr or "not an eagle-panel run" in p.stderr
-    (tmp_path / "config.toml").write_text('[run]\nname = "junk"\n')
+    (tmp_path / "config.toml").write_text('[run]\nname = "junk"\n[stages.extract]\nlayer_ids = '
+                                          '[1, 2, 3]\n[stages.vocab]\ndraft_vocab_size = 256\n')
     p = cli("run", cwd=tmp_path, check=2)
     assert "is not an eagle-panel run" in p.stderr
     assert sorted(x.name for x in (tmp_path / "runs" / "junk").iterdir()) == ["x"]
