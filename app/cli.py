@@ -22,9 +22,10 @@ from pipeline.cluster import slurm
 from pipeline.config import ConfigError
 from pipeline.run import driver
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
-from pipeline.run.events import EventTail, EventType, last_event, tail_lines
+from pipeline.run.events import EventTail, EventType, last_event, tail_events, tail_lines
 from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.stage_graph import STAGE_NAMES
+from pipeline.vllm import startup
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_CANCELLED = 1, 2, 3, 130
 
@@ -170,6 +171,14 @@ def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
               + (f": {brief}" if brief else ""), file=out, flush=True)
     elif t == EventType.ARTIFACT:
         print(f"[{stage}] wrote {ev.get('kind')}: {ev.get('path')}", file=out, flush=True)
+    elif t == EventType.SERVER:
+        # a line per phase, per shard tenth and when it stalls: not per report
+        key = (ev.get("phase"), (ev.get("done") or 0) * 10 // max(1, ev.get("total") or 1),
+               bool(ev.get("stalled_s")))
+        if last_progress.get((stage, "server", ev.get("server"))) != key:
+            last_progress[(stage, "server", ev.get("server"))] = key
+            print(f"[{stage}] {ev.get('label', 'vLLM server')} {ev.get('server')}: "
+                  f"{startup.describe(ev)}", file=out, flush=True)
 
 
 def _print_summary(rd: RunDir, state: dict, out) -> None:
@@ -196,12 +205,27 @@ def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
             "signal": st.get("signal"), "pid": st.get("pid"), "devices": st.get("devices"),
             "fingerprint": st.get("fingerprint"), "reason": st.get("reason"),
             "progress": prog, "slurm_job": st.get("slurm_job"),
+            "servers": server_starts(rd, s) if st["status"] == Status.RUNNING else [],
         })
         if st.get("slurm_job") and st["status"] == "running":
             job = slurm.job_state(st["slurm_job"])   # pending in the queue, or running
             rows[-1]["reason"] = rows[-1]["reason"] or (job.describe(st["slurm_job"]) if job
                                                         else f"Slurm job {st['slurm_job']}")
     return state, rows
+
+
+def server_starts(rd: RunDir, stage: str) -> list[dict]:
+    """The last `server` event of each vLLM server the stage's current
+    attempt started (read from the end of its events, never all of them)."""
+    started = last_event(rd.events_path(stage), (EventType.STAGE_STARTED,))
+    since = started.get("t", 0) if started else 0
+    out: dict[str, dict] = {}
+    for ev in reversed(tail_events(rd.events_path(stage), 400)):
+        if ev.get("t", 0) < since:
+            break
+        if ev.get("type") == EventType.SERVER:
+            out.setdefault(str(ev.get("server")), ev)
+    return [out[k] for k in sorted(out)]
 
 
 def cmd_status(args) -> int:
@@ -223,6 +247,11 @@ def cmd_status(args) -> int:
               f"{fmt.duration(r['duration_s']):>8}  {exit_:7} {fmt.progress_text(r['progress'])}")
         if r["reason"]:
             print(f"{'':10} note: {r['reason']}")
+        for ev in r["servers"]:
+            print(f"{'':10} {ev.get('label', 'vLLM server')} {ev.get('server')}: "
+                  f"{startup.describe(ev)}")
+            if ev.get("stalled_s"):
+                print(f"{'':12} last log line: {ev.get('last_line', '')[-150:]}")
     for line in fmt.outcome_lines(stage_summary(rd, "train"), stage_summary(rd, "evaluate"),
                                   state["stages"]["evaluate"]):
         print(line)
@@ -251,6 +280,14 @@ def cmd_cancel(args) -> int:
 def cmd_logs(args) -> int:
     rd = resolve_run(args, args.run)
     path = rd.log_path(args.stage)
+    if args.server is not None:
+        logs = dict(rd.server_logs(args.stage))
+        if args.server not in logs:
+            print(f"eagle-panel: {rd.id}: {args.stage} has no log of server {args.server!r}"
+                  + (f" (its servers: {', '.join(logs)})" if logs else
+                     " (it has started no vLLM server)"), file=sys.stderr)
+            return EXIT_BAD_INPUT
+        path = logs[args.server]
     lines, size = tail_lines(path, args.lines)
     out = sys.stdout.buffer
     for line in lines:
@@ -383,11 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, help="seconds to wait after SIGINT "
                                                "(default: [runtime] cancel_grace_s)")
 
-    p = command("logs", cmd_logs, "a stage's log")
+    p = command("logs", cmd_logs, "a stage's log, or one of its vLLM servers' (--server K)")
     p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
     p.add_argument("stage", choices=STAGE_NAMES)
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("-n", "--lines", type=int, default=50)
+    p.add_argument("--server", metavar="K", help="the log of the stage's vLLM server K "
+                   "(0, 1, ...; NODE/K on several nodes) instead of the stage's own")
 
     command("runs", cmd_runs, "list runs, newest first")
 
@@ -406,7 +445,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # `eagle-panel logs STAGE` (no RUN): argparse would take STAGE as RUN.
     if "logs" in argv:
         i = argv.index("logs")
-        rest = [a for a in argv[i + 1:] if not a.startswith("-")]
+        rest, after = [], argv[i + 1:]
+        takes_value = ("-n", "--lines", "--server", "--config", "--runs-dir")
+        for j, a in enumerate(after):
+            if not a.startswith("-") and not (j and after[j - 1] in takes_value):
+                rest.append(a)
         if len(rest) == 1 and rest[0] in STAGE_NAMES:
             argv = argv[:i + 1] + ["", *argv[i + 1:]]
     args = build_parser().parse_args(argv)

@@ -130,7 +130,7 @@ class PanelApp(App):
             return
         with self.lock:
             self.view.poll()
-            self.main.select(self.view.focus_stage())
+            self.main.follow(self.view.focus_stage(), always=True)
         self._apply_view()
 
     def _apply_view(self) -> None:
@@ -179,13 +179,19 @@ class PanelApp(App):
             return None
 
     def _notify_transitions(self) -> None:
+        """Ring and say what ended badly, and follow the work: the selection
+        moves to a stage that starts (unless the user moved it in the last
+        minute) and to a stage that fails (its error shows under the table)."""
         for s, info in self.view.stages.items():
             status = info.state.get("status")
             before = self._statuses.get(s)
             self._statuses[s] = status
             if before is None or before == status:
                 continue
+            if status == Status.RUNNING:
+                self.main.follow(s)
             if status == Status.FAILED:
+                self.main.follow(s, always=True)
                 self.bell()
                 self.notify(f"{s} failed ({fmt.exit_text(info.state)})", severity="error",
                             timeout=10)

@@ -53,6 +53,7 @@ class StageInfo:
     kv_usage: dict | None = None
     online: dict | None = None    # online training's producer/consumer figures
     backend: str | None = None    # the backend the stage resolved (its `backend` event)
+    servers: dict = field(default_factory=dict)   # server -> its last `server` event
 
 
 class RunView:
@@ -122,6 +123,7 @@ class RunView:
         elif t == EventType.STAGE_STARTED:
             info.started, info.finished, info.last_error, info.progress = ev, None, None, None
             info.kv_servers.clear()
+            info.servers.clear()
             info.backend = None
         elif t == EventType.STAGE_FINISHED:
             info.finished = ev
@@ -135,6 +137,8 @@ class RunView:
             info.online = ev
         elif t == EventType.BACKEND:
             info.backend = ev.get("backend")
+        elif t == EventType.SERVER:
+            info.servers[str(ev.get("server"))] = ev
 
     # derived views ------------------------------------------------------------
     def driver_pid(self) -> int | None:

@@ -121,6 +121,9 @@ class ServerCommon(StageCommon):
     serve_command: str = ""
     server_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 1200.0
+    # a starting server with no new log line and no GPU memory change for
+    # this long is called stalled (the panel, status and run --wait say so)
+    stall_after_s: float = 300.0
     request_timeout_s: float = 600.0
 
 
@@ -155,6 +158,9 @@ class ExtractSection(StageCommon):
     serve_command: str = ""
     server_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 1200.0
+    # a starting server with no new log line and no GPU memory change for
+    # this long is called stalled (the panel, status and run --wait say so)
+    stall_after_s: float = 300.0
     request_timeout_s: float = 600.0
     max_inflight: int = 16
     # vllm-engine backend
@@ -186,6 +192,9 @@ class TrainSection(StageCommon):
     dataloader_workers: int = -1
     loss: str = "auto"
     attention: str = "auto"
+    # the draft's decoder layer: "auto" = MLA for an MLA target where the vLLM in
+    # use needs it (its CPU build), else speculators' Llama layer
+    draft_layer: str = "auto"
     seed: int = 0
     log_freq: int = 1
 
@@ -449,6 +458,8 @@ def _check_choices(cfg: Config, src: str) -> None:
     _choice(cfg.stages.train.loss, ("auto", "eager", "fused"), "stages.train.loss", src)
     _choice(cfg.stages.train.attention, ("auto", "sdpa", "eager", "flex"),
             "stages.train.attention", src)
+    _choice(cfg.stages.train.draft_layer, ("auto", "llama", "mla"),
+            "stages.train.draft_layer", src)
     _choice(cfg.pipeline.mode, ("offline", "online"), "pipeline.mode", src)
     _choice(cfg.cluster.scheduler, ("local", "slurm"), "cluster.scheduler", src)
     if cfg.cluster.nodes > 1 and cfg.pipeline.mode == "online":
@@ -476,6 +487,9 @@ def _check_ranges(cfg: Config, src: str) -> None:
         ("stages.train.log_freq", cfg.stages.train.log_freq),
         ("stages.extract.tensor_parallel", cfg.stages.extract.tensor_parallel),
         ("stages.extract.max_inflight", cfg.stages.extract.max_inflight),
+        ("stages.extract.stall_after_s", cfg.stages.extract.stall_after_s),
+        ("stages.regenerate.stall_after_s", cfg.stages.regenerate.stall_after_s),
+        ("stages.evaluate.stall_after_s", cfg.stages.evaluate.stall_after_s),
         ("stages.extract.max_num_seqs", cfg.stages.extract.max_num_seqs),
         ("stages.regenerate.max_tokens", cfg.stages.regenerate.max_tokens),
         ("stages.regenerate.concurrency", cfg.stages.regenerate.concurrency),

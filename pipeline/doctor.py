@@ -456,6 +456,45 @@ def check_cpu_attention(x: Inputs) -> list[Finding]:
     return out
 
 
+def measured_starts(cfg: Config) -> list[dict]:
+    """The `ready` server events this run recorded (any stage): how long its
+    vLLM servers took to come up, and vLLM's own weight-loading time."""
+    from pipeline.run.events import tail_events
+    rd = RunDir(cfg.runs_dir() / cfg.run.name)
+    out = []
+    for stage in ("extract", "regenerate", "train", "evaluate"):
+        out += [e for e in tail_events(rd.events_path(stage), 2000)
+                if e.get("type") == "server" and e.get("phase") == "ready"]
+    return out
+
+
+def check_startup(x: Inputs) -> list[Finding]:
+    """startup_timeout_s against the starts this run measured: a timeout
+    shorter than a start fails every stage that serves the target."""
+    if not serves_vllm(x):
+        return []
+    starts = measured_starts(x.cfg)
+    if not starts:
+        return []
+    worst = max(starts, key=lambda e: e.get("elapsed_s") or 0)
+    took = (worst.get("took") or {}).get("Loading weights took")
+    rate = ""
+    if took and x.model is not None and x.model.weights_bytes:
+        rate = f"; weights loaded at {x.model.weights_bytes / max(took, 1e-3) / GIB:,.2f} GiB/s"
+    timeouts = {"extract": x.cfg.stages.extract.startup_timeout_s,
+                "regenerate": x.cfg.stages.regenerate.startup_timeout_s,
+                "evaluate": x.cfg.stages.evaluate.startup_timeout_s}
+    need = 1.5 * (worst.get("elapsed_s") or 0)
+    short = [k for k, t in timeouts.items() if t < need]
+    msg = (f"vLLM servers of this run came up in {worst.get('elapsed_s'):.0f} s at most "
+           f"({len(starts)} start(s) measured{rate})")
+    if short:
+        return [Finding("startup", WARN, msg + f"; startup_timeout_s of {', '.join(short)} "
+                        f"leaves less than 1.5x that", f"set startup_timeout_s >= {need:.0f} "
+                        f"in [stages.{short[0]}]")]
+    return [Finding("startup", OK, msg + "; startup_timeout_s leaves room")]
+
+
 def check_kv_cache(x: Inputs) -> list[Finding]:
     """The plan is for where the stages will run: the CPU build's KV space
     when the config names no GPU, else the GPUs the config names (bf16) —
@@ -564,7 +603,8 @@ def per_node_plan(x: Inputs) -> Finding:
 
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
           check_layers, check_shapes, check_eagle3, check_adaptations, check_target_flags,
-          check_cpu_attention, check_kv_cache, check_disk, check_privacy, check_cluster)
+          check_cpu_attention, check_startup, check_kv_cache, check_disk, check_privacy,
+          check_cluster)
 # What `run`, `resume` and the panel's `r` check before anything is created or
 # started: the checks that need no probe of an environment, no vLLM source and
 # no network — from the config and the target's config.json, in well under a

@@ -18,6 +18,7 @@ from textual.message import Message
 from pipeline import fmt
 from pipeline.run.rundir import Status
 from pipeline.stage_graph import STAGE_NAMES
+from pipeline.vllm import startup
 from widgets.bars import progress_bar
 from widgets.quiet import QuietStatic
 
@@ -31,9 +32,11 @@ COLUMNS = (("Stage", 10), ("Status", 10), ("Att", 3), ("Time", 7), ("Progress", 
 
 
 class StageRow(NamedTuple):
-    """What one row shows: the stage's state.json entry and its last progress event."""
+    """What one row shows: the stage's state.json entry, its last progress
+    event and the last `server` event of each vLLM server it started."""
     state: dict
     progress: dict | None
+    servers: tuple = ()
 
 
 class StageTable(Vertical, can_focus=True):
@@ -104,13 +107,17 @@ class StageTable(Vertical, can_focus=True):
             st = row.state
             status = st.get("status", Status.PENDING)
             prog = row.progress if st.get("attempt") else None
+            starting = [e for e in row.servers if e.get("phase") != startup.READY] \
+                if status == Status.RUNNING else []
             styled = {
                 "Stage": s,
                 "Status": Text(status, style=STATUS_STYLE.get(status, "")),
                 "Att": str(st.get("attempt") or ""),
                 "Time": fmt.duration(fmt.stage_duration(st, now)) if st.get("started_at") else "",
-                "Progress": self._progress(prog),
-                "Rate / ETA": self._rate(prog, status),
+                "Progress": self._servers(starting, len(row.servers)) if starting
+                else self._progress(prog),
+                "Rate / ETA": self._server_state(starting) if starting
+                else self._rate(prog, status),
                 "Exit": Text(fmt.exit_text(st) if status in ENDED
                              else "", style="red" if status == Status.FAILED else ""),
             }
@@ -125,6 +132,29 @@ class StageTable(Vertical, can_focus=True):
         total = ev.get("total")
         t.append(f" {ev.get('done')}/{total}" if total else f" {ev.get('done')}")
         return t
+
+    @staticmethod
+    def _servers(starting: list[dict], count: int) -> Text:
+        """A start in progress: a bar over the shards while one server loads
+        its weights, else the phase; with several, how many are ready."""
+        if count > 1:
+            return Text(f"servers {count - len(starting)}/{count} up")
+        ev = starting[0]
+        if ev.get("total"):
+            t = progress_bar(ev.get("done", 0), ev["total"], 8)
+            t.append(f" {ev['done']}/{ev['total']}")
+            return t
+        return Text(ev.get("phase", ""), style="cyan")
+
+    @staticmethod
+    def _server_state(starting: list[dict]) -> Text:
+        stalled = [e for e in starting if e.get("stalled_s")]
+        if stalled:
+            return Text(f"STALLED {fmt.duration(stalled[0]['stalled_s'])}", style="bold red")
+        ev = min(starting, key=lambda e: startup.ORDER.index(e.get("phase", startup.STARTING))
+                 if e.get("phase") in startup.ORDER else 0)
+        what = "loading" if ev.get("phase") == startup.LOADING else "vLLM"
+        return Text(f"{what} {fmt.duration(ev.get('elapsed_s'))}", style="cyan")
 
     @staticmethod
     def _rate(ev, status) -> str:

@@ -20,6 +20,7 @@ HELP = """\
   1 2 3 4  logs · GPUs · KV cache · training
   z        full-screen log           f  follow the log on/off
   /        search the log            n  next match
+  l        the selected stage's log -> its vLLM servers' logs, one by one
   e        training: EMA smoothing   o  log scale
   a        loss / accuracy           v  train / validation
   d        doctor: environment, GPUs, model, vLLM, KV and disk checks

@@ -21,6 +21,7 @@ from pipeline import fmt
 from pipeline.run import driver
 from pipeline.run.rundir import Status
 from pipeline.stage_graph import STAGE_NAMES
+from pipeline.vllm import startup
 from widgets.gpu_table import GpuTable
 from widgets.kv_panel import KVCachePanel, KVReport
 from widgets.log_view import LogView
@@ -63,12 +64,16 @@ class MainScreen(Screen):
         Binding("a", "chart('metric')", "Loss/acc", show=False),
         Binding("v", "chart('split')", "Train/val", show=False),
         Binding("g", "node", "Node", show=False),
+        Binding("l", "next_log", "Server log", show=False),
     ]
 
     def __init__(self):
         super().__init__()
         self._gpus_drawn_at = -1e9
         self._log_stage = None
+        self._log_server: str | None = None   # None: the stage's own log
+        self._user_moved_at = -1e9
+        self._following: str | None = None
 
     def compose(self) -> ComposeResult:
         yield QuietStatic(id="title")
@@ -125,12 +130,25 @@ class MainScreen(Screen):
     def draw_stages(self, now: float) -> None:
         view = self.app.view
         self.query_one(StageTable).refresh_from(
-            {s: StageRow(info.state, info.progress) for s, info in view.stages.items()}, now)
+            {s: StageRow(info.state, info.progress, tuple(info.servers.values()))
+             for s, info in view.stages.items()}, now)
 
     def select(self, stage: str) -> None:
-        """Select a stage: the table's cursor, its log, its detail."""
+        """Select a stage: the table's cursor and its log."""
         self.query_one(StageTable).select(stage)
         self.show_log(stage)
+
+    USER_HOLD_S = 60.0   # a selection the user made is kept this long
+
+    def follow(self, stage: str, always: bool = False) -> None:
+        """Move the selection to where the work is, unless the user chose a
+        stage in the last minute (a failure moves it anyway)."""
+        if stage != self.selected_stage:
+            if not always and time.monotonic() - self._user_moved_at < self.USER_HOLD_S:
+                return
+            self._following = stage
+        self.select(stage)
+        self.draw_detail()
 
     @property
     def selected_stage(self) -> str:
@@ -179,6 +197,12 @@ class MainScreen(Screen):
                 t.append(f"\n  hint: {err['hint']}", style="yellow")
             if st.get("reason"):
                 t.append(f"\n  {st['reason']}", style="dim")
+        elif stalled := [e for e in info.servers.values() if e.get("stalled_s")
+                         and st.get("status") == Status.RUNNING]:
+            ev = stalled[0]
+            t.append(f"{ev.get('label', 'vLLM server')} {ev.get('server')}: "
+                     f"{startup.describe(ev)}", style="bold red")
+            t.append(f"\n  last log line: {ev.get('last_line', '')[-150:]}", style="dim")
         elif info.warnings:
             t.append(info.warnings[-1].get("message", ""), style="yellow")
         elif info.finished:
@@ -220,16 +244,40 @@ class MainScreen(Screen):
         self.query_one(LossChart).update_from(view.metrics, view.version, force)
 
     def show_log(self, stage: str) -> None:
+        """The stage's own log (selecting a stage always comes back to it)."""
         if self.app.rundir is None or stage == self._log_stage:
             return
-        self._log_stage = stage
+        self._log_stage, self._log_server = stage, None
         self.query_one(LogView).watch_file(self.app.rundir.log_path(stage))
+
+    def action_next_log(self) -> None:
+        """l: the selected stage's log -> its vLLM server 0's -> server 1's ... -> back."""
+        rd = self.app.rundir
+        if rd is None:
+            return
+        stage = self.selected_stage
+        names = [None] + [name for name, _ in rd.server_logs(stage)]
+        if len(names) == 1:
+            self.notify(f"{stage} has started no vLLM server", timeout=3)
+            return
+        now = self._log_server if self._log_stage == stage else None
+        nxt = names[(names.index(now) + 1) % len(names)] if now in names else names[1]
+        self._log_stage, self._log_server = stage, nxt
+        path = rd.log_path(stage) if nxt is None else dict(rd.server_logs(stage))[nxt]
+        self.query_one(LogView).watch_file(path)
+        self.query_one(TabbedContent).active = "logs"
+        self.notify(f"log: {stage}" + (f", vLLM server {nxt} ({path.name})" if nxt else ""),
+                    timeout=3)
 
     @drawing_callback
     def _poll_log(self) -> None:
         self.query_one(LogView).poll()
 
     def on_stage_table_selected(self, event: StageTable.Selected) -> None:
+        if event.stage == self._following:
+            self._following = None    # the panel moved it, not the user
+        else:
+            self._user_moved_at = time.monotonic()
         if self.app.view is None:
             return
         self.show_log(event.stage)

@@ -61,6 +61,7 @@ class Coordinator:
         self.job, self.queue, self.warn = job, queue, warn
         self.total = Counters()
         self.kv_seen: set[tuple[str, str]] = set()
+        self.servers_seen: dict[tuple[str, str], dict] = {}
         self.usage: dict[tuple[str, str], dict] = {}
         self.usage_at, self.last_usage = -USAGE_S, None
         self.said_lost: set[str] = set()
@@ -106,6 +107,11 @@ class Coordinator:
                     self.job.on_event("kv_cache", {**report, "server": f"{w}/{k}"})
             for k, u in st.get("kv_usage", {}).items():
                 self.usage[(w, k)] = u
+            for k, ev in st.get("servers", {}).items():
+                # each node's server starts, as the stage's own server events
+                if self.servers_seen.get((w, k)) != ev:
+                    self.servers_seen[(w, k)] = ev
+                    self.job.on_event("server", {**ev, "server": f"{w}/{k}"})
         now = time.monotonic()
         if self.usage and now - self.usage_at >= USAGE_S:   # as often as one node's servers
             combined = {**combine_usage(list(self.usage.values())), "server": "all nodes"}
@@ -150,7 +156,8 @@ def node_main(queue_dir: Path) -> int:
             stop["checked"], stop["file"] = now, q.stop_requested()
         return stop["flag"] or stop["file"]
 
-    status = {"state": "running", "counters": (0, 0, 0), "kv_cache": {}, "kv_usage": {}}
+    status = {"state": "running", "counters": (0, 0, 0), "kv_cache": {}, "kv_usage": {},
+              "servers": {}}
     said = {"t": 0.0}
 
     def report(force: bool = False) -> None:
@@ -164,6 +171,12 @@ def node_main(queue_dir: Path) -> int:
 
     def on_event(kind: str, fields: dict) -> None:
         k = str(fields.get("server", 0))
+        if kind == "server":
+            before = status["servers"].get(k, {})
+            status["servers"][k] = fields
+            report(force=(before.get("phase"), before.get("done")) !=
+                   (fields.get("phase"), fields.get("done")))
+            return
         status["kv_cache" if kind == "kv_cache" else "kv_usage"][k] = fields
         report(force=kind == "kv_cache")
 

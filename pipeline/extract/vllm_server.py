@@ -33,7 +33,7 @@ from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.diskspace import DiskFull
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
-from pipeline.vllm.server import VllmServer, make_server, served_model_name
+from pipeline.vllm.server import VllmServer, make_server, served_model_name, server_log
 from pipeline.vllm.source import VllmSource
 
 LOCK_SUFFIX = ".lock"
@@ -160,10 +160,11 @@ class Extraction:
                         f.unlink()
                 storage.mkdir(parents=True, exist_ok=True)
             self.servers.append(make_server(
-                k, env, job.target, group, job.log_dir / f"vllm{k}.log", job.dtype_name, max_len,
+                k, env, job.target, group, server_log(job.log_dir, k), job.dtype_name, max_len,
                 job.trust_remote_code,
                 extraction_flags(job.layer_ids, storage, self.own) + list(sec.server_args),
-                sec.serve_command, sec.max_inflight * max_len, per_token))
+                sec.serve_command, sec.max_inflight * max_len, per_token,
+                report=job.on_event, stall_after_s=sec.stall_after_s))
         self.work: queue.Queue = queue.Queue()
         for i in sorted(job.todo, key=lambda i: -job.lengths[i]):
             self.work.put(i)

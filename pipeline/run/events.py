@@ -33,6 +33,7 @@ class EventType(str, enum.Enum):
     ARTIFACT = "artifact"
     ONLINE = "online"
     BACKEND = "backend"
+    SERVER = "server"
     WARNING = "warning"
     ERROR = "error"
     STAGE_FINISHED = "stage_finished"
@@ -121,6 +122,25 @@ class OnlineEvent(_OnlineExtra):   # online training: the producer/consumer view
     verdict: str
 
 
+class _ServerExtra(TypedDict, total=False):
+    done: int             # safetensors shards loaded (while loading weights)
+    total: int
+    stalled_s: float      # no log line, no GPU memory change for this long while starting
+    took: dict            # vLLM's own timings ("Loading weights took" -> s)
+    label: str            # what the server is for ("vLLM server", "checkpoint 2", ...)
+    log: str              # its log file
+    devices: list[int]
+
+
+class ServerEvent(_ServerExtra):   # a vLLM server's start, phase by phase
+    server: int | str     # its number in the stage ("node/k" across nodes)
+    phase: str            # starting | loading weights | loading the draft |
+                          # profiling / KV cache | warm-up | ready
+    elapsed_s: float
+    phase_s: float
+    last_line: str
+
+
 class BackendEvent(TypedDict):   # the backend a stage resolved ("auto" -> what runs)
     backend: str
     why: str
@@ -156,6 +176,7 @@ FIELDS: dict[EventType, type] = {
     EventType.METRIC: MetricEvent, EventType.KV_CACHE: KvCacheEvent,
     EventType.KV_USAGE: KvUsageEvent, EventType.ARTIFACT: ArtifactEvent,
     EventType.ONLINE: OnlineEvent, EventType.BACKEND: BackendEvent,
+    EventType.SERVER: ServerEvent,
     EventType.WARNING: MessageEvent, EventType.ERROR: MessageEvent,
     EventType.STAGE_FINISHED: StageFinishedEvent,
 }
@@ -342,6 +363,19 @@ def tail_lines(path: str | os.PathLike, n: int, max_bytes: int = 4 << 20) -> tup
     if pos > 0 and lines:
         lines = lines[1:]  # the first one is cut
     return lines[-n:] if n else [], size
+
+
+def tail_events(path: str | os.PathLike, n: int) -> list[dict]:
+    """The events among the last n lines of a (maybe huge) file."""
+    out = []
+    for line in tail_lines(path, n)[0]:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            out.append(ev)
+    return out
 
 
 class ChangeWaiter:

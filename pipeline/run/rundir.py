@@ -140,6 +140,21 @@ class RunDir:
     def events_path(self, stage: str) -> Path:
         return self.path / stage / "events.jsonl"
 
+    def server_logs(self, stage: str) -> list[tuple[str, Path]]:
+        """The logs of the vLLM servers a stage started, (name, path) in
+        order: `vllm-<k>.log` is server k (pipeline.vllm.server.server_log),
+        and a node worker's server k is "<node>/<k>"."""
+        def number(p: Path) -> int:
+            tail = p.stem.removeprefix("vllm-")
+            return int(tail) if tail.isdigit() else 1 << 30
+        here = self.stage_dir(stage)
+        out = [(p.stem.removeprefix("vllm-"), p)
+               for p in sorted(here.glob("vllm-*.log"), key=number)]
+        for node in sorted((here / "nodes").glob("*")) if (here / "nodes").is_dir() else []:
+            out += [(f"{node.name}/{p.stem.removeprefix('vllm-')}", p)
+                    for p in sorted(node.glob("vllm-*.log"), key=number)]
+        return out
+
     def out_dir(self, stage: str) -> Path:
         return self.path / stage / "out"
 

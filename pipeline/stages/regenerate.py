@@ -33,7 +33,7 @@ from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
 from pipeline.stages.common import Skipped, StageContext, StageError, main_for
 from pipeline.vllm.environment import probe
-from pipeline.vllm.server import make_server, serving
+from pipeline.vllm.server import make_server, server_log, serving
 
 CHUNK = 50
 MAX_LISTED = 50
@@ -168,12 +168,14 @@ def body(ctx: StageContext) -> dict:
         dtype = ctx.cfg.dtype_name(bool(devices))
         elem = 4 if dtype == "float32" else 2
         max_len = limit + sec.max_tokens + 8
-        server = make_server(0, env, target, devices, ctx.run.stage_dir("regenerate") / "vllm.log",
+        server = make_server(0, env, target, devices, server_log(ctx.run.stage_dir("regenerate"), 0),
                              dtype, max_len, ctx.cfg.model.trust_remote_code,
                              list(sec.server_args), sec.serve_command,
                              sec.concurrency * max_len,
                              kv_bytes_per_token(read_model(target), max(1, len(devices)), elem),
-                             what="vLLM server (regenerate)")
+                             what="vLLM server (regenerate)",
+                             report=lambda kind, f: ctx.events.emit(kind, **f),
+                             stall_after_s=sec.stall_after_s)
         model = str(target)
         with serving(server, sec.startup_timeout_s, lambda: ctx.stop_requested,
                      ctx.cfg.runtime.term_grace_s):

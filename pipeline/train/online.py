@@ -40,7 +40,7 @@ from pipeline.run.events import EventType
 from pipeline.stages.common import StageContext, StageError
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import samples
-from pipeline.vllm.server import VllmServer, make_server, served_model_name
+from pipeline.vllm.server import VllmServer, make_server, served_model_name, server_log
 
 ENDPOINTS_VAR = "EAGLE_PANEL_ONLINE_ENDPOINTS"
 KEY_VAR = "EAGLE_PANEL_ONLINE_KEY"
@@ -99,12 +99,13 @@ class OnlineServers:
         per_token = (kv_bytes_per_token(read_model(target), ext.tensor_parallel, elem)
                      + meta["bytes_per_token"])
         self.servers: list[VllmServer] = [
-            make_server(k, self.env, target, group, ctx.run.stage_dir("train") / f"vllm{k}.log",
+            make_server(k, self.env, target, group, server_log(ctx.run.stage_dir("train"), k),
                         dtype, max_len, ctx.cfg.model.trust_remote_code,
                         extraction_flags(meta["layer_ids"], self.buffer, True)
                         + list(ext.server_args), ext.serve_command,
                         sec.online_max_inflight * max_len, per_token,
-                        what="vLLM server (online)")
+                        what="vLLM server (online)", report=self._server_event,
+                        stall_after_s=ext.stall_after_s)
             for k, group in enumerate(gpu_groups(devices, ext.tensor_parallel))]
         self.restarts = 0
         self.fatal: StageError | None = None
@@ -112,6 +113,9 @@ class OnlineServers:
         self._watch: threading.Thread | None = None
         self.peak_buffer = 0
         self.trainer = {"wait": None, "tokens_per_s": None}   # set by the metric handler
+
+    def _server_event(self, kind: str, fields: dict) -> None:
+        self.ctx.events.emit(kind, **fields)
 
     def endpoints(self) -> list[str]:
         return [s.url + "/v1" for s in self.servers]

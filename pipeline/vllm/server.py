@@ -29,6 +29,7 @@ from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
 from pipeline.vllm.kv import KvLogReader, parse_metrics
+from pipeline.vllm.startup import StartupWatch
 from pipeline.vllm.target_flags import target_flags
 
 SERVER_TOKEN_VAR = "EAGLE_PANEL_SERVER_TOKEN"
@@ -70,7 +71,10 @@ class VllmServer:
     """One vLLM server process tree on a set of GPUs (or the CPU)."""
 
     def __init__(self, k: int, argv: list[str], port: int, api_key: str, devices: list[int],
-                 log_path: Path, env: dict[str, str], what: str = "vLLM server"):
+                 log_path: Path, env: dict[str, str], what: str = "vLLM server",
+                 report=None, stall_after_s: float = 600.0):
+        """report(kind, fields): where its `server` events go (the stage's
+        events); None: nowhere."""
         self.k, self.argv, self.devices, self.log_path = k, argv, devices, Path(log_path)
         self.env, self.api_key, self.what = env, api_key, what
         self.url = f"http://127.0.0.1:{port}"
@@ -78,6 +82,11 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
         self.kv = KvLogReader()
         self.kv_reported = False
+        self.startup = StartupWatch(stall_after_s)
+        self.report = report
+        self._reported: tuple | None = None
+        self._reported_at = 0.0
+        self._gpu_memory = gpu_memory_reader(devices)
         self._log_pos = 0
 
     @property
@@ -85,6 +94,8 @@ class VllmServer:
         return f"{self.what} {self.k}"
 
     def start(self) -> None:
+        self.startup = StartupWatch(self.startup.stall_after_s)   # a restart starts over
+        self._reported = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_pos = log.tell()
@@ -107,12 +118,36 @@ class VllmServer:
             return []
         cut = data.rfind(b"\n") + 1
         self._log_pos += cut
+        # a line still being written (a frozen server's last words) is shown too
+        self.startup.partial = data[cut:].decode(errors="replace")[-300:]
         return data[:cut].decode(errors="replace").splitlines()
+
+    def read_log(self) -> bool:
+        """Feed what the log gained to the KV-report reader and the startup
+        watch; True if the start's picture changed."""
+        changed = False
+        for line in self.new_log_lines():
+            self.kv.feed(line)
+            changed |= self.startup.feed(line)
+        return changed
+
+    def report_startup(self, force: bool = False) -> None:
+        """A `server` event when the phase, the shard count or being stuck
+        changed, and every 10 s while it starts (its elapsed time)."""
+        if self.report is None:
+            return
+        f = self.startup.fields()
+        key = (f["phase"], f.get("done"), bool(f.get("stalled_s")))
+        now = time.monotonic()
+        if not force and key == self._reported and now - self._reported_at < 10.0:
+            return
+        self._reported, self._reported_at = key, now
+        self.report("server", {**f, "server": self.k, "label": self.what,
+                               "log": str(self.log_path), "devices": self.devices})
 
     def kv_report(self) -> dict | None:
         """The `kv_cache` event's fields, once, when the log has shown them."""
-        for line in self.new_log_lines():
-            self.kv.feed(line)
+        self.read_log()
         if self.kv_reported or self.kv.event() is None:
             return None
         self.kv_reported = True
@@ -142,7 +177,13 @@ class VllmServer:
 
     def wait_ready(self, timeout: float, should_stop, poll=None) -> None:
         deadline = time.monotonic() + timeout
+        self.read_log()
+        self.report_startup(force=True)
         while not self.healthy():
+            self.read_log()
+            if self._gpu_memory is not None:
+                self.startup.memory(self._gpu_memory())
+            self.report_startup()
             if poll:
                 poll()
             err = self.died()
@@ -155,6 +196,9 @@ class VllmServer:
                 raise self.failure(f"did not answer /health within {timeout:.0f} s",
                                    "raise startup_timeout_s for a very large model")
             time.sleep(0.5)
+        self.read_log()
+        self.startup.ready()
+        self.report_startup(force=True)
 
     def post(self, path: str, body: dict, timeout: float) -> dict:
         req = urllib.request.Request(
@@ -190,10 +234,34 @@ class VllmServer:
         return left
 
 
+def server_log(stage_dir: Path, k: int) -> Path:
+    """Where server k of a stage logs: one naming for every stage (the
+    panel's Logs tab and `eagle-panel logs --server K` find them here)."""
+    return Path(stage_dir) / f"vllm-{k}.log"
+
+
+def gpu_memory_reader(devices: list[int]):
+    """A function giving the memory its GPUs hold (NVML), or None on the CPU
+    or without a driver: a load that fills GPU memory is alive even when
+    its log is quiet."""
+    if not devices:
+        return None
+    try:
+        from pipeline.telemetry import NvmlSource
+        src = NvmlSource()
+    except Exception:  # noqa: BLE001 - no library, no driver: the log alone says
+        return None
+
+    def used():
+        return tuple(g.mem_used for g in src.sample() if g.index in devices)
+    return used
+
+
 def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path: Path,
                 dtype: str, max_model_len: int, trust: bool, flags: list[str],
                 serve_command: str = "", kv_tokens: int = 0, kv_bytes_per_token: int = 0,
-                what: str = "vLLM server") -> VllmServer:
+                what: str = "vLLM server", report=None,
+                stall_after_s: float = 600.0) -> VllmServer:
     """A server (not started) the way every stage starts one: the stage's
     own `flags` then the user's server_args in them; tensor parallel over
     its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
@@ -206,7 +274,7 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
                       eager=env.cpu_build)
     kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
     return VllmServer(k, argv, port, key, devices, log_path,
-                      process_env(env, devices, kv_gib), what)
+                      process_env(env, devices, kv_gib), what, report, stall_after_s)
 
 
 @contextmanager
