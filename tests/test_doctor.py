@@ -185,7 +185,8 @@ def test_tensor_parallel_against_the_heads(tmp_path):
 
 @pytest.mark.integration
 def test_doctor_cli_on_the_tiny_model(tmp_path):
-    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 2, 3]\n")
+    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 2, 3]\n"
+                                          "[stages.vocab]\ndraft_vocab_size = 256\n")
     r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
                         "doctor", "--json"], capture_output=True, text=True, cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300, check=False)

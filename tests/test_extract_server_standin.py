@@ -115,7 +115,7 @@ def test_server_route_writes_the_hf_numbers_and_stops_the_server(prepared, fake_
     assert not staging.exists() or not list(staging.rglob("*"))   # nothing left staged
     assert not list((rd.out_dir("extract") / "hidden_states").glob("*.lock"))
     assert no_server_left()  # the server and its worker child are gone
-    log = (rd.path / "extract" / "vllm0.log").read_text()
+    log = (rd.path / "extract" / "vllm-0.log").read_text()
     assert "extract_hidden_states" in log
     assert ("HiddenStatesConnector" if own else "ExampleHiddenStatesConnector") in log
     summary = finished(evs)["summary"]
@@ -164,7 +164,7 @@ def test_data_parallel_servers_share_the_samples(prepared, fake_vllm):
     assert len(hs_files(rd)) == N
     served = []
     for k, gpus in ((0, "0,1"), (1, "2,3")):
-        log = (rd.path / "extract" / f"vllm{k}.log").read_text()
+        log = (rd.path / "extract" / f"vllm-{k}.log").read_text()
         served.append(log.count("Received request"))
         assert f"CUDA_VISIBLE_DEVICES={gpus})" in log
     assert sum(served) == N and min(served) >= 1, served

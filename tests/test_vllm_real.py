@@ -51,6 +51,8 @@ max_samples = {N}
 backend = "auto"
 layer_ids = [1, 2, 3]
 max_inflight = 2
+[stages.vocab]
+draft_vocab_size = 256
 """
 
 
@@ -137,10 +139,15 @@ def test_real_files_match_the_hf_backend(extracted):
 def test_kv_events_come_from_the_real_server(extracted):
     events = extracted["events"]
     kv = [e for e in events if e["type"] == "kv_cache"]
-    assert kv and kv[-1]["source"] == "log" and kv[-1]["pool"] == "CPU"
+    assert kv and kv[-1]["source"] == "log+metrics" and kv[-1]["pool"] == "CPU"
     assert kv[-1]["tokens_capacity"] > 10_000 and kv[-1]["max_concurrency"] > 1
-    log = (extracted["rd"].path / "extract" / "vllm0.log").read_text()
+    log = (extracted["rd"].path / "extract" / "vllm-0.log").read_text()
     assert f"{kv[-1]['tokens_capacity']:,} tokens" in log   # the real line, parsed
+    # /metrics' vllm:cache_config_info: blocks, their size and bytes, the dtype (with
+    # extract_hidden_states a token also holds its hidden states: fewer tokens than slots)
+    k = kv[-1]
+    assert k["tokens_capacity"] <= k["num_blocks"] * k["block_size"]
+    assert k["bytes_per_block"] * k["num_blocks"] == k["total_bytes"] and k["cache_dtype"]
     usage = [e for e in events if e["type"] == "kv_usage"]
     assert usage and all(0.0 <= u["usage_perc"] <= 1.0 for u in usage)
 
@@ -154,7 +161,13 @@ async def test_kv_tab_shows_the_real_report(extracted):
     async with app.run_test(size=(100, 30)) as pilot:
         text = await kv_tab_text(app, pilot)
     assert f"{kv['tokens_capacity']:,}" in text and "live use" in text
-    assert "log, CPU memory" in text and f"{kv['max_concurrency']:.2f}x" in text
+    assert "log+metrics, CPU memory" in text and f"{kv['max_concurrency']:.2f}x" in text
+    # nothing the server reports is shown as "-"
+    for row in ("blocks", "block size", "bytes per block", "total", "bytes per token",
+                "cache dtype"):
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(row))
+        assert not line.rstrip().endswith(" -"), line
+    assert f"{kv['num_blocks']:,}" in text
 
 
 def test_doctor_predicts_the_adaptations_that_fired(extracted, vllm_env):

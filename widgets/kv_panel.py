@@ -44,6 +44,10 @@ class KVCachePanel(Static):
             ("token capacity", f"{kv.get('tokens_capacity'):,}" if kv.get("tokens_capacity") else "-"),
             ("max concurrency", f"{kv.get('max_concurrency'):.2f}x at {kv.get('max_model_len')} tokens"
              if kv.get("max_concurrency") else "-"),
+            ("bytes per token", fmt.nbytes(kv["total_bytes"] / kv["tokens_capacity"])
+             if kv.get("total_bytes") and kv.get("tokens_capacity") else "-"),
+            ("cache dtype", "auto (the model's)" if kv.get("cache_dtype") == "auto"
+             else str(kv.get("cache_dtype") or "-")),
             ("source", str(kv.get("source", "-"))
              + (f", {kv['pool']} memory" if kv.get("pool") else "")
              + (f" (server {kv['server']}, GPUs {kv.get('devices') or '- (CPU)'})"

@@ -82,6 +82,7 @@ class _KvCacheExtra(TypedDict, total=False):
     server: int
     devices: list[int]
     pool: str | None
+    cache_dtype: str | None
 
 
 class KvCacheEvent(_KvCacheExtra):

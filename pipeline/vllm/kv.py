@@ -29,7 +29,7 @@ def kv_cache_fields(source: str, **known) -> dict:
     fields = {"num_blocks": None, "block_size": None, "bytes_per_block": None,
               "total_bytes": None, "tokens_capacity": None, "max_concurrency": None,
               "max_model_len": None, "groups": [], "source": source}
-    unknown = known.keys() - fields.keys() - {"pool"}
+    unknown = known.keys() - fields.keys() - {"pool", "cache_dtype"}
     if unknown:
         raise ValueError(f"not kv_cache fields: {sorted(unknown)}")
     fields.update(known)
@@ -83,6 +83,29 @@ def parse_metrics(text: str) -> dict | None:
             "waiting": int(sum(vals.get("vllm:num_requests_waiting", [0])))}
 
 
+def cache_config(text: str) -> dict | None:
+    """The `kv_cache` figures in /metrics' `vllm:cache_config_info` gauge
+    (vLLM 0.32: its labels are the engine's cache config): blocks, block
+    size, bytes, capacity and dtype, which the log lines do not all give."""
+    for name, labels, _value in samples(text):
+        if name != "vllm:cache_config_info":
+            continue
+
+        def num(key, labels=labels):
+            v = labels.get(key)
+            return int(float(v)) if v not in (None, "None", "") else None
+        blocks = num("num_gpu_blocks") or num("num_cpu_blocks")
+        block = num("block_size")
+        total = num("kv_cache_memory_bytes")
+        out = {"num_blocks": blocks, "block_size": block, "total_bytes": total,
+               "bytes_per_block": total // blocks if total and blocks else None,
+               "tokens_capacity": num("kv_cache_size_tokens") or (
+                   blocks * block if blocks and block else None),
+               "cache_dtype": labels.get("cache_dtype")}
+        return {k: v for k, v in out.items() if v is not None}
+    return None
+
+
 def combine_usage(usages: list[dict]) -> dict:
     """One `kv_usage` event for several servers / engines (data parallel):
     usage averaged, requests summed."""
@@ -116,8 +139,11 @@ def kv_cache_event(kv_cache_config, block_size: int, max_model_len: int) -> dict
     # Each group needs its own blocks for a token; the token capacity is
     # what one group's share of the blocks holds.
     tokens = n // len(groups) * block_size if groups else 0
+    dtypes = {str(getattr(g.kv_cache_spec, "dtype", "")).removeprefix("torch.")
+              for g in kv_cache_config.kv_cache_groups} - {""}
     return kv_cache_fields(
-        "engine", num_blocks=n, block_size=block_size, bytes_per_block=total // n if n else 0,
+        "engine", cache_dtype=",".join(sorted(dtypes)) or None,
+        num_blocks=n, block_size=block_size, bytes_per_block=total // n if n else 0,
         total_bytes=total, tokens_capacity=tokens,
         max_concurrency=round(tokens / max_model_len, 2) if max_model_len else None,
         max_model_len=max_model_len, groups=groups)

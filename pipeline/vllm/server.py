@@ -28,7 +28,7 @@ from pipeline.run.proctree import stop_tree
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
-from pipeline.vllm.kv import KvLogReader, parse_metrics
+from pipeline.vllm.kv import KvLogReader, cache_config, parse_metrics
 from pipeline.vllm.startup import StartupWatch
 from pipeline.vllm.target_flags import target_flags
 
@@ -150,8 +150,15 @@ class VllmServer:
         self.read_log()
         if self.kv_reported or self.kv.event() is None:
             return None
+        event = self.kv.event()
+        text = self.metrics_text()
+        if text is None and not self.healthy():
+            return None   # the API is not up yet: /metrics adds blocks, bytes and dtype
+        more = cache_config(text) if text else None
+        if more:   # what /metrics adds to the log's figures (blocks, bytes, dtype)
+            event.update(more, source="log+metrics")
         self.kv_reported = True
-        return {**self.kv.event(), "server": self.k, "devices": self.devices}
+        return {**event, "server": self.k, "devices": self.devices}
 
     def failure(self, what: str, hint: str) -> StageError:
         lines, _ = tail_lines(self.log_path, 300)
