@@ -2,7 +2,11 @@
 
     python bench/bench_capture.py [--device cuda] [--hidden 2048] [--steps 40]
 
-pipeline/vllm_capture.py runs inside vLLM's rank-0 worker: in the step it
+The smallest size (CI, on a CPU, a few seconds):
+    python bench/bench_capture.py --device cpu --hidden 64 --step-tokens 256 --req-len 96 \
+        --steps 4 --forward-ms 5
+
+pipeline/extract/vllm_capture.py runs inside vLLM's rank-0 worker: in the step it
 adds hidden_states + residual per captured layer, stacks them and queues one
 finiteness reduction; its copy thread moves the step to the host, slices it
 between the step's requests and hands finished requests to the writer
@@ -45,8 +49,8 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from pipeline.stages.extract import Writer
-    from pipeline.vllm_capture import Capture
+    from pipeline.extract.vllm_capture import Capture
+    from pipeline.model.hsfile import Writer
 
     dev = torch.device(a.device)
     dtype = torch.bfloat16

@@ -15,8 +15,12 @@
    rank of the torchrun path (`train_worker` under torch.distributed.run).
 4. panel: bench_panel.py against real NVML (no simulated GPUs).
 
-Each part reports and carries on when another fails. `--small` shrinks
-everything so the script can be dry-run on a CPU machine.
+Each part reports and carries on when another fails; the exit status is 1
+when one did. `--small` shrinks everything so the script can be dry-run on a
+CPU machine (nvml then says it has no GPU and is skipped); the smallest run,
+the one CI makes (~20 s on 2 cores):
+
+    python bench/bench_gpu.py --small --parts extract
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import extract_direct  # noqa: E402
 import train_direct  # noqa: E402
 
 
@@ -77,7 +82,9 @@ def _num(v):
 
 def part_nvml(small: bool):
     import torch
-
+    if not torch.cuda.is_available():
+        say("nvml: skipped, no CUDA GPU on this machine")
+        return
     from pipeline.telemetry import NvmlSource
     src = NvmlSource(slow_interval=0)
     t0 = time.perf_counter()
@@ -150,14 +157,14 @@ def part_extract(small: bool):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.extract.hf import HFBackend
-    from pipeline.stages.extract import Writer, extract_shard, length_batches
+    from pipeline.extract.hf import HFBackend, length_batches
+    from pipeline.model.hsfile import Writer
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     if small:
         cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256,
                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4)
-        layer_ids, total, lo, hi, batch_tokens = [1, 2, 3, 4], 60_000, 64, 256, 4096
+        layer_ids, total, lo, hi, batch_tokens = [1, 2, 3, 4], 12_000, 64, 256, 4096
     else:
         cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                           num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=16,
@@ -176,8 +183,7 @@ def part_extract(small: bool):
         lengths.append(n)
     todo = list(range(len(rows)))
     tokens = sum(lengths)
-    elem = torch.empty((), dtype=dtype).element_size()
-    bpt = len(layer_ids) * cfg.hidden_size * elem + 8
+    bpt = extract_direct.bytes_per_token(backend)
     batches = length_batches(todo, lengths, batch_tokens)
     say(f"extract: random Llama {params / 1e9:.2f} B params ({dtype}) on {dev}; "
         f"{len(rows)} samples, {tokens:,} tokens, {bpt / 1024:.1f} KiB/token, "
@@ -221,8 +227,8 @@ def part_extract(small: bool):
 
             for threads in ([2, 4] if dev == "cuda" else [0]):
                 t0 = time.perf_counter()
-                done = extract_shard(backend, rows, todo, lengths, out, batch_tokens, bpt, 0,
-                                     lambda c: None, lambda: False, writer_threads=threads)
+                done = extract_direct.stage_loop(backend, rows, lengths, todo, out, batch_tokens,
+                                                 writer_threads=threads)
                 stage.setdefault(threads, []).append(done.tokens / (time.perf_counter() - t0))
                 assert done.tokens == tokens and len(os.listdir(out)) == len(rows)
                 shutil.rmtree(out)
@@ -249,6 +255,8 @@ def part_extract(small: bool):
 CONFIG = """
 [run]
 name = "gpu"
+[data]
+max_samples = {samples}
 [gpus]
 devices = {devices}
 [stages.extract]
@@ -259,6 +267,8 @@ draft_vocab_size = 256
 [stages.train]
 epochs = {epochs}
 total_seq_len = 2048
+[stages.evaluate]
+enabled = {evaluate}
 """
 
 def events(path: Path) -> list[dict]:
@@ -279,7 +289,8 @@ def part_pipeline(small: bool):
     cuda = torch.cuda.is_available()
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
-        devices="[0]" if cuda else "[]", epochs=1)))
+        devices="[0]" if cuda else "[]", epochs=1, samples=16 if small else 0,
+        evaluate="false" if small else "true")))
     t0 = time.perf_counter()
     r = sh([sys.executable, "-m", "app.cli", "run", "--wait"], tmp, check=False)
     say(f"pipeline on the tiny model, devices {'[0]' if cuda else '[]'}: exit {r.returncode} "
@@ -350,13 +361,18 @@ def main():
     import torch
     say(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda "
         f"{torch.cuda.is_available() and torch.cuda.get_device_name(0)}")
+    failed = []
     for name in a.parts.split(","):
         t0 = time.perf_counter()
         try:
             PARTS[name](a.small)
         except Exception:  # noqa: BLE001 - report and go on with the next part
             say(f"part {name} FAILED:\n{traceback.format_exc()}")
+            failed.append(name)
         say(f"[{name}: {time.perf_counter() - t0:.0f} s]")
+    if failed:
+        say(f"parts that failed: {', '.join(failed)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

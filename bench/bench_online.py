@@ -1,6 +1,7 @@
 """Online vs offline training on the same data (the real vLLM server).
 
     python bench/bench_online.py [--samples 0] [--epochs 2] [--workers 2]
+    python bench/bench_online.py --samples 16 --epochs 1   # the smallest (CI, ~3 min on 2 cores)
 
 offline: extract (backend auto: the vLLM server writes every sample's hidden
 states) then train reads the files; online: train asks the vLLM server for
@@ -59,9 +60,12 @@ def stage(d: Path, name: str) -> tuple[float, dict]:
     from pipeline.run.events import read_events
     env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",
-                    str(d / "runs/bench"), "--config", str(d / "config.toml")],
-                   env=env, check=True, capture_output=True)
+    p = subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",
+                        str(d / "runs/bench"), "--config", str(d / "config.toml")],
+                       env=env, capture_output=True, text=True, check=False)
+    if p.returncode:
+        raise SystemExit(f"{d.name}: the {name} stage exited {p.returncode}:\n"
+                         f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     ev = [e for e in read_events(d / "runs/bench" / name / "events.jsonl")
           if e["type"] == "stage_finished"][-1]
     return time.perf_counter() - t0, ev["summary"]

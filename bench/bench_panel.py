@@ -4,6 +4,9 @@ events/s.
 
     python bench/bench_panel.py [--duration 120] [--size 80x24]
 
+The smallest size (CI, ~25 s: start-up, one 5 s window, 20 key presses):
+    python bench/bench_panel.py --duration 5
+
 Reports: CPU (% of one core) and RSS over time, bytes written to the
 terminal per second in steady state, key press to screen update latency
 (p50/p95), and the loss chart's redraw time with 100,000 points.
@@ -126,7 +129,7 @@ def main():
         cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
         nbytes, rss = 0, []
         while time.monotonic() - t0 < a.duration:
-            nbytes += drain(fd, 10)
+            nbytes += drain(fd, min(10.0, a.duration))
             rss.append(proc.memory_info().rss / 2 ** 20)
         elapsed = time.monotonic() - t0
         cpu = (sum(proc.cpu_times()[:2]) - cpu0) / elapsed * 100

@@ -1,6 +1,9 @@
 """Benchmark the real stages on the built-in tiny model (CPU).
 
-    python bench/bench_stages.py [--epochs 1]
+    python bench/bench_stages.py [--epochs 1] [--samples 0] [--rounds 3] [--no-evaluate]
+
+The smallest size (CI, ~1 min on 2 cores):
+    python bench/bench_stages.py --samples 16 --rounds 1 --no-evaluate
 
 1. extract overhead: the stage's tokens/s against a bare transformers forward
    over the same length-batches in the same process (target >= 0.9x; on the
@@ -28,12 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import extract_direct  # noqa: E402
 import train_direct  # noqa: E402
 
 CONFIG = """
 [run]
 name = "bench"
 runs_dir = "runs"
+[data]
+max_samples = {samples}
 [stages.extract]
 layer_ids = [1, 2, 3]
 batch_tokens = {batch_tokens}
@@ -42,6 +48,8 @@ draft_vocab_size = 256
 [stages.train]
 epochs = {epochs}
 total_seq_len = 1024
+[stages.evaluate]
+enabled = {evaluate}
 """
 
 def sh(args, cwd, env=None):
@@ -56,17 +64,16 @@ def extract_vs_bare(run: Path, batch_tokens: int, rounds: int = 3):
     import statistics
 
     import torch
-    from datasets import load_from_disk
 
     from pipeline.builtin.tiny_model import ensure_built
-    from pipeline.extract.hf import HFBackend
-    from pipeline.stages.extract import RowIds, extract_shard, length_batches
-    ds = load_from_disk(str(run / "prepare/out/data")).with_format(None)
-    ids, lengths = RowIds(ds), list(ds["seq_len"])
+    from pipeline.extract.hf import HFBackend, length_batches
+    from pipeline.extract.job import RowIds
+    ids = RowIds(run / "prepare/out/data")
+    lengths = ids.lengths()
     backend = HFBackend.load(ensure_built(), [1, 2, 3, 4], "cpu", torch.float32)
     todo = list(range(len(lengths)))
     batches = length_batches(todo, lengths, batch_tokens)
-    bare, stage = [], []
+    bare, stage, mb = [], [], []
     for _ in range(rounds):
         t0, tokens = time.perf_counter(), 0
         for b in batches:
@@ -76,23 +83,32 @@ def extract_vs_bare(run: Path, batch_tokens: int, rounds: int = 3):
         out = run / "bench_hs"
         out.mkdir()
         t0 = time.perf_counter()
-        done = extract_shard(backend, ids, todo, lengths, out, batch_tokens, 2056, 0,
-                             lambda c: None, lambda: False)
-        stage.append(done.tokens / (time.perf_counter() - t0))
-        mb = done.bytes / 1e6 / (time.perf_counter() - t0)
+        done = extract_direct.stage_loop(backend, ids, lengths, todo, out, batch_tokens)
+        wall = time.perf_counter() - t0
+        assert done.tokens == tokens and done.samples == len(todo), (done, tokens)
+        stage.append(done.tokens / wall)
+        mb.append(done.bytes / 1e6 / wall)
         shutil.rmtree(out)
-    return statistics.median(stage), statistics.median(bare), mb
+    return statistics.median(stage), statistics.median(bare), statistics.median(mb)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--samples", type=int, default=0,
+                    help="rows of the bundled data ([data] max_samples; 0 = all)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternations of the stage's extract loop and the bare forward")
+    ap.add_argument("--no-evaluate", dest="evaluate", action="store_false",
+                    help="leave evaluate out of the full run (it serves the target through "
+                         "vLLM where one is installed); the figures below do not use it")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
-            epochs=a.epochs, batch_tokens=a.batch_tokens)))
+            epochs=a.epochs, batch_tokens=a.batch_tokens, samples=a.samples,
+            evaluate="true" if a.evaluate else "false")))
         t0 = time.time()
         sh([sys.executable, "-m", "app.cli", "run", "--wait"], tmp)
         print(f"full pipeline on the tiny model: {time.time() - t0:.0f} s")
@@ -106,7 +122,7 @@ def main():
         # 1. extract: the stage's loop vs a bare forward, same batches, same process.
         fin = [json.loads(x) for x in (run / "extract/events.jsonl").read_text().splitlines()]
         summary = [e for e in fin if e["type"] == "stage_finished"][-1]["summary"]
-        stage_tps, bare_tps, mbps = extract_vs_bare(run, a.batch_tokens)
+        stage_tps, bare_tps, mbps = extract_vs_bare(run, a.batch_tokens, a.rounds)
         print(f"extract: stage loop {stage_tps:,.0f} tokens/s ({mbps:.0f} MB/s written) vs bare "
               f"forward {bare_tps:,.0f} tokens/s: {stage_tps / bare_tps:.2f}x (target >= 0.9x); "
               f"the stage process end to end (cold): {summary['tokens_per_s']:,.0f} tokens/s")

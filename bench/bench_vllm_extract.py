@@ -3,6 +3,7 @@ hf backend beside it (same prepared samples, same machine).
 
     python bench/bench_vllm_extract.py [--samples 0] [--inflight 16] [--rounds 2]
                                        [--hidden 512 --layers 8]
+    python bench/bench_vllm_extract.py --samples 16 --rounds 1 --inflight 4   # the smallest (CI)
 
 1. capture: the extract stage with backend "vllm-server" (a real `vllm serve`
    of the tiny target with `extract_hidden_states` and eagle-panel's connector

@@ -4,6 +4,10 @@ resume, until the run ends; then compare with an uninterrupted run.
     python bench/chaos.py --kills 100 [--seed 1] [--samples 96] [--backend auto]
                           [--work DIR] [--json OUT]
 
+The smallest size (CI, ~1 min on 2 cores; tests/test_chaos.py makes a larger one):
+    python bench/chaos.py --kills 1 --samples 16 --epochs 1 --no-evaluate --backend hf \
+        --max-gap 2 --work DIR
+
 Victims, chosen at random among those alive at that instant:
   stage     a stage's process group (the stage and its children)
   driver    the detached driver that walks the stages

@@ -5,6 +5,7 @@ run's measured per-sample times.
 
     python bench/cluster_sim.py --run runs/demo               # a finished run's samples and rate
     python bench/cluster_sim.py --samples 50000 --tokens-per-s 23000 --mtbf-h 24 --nodes 1 2 16
+    python bench/cluster_sim.py --samples 200 --trials 2 --nodes 1 2   # the smallest (CI)
 
 Per-sample time is tokens / the node's measured tokens/s (extract's
 summary in the run, divided by its node workers; or --tokens-per-s). Each node fails after an

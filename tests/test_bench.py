@@ -1,0 +1,159 @@
+"""Every script in bench/ runs at its smallest size (DESIGN: bench/ runs in CI):
+each as a subprocess, exit 0, and the figures it reports are in its output (a
+benchmark that crashes after an API change, or that stops printing what it
+measures, fails here, not on the next GPU server). The figures are not judged
+against their targets: on 2 shared CPU cores they are noise.
+
+bench_online.py and bench_vllm_extract.py need the real vLLM of this machine
+(`.venv-vllm`): marked `vllm` and skipped, with the reason, without a usable
+one. A helper module in bench/ (no `__main__`) is checked to be used by a
+script instead."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from pipeline.paths import VLLM_VENV
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.integration
+BENCH = ROOT / "bench"
+NUM = r"[\d,]+(?:\.\d+)?"   # a figure as the scripts print it: 1,234 or 0.98
+
+
+@dataclass
+class Case:
+    args: list[str]          # the smallest size; "{tmp}" is the test's own folder
+    expect: list[str]        # regexes (multiline), each a line with a figure
+    timeout: int = 600       # seconds; the smallest sizes take well under half of it
+    vllm: bool = False
+    run_by: str = ""         # another test already runs it at a small size (CI time)
+
+
+CASES = {
+    "bench_events.py": Case(
+        ["--events", "2000", "--latency-events", "20", "--throughput-events", "5000"],
+        [rf"^write: {NUM} events/s\s+tail: {NUM} events/s",
+         rf"^latency \(\w+, .*\): p50 {NUM} ms\s+p99 {NUM} ms",
+         rf"^status on 2,000 events .*: median {NUM} s\s+max {NUM} s"], timeout=300),
+    "bench_capture.py": Case(
+        ["--device", "cpu", "--hidden", "64", "--step-tokens", "256", "--req-len", "96",
+         "--steps", "4", "--forward-ms", "5"],
+        [r"^capture on cpu ",
+         rf"^  back to back: 1,024 tokens in {NUM} s = {NUM} tokens/s \({NUM} GB/s\); "
+         rf"in the step {NUM} ms",
+         rf"^  with forward: 1,024 tokens in {NUM} s = {NUM} tokens/s .*forwards alone {NUM} s "
+         rf"-> {NUM}x the model's rate"], timeout=300),
+    "bench_gpu.py": Case(
+        ["--small", "--parts", "extract"],
+        [r"^python \S+, torch \S+",
+         rf"^extract: random Llama .* \d+ samples, {NUM} tokens",
+         rf"^  bare forward: {NUM} tokens/s",
+         rf"^  stage loop, \d+ writer threads: {NUM} tokens/s = {NUM} GB/s written .*; "
+         rf"{NUM}x forward, {NUM}x the bound",
+         r"^\[extract: \d+ s\]"]),
+    "bench_stages.py": Case(
+        ["--samples", "16", "--rounds", "1", "--no-evaluate"],
+        [r"^full pipeline on the tiny model: \d+ s",
+         *(rf"^  {s}\s+{NUM} s\s+peak RSS\s+{NUM} MiB" for s in
+           ("prepare", "extract", "vocab", "train")),
+         rf"^extract: stage loop {NUM} tokens/s \({NUM} MB/s written\) vs bare forward "
+         rf"{NUM} tokens/s: {NUM}x .*end to end \(cold\): {NUM} tokens/s",
+         rf"^train: stage {NUM} s vs speculators directly {NUM} s \(trainer alone {NUM} s\): "
+         rf"{NUM}x"], timeout=900),
+    "bench_panel.py": Case(
+        ["--duration", "5"],
+        [r"^panel at 80x24 showing train-log, 8 simulated GPUs",
+         rf"^  CPU {NUM}% of one core",
+         rf"^  RSS first {NUM} MiB, last {NUM} MiB, max {NUM} MiB",
+         rf"^  terminal output {NUM} B/s",
+         rf"^  key press to screen update: p50 {NUM} ms, p95 {NUM} ms",
+         rf"^  loss chart redraw, .*: {NUM} ms"]),
+    "chaos.py": Case(
+        ["--kills", "1", "--samples", "16", "--epochs", "1", "--no-evaluate", "--backend", "hf",
+         "--max-gap", "2", "--work", "{tmp}/chaos"],
+        [r"^  kills made / survived: 1 / 1 ",
+         rf"^  resumes: \d+\s+wall: {NUM} s \(reference run {NUM} s\)",
+         r"^  corrupt files found on resume: 0$",
+         r"^  leftover files: 0  processes: 0$",
+         r"^  datasets identical: True\s+d2t/t2d identical: True",
+         r"^  bit for bit \(hf\): True$",
+         r"^  OK$"], timeout=900,
+        run_by="tests/test_chaos.py (4 kills on the real vLLM route)"),
+    "cluster_sim.py": Case(
+        ["--samples", "200", "--trials", "2", "--nodes", "1", "2"],
+        [r"^200 synthetic samples .* 2 trials$",
+         rf"^\s+1\s+{NUM}(?:s|min|h)\s+1\.00x\s+{NUM}\s+{NUM}\s+\d+$",
+         rf"^\s+2\s+{NUM}(?:s|min|h)\s+{NUM}x\s+{NUM}\s+{NUM}\s+\d+$"], timeout=120),
+    "bench_vllm_extract.py": Case(
+        ["--samples", "16", "--rounds", "1", "--inflight", "4"],
+        [rf"^round 0: capture\s+{NUM} tokens/s \({NUM} tokens, 16 samples\)",
+         rf"^round 0: hf\s+{NUM} tokens/s \({NUM} tokens, 16 samples\)",
+         rf"^round 0: no capture\s+{NUM} tokens/s",
+         rf"^capture / no capture: {NUM}x .*capture / hf: {NUM}x"], timeout=900, vllm=True),
+    "bench_online.py": Case(
+        ["--samples", "16", "--epochs", "1"],
+        [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"
+           rf"last train loss {NUM}\s+val loss {NUM}" for m in ("offline", "online")),
+         rf"^online / offline wall time: {NUM}x; online disk peak {NUM}% of offline's"],
+        timeout=900, vllm=True),
+}
+
+
+def is_script(path) -> bool:
+    """A script has a `if __name__ == "__main__":` block; a helper module has none."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_unusable() -> str | None:
+    """Why the real vLLM cannot run here (None when it can)."""
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists():
+        return f"no real vLLM in {VLLM_VENV} (scripts/install.sh makes it)"
+    from pipeline.vllm.environment import probe
+    why = probe(str(py)).unusable([])
+    return f"the vLLM in {VLLM_VENV} is unusable here: {why}" if why else None
+
+
+def test_every_script_has_its_smallest_size():
+    scripts = sorted(p.name for p in BENCH.glob("*.py") if is_script(p))
+    assert scripts == sorted(CASES), "each bench/ script needs a Case here"
+    for name, case in CASES.items():
+        if case.run_by:   # that test runs the script itself
+            assert name in (ROOT / case.run_by.split()[0]).read_text(), case.run_by
+    sources = "\n".join(p.read_text() for p in BENCH.glob("*.py"))
+    for helper in sorted(p for p in BENCH.glob("*.py") if not is_script(p)):
+        assert re.search(rf"^\s*import {helper.stem}\b", sources, re.M), \
+            f"{helper.name} is neither a script nor imported by one"
+
+
+@pytest.mark.parametrize("script", [
+    pytest.param(name, marks=[pytest.mark.timeout(case.timeout + 60)]
+                 + ([pytest.mark.vllm] if case.vllm else []))
+    for name, case in CASES.items() if not case.run_by])
+def test_script_at_smallest_size(script, tmp_path):
+    case = CASES[script]
+    if case.vllm and vllm_unusable():
+        pytest.skip(vllm_unusable())
+    args = [a.replace("{tmp}", str(tmp_path)) for a in case.args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not case.vllm:   # vLLM's IPC sockets need short paths: its scripts clean up themselves
+        env["TMPDIR"] = str(tmp_path)   # what a script leaves behind goes with the test's folder
+    p = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=case.timeout, check=False)
+    out = p.stdout
+    assert p.returncode == 0, f"exit {p.returncode}\n{out[-4000:]}\n{p.stderr[-4000:]}"
+    missing = [rx for rx in case.expect if not re.search(rx, out, re.M)]
+    assert not missing, f"figures not reported: {missing}\n--- output ---\n{out[-4000:]}"
