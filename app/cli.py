@@ -20,7 +20,7 @@ import time
 from pipeline import __version__, control, fmt
 from pipeline.cluster import slurm
 from pipeline.config import ConfigError
-from pipeline.run import driver
+from pipeline.run import driver, provenance
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
 from pipeline.run.events import EventTail, EventType, last_event, tail_events, tail_lines
 from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
@@ -235,7 +235,8 @@ def cmd_status(args) -> int:
     if args.json:
         json.dump({"run_id": rd.id, "path": str(rd.path),
                    "driver_pid": launcher.get("pid") if driver.driver_alive(state) else None,
-                   "stages": rows}, sys.stdout, indent=1, default=str)
+                   "stages": rows, "provenance": provenance.read_run(rd.path, STAGE_NAMES)},
+                  sys.stdout, indent=1, default=str)
         print()
         return 0
     drv = f"driver pid {launcher['pid']}" if driver.driver_alive(state) else "no launcher running"

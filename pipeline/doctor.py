@@ -532,6 +532,27 @@ def check_disk(x: Inputs) -> list[Finding]:
     return [disk_forecast(x.cfg, x.model, len(x.layer_ids), bool(x.cfg.gpus.devices))]
 
 
+def check_versions(x: Inputs) -> list[Finding]:
+    """Resuming a run with other versions than it started with: its numbers
+    would come from two stacks (pipeline.run.provenance)."""
+    from pipeline.run import provenance
+    from pipeline.stage_graph import STAGE_NAMES
+    if not x.packages:
+        return []
+    rd = RunDir(x.cfg.runs_dir() / x.cfg.run.name)
+    recorded = provenance.read_run(rd.path, STAGE_NAMES)
+    if not recorded:
+        return []
+    changed = provenance.changed_versions(recorded, x.packages, x.env.get("python"),
+                                          x.vllm.version if x.vllm is not None else None)
+    if not changed:
+        return [Finding("versions", OK, f"{rd.id}: the same versions as its stages ran with "
+                        f"({', '.join(sorted(recorded))})")]
+    return [Finding("versions", WARN, f"{rd.id} ran with other versions than are installed "
+                    f"now: {'; '.join(changed)}", "resuming mixes results of both; `run --force` "
+                    "re-runs from scratch, or restore the versions (status --json has them)")]
+
+
 def check_privacy(x: Inputs) -> list[Finding]:
     """The run directory holds the user's data: others must not read it."""
     import stat
@@ -603,8 +624,8 @@ def per_node_plan(x: Inputs) -> Finding:
 
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
           check_layers, check_shapes, check_eagle3, check_adaptations, check_target_flags,
-          check_cpu_attention, check_startup, check_kv_cache, check_disk, check_privacy,
-          check_cluster)
+          check_cpu_attention, check_startup, check_kv_cache, check_disk, check_versions,
+          check_privacy, check_cluster)
 # What `run`, `resume` and the panel's `r` check before anything is created or
 # started: the checks that need no probe of an environment, no vLLM source and
 # no network — from the config and the target's config.json, in well under a

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.config import Config
+from pipeline.run import provenance
 from pipeline.run.diskspace import DiskFull, explain
 from pipeline.run.events import EventType, EventWriter
 from pipeline.run.rundir import RunDir, Status, atomic_write_bytes
@@ -133,6 +134,8 @@ def run_stage(name: str, body, argv=None) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    provenance.start(ctx.run.stage_dir(name), name,
+                     int(os.environ.get("EAGLE_PANEL_ATTEMPT") or 0), list(sys.argv))
     status, summary, code = Status.FAILED, {}, 1
     try:
         summary = body(ctx) or {}
@@ -159,6 +162,8 @@ def run_stage(name: str, body, argv=None) -> int:
             traceback.print_exc()
             summary = _report(ctx, f"{type(e).__name__}: {e}",
                               f"see {ctx.run.log_path(name)} for the traceback", quiet=True)
+    from pipeline.vllm.compat import fired_so_far
+    provenance.finish(fired_so_far())
     try:
         ctx.events.emit(EventType.STAGE_FINISHED, status=status,
                         duration_s=round(time.time() - ctx.started, 3), summary=summary)

@@ -22,6 +22,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.run import provenance
 from pipeline.run.events import tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
 from pipeline.run.proctree import stop_tree
@@ -280,6 +281,7 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
                       max_model_len, trust, [f for t in needs for f in t.flags] + list(flags),
                       eager=env.cpu_build)
     kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
+    provenance.note_server(argv, env.version, env.dist, env.python)
     return VllmServer(k, argv, port, key, devices, log_path,
                       process_env(env, devices, kv_gib), what, report, stall_after_s)
 
