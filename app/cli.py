@@ -164,9 +164,7 @@ def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
     elif t == EventType.STAGE_STARTED:
         print(f"[{stage}] started (attempt {ev.get('attempt')})", file=out, flush=True)
     elif t == EventType.STAGE_FINISHED:
-        summary = ev.get("summary") or {}
-        brief = ", ".join(f"{k}={v}" for k, v in summary.items()
-                          if isinstance(v, (int, float, str)) and len(str(v)) < 80)
+        brief = fmt.summary_text(stage, ev.get("summary") or {})
         print(f"[{stage}] {ev.get('status')} in {fmt.duration(ev.get('duration_s'))}"
               + (f": {brief}" if brief else ""), file=out, flush=True)
     elif t == EventType.ARTIFACT:

@@ -76,3 +76,72 @@ def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str
         elif str(evaluate_state.get("reason") or "").startswith("off"):
             lines.append(f"not measured: evaluate is {evaluate_state['reason']}")
     return lines
+
+
+def num(v, digits: int = 3) -> str:
+    """A figure for people: 3 significant digits, thousands separated."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int) or float(v).is_integer() and abs(v) >= 1000:
+        return f"{int(v):,}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def _rate(tokens_per_s) -> str:
+    return f"{tokens_per_s / 1000:.1f}k" if tokens_per_s >= 1000 else f"{tokens_per_s:.0f}"
+
+
+def summary_text(stage: str, s: dict) -> str:
+    """A stage's summary as a person would write it, e.g. `acceptance 3.02
+    measured, 3.00 estimated · speedup 0.96x`; figures a stage does not
+    name here are listed rounded."""
+    if s.get("skipped"):
+        return f"skipped: {s['skipped']}"
+    if s.get("error"):
+        return str(s["error"])
+    parts: list[str] = []
+    if stage == "evaluate" and s.get("acceptance_length") is not None:
+        est = s.get("acceptance_estimate")
+        parts.append(f"acceptance {s['acceptance_length']:.2f} measured"
+                     + (f", {est:.2f} estimated" if est is not None else ""))
+        if s.get("worst_category"):
+            w = s["worst_category"]
+            parts.append(f"lowest: {w['category']} {w['acceptance_length']:.2f}")
+        if s.get("speedup"):
+            parts.append(f"speedup {s['speedup']:.2f}x")
+        if s.get("prompts"):
+            parts.append(f"{s['prompts']} prompts")
+    elif stage == "train" and s.get("checkpoint"):
+        if s.get("val_loss") is not None:
+            parts.append(f"validation loss {s['val_loss']:.3f}")
+        if s.get("acceptance_length") is not None:
+            parts.append(f"acceptance {s['acceptance_length']:.2f} estimated")
+        if s.get("draft_layer"):
+            parts.append(f"{s['draft_layer']} draft")
+        parts.append(f"checkpoint {str(s['checkpoint']).rstrip('/').rsplit('/', 1)[-1]}")
+    elif stage == "extract" and s.get("samples") is not None:
+        parts.append(f"{s['samples']:,} samples ({s.get('reused', 0):,} kept from before)")
+        if s.get("tokens"):
+            parts.append(f"{s['tokens']:,} tokens at {_rate(s.get('tokens_per_s') or 0)} "
+                         "tokens/s")
+        if s.get("backend"):
+            parts.append(f"backend {s['backend']}")
+    elif stage == "prepare" and s.get("samples") is not None:
+        parts.append(f"{s['samples']:,} rows from {s.get('rows_in', 0):,}"
+                     + (f" ({s['skipped']} skipped)" if s.get("skipped") else ""))
+        parts.append(f"{s.get('tokens', 0):,} tokens, {s.get('supervised_tokens', 0):,} "
+                     "supervised")
+    elif stage == "vocab" and s.get("coverage") is not None:
+        parts.append(f"{s['draft_vocab_size']:,} of {s.get('target_vocab_size', 0):,} tokens "
+                     f"cover {s['coverage']:.1%} of the supervised ones")
+    elif stage == "regenerate" and s.get("conversations") is not None:
+        parts.append(f"{s['regenerated']:,} of {s['conversations']:,} conversations answered "
+                     f"by the target: {s.get('rows', 0):,} rows, "
+                     f"{s.get('generated_tokens', 0):,} tokens"
+                     + (f", {s['failed']} failed" if s.get("failed") else ""))
+    if not parts:
+        parts = [f"{k} {num(v)}" for k, v in s.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return " · ".join(parts)

