@@ -7,7 +7,10 @@ trained draft — the number users judge a draft by (train only estimates it).
 
 For each checkpoint ([stages.evaluate] checkpoints = last | best | all): a
 `vllm serve <target>` with `--speculative-config {"method": "eagle3",
-"model": <checkpoint>, "num_speculative_tokens": k}`, the held-out prompts
+"model": <checkpoint>, "num_speculative_tokens": k}` (an MLA draft: its vLLM
+export, train/out/vllm/<epoch>/, which vLLM loads as
+`Eagle3DeepseekV2ForCausalLM`; made here, in evaluate/out/vllm/, if train's
+is missing or older than the checkpoint), the held-out prompts
 (the prompts of the validation split train held out, or a JSONL file), greedy
 unless a temperature is set, `concurrency` at a time; /metrics read before and
 after (pipeline.vllm.metrics): acceptance length, the acceptance rate at each
@@ -32,6 +35,13 @@ from pipeline.run.events import EventType
 from pipeline.stages.common import Skipped, StageContext, StageError, main_for
 from pipeline.stages.train import acceptance_length, read_val_metrics
 from pipeline.train.checkpoints import complete_checkpoint
+from pipeline.train.mla_draft import (
+    CPU_CONFLICT,
+    export_for_vllm,
+    export_is_current,
+    is_mla_checkpoint,
+    validate_export,
+)
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import acceptance, spec_counters
 from pipeline.vllm.server import make_server, serving
@@ -165,13 +175,16 @@ class Evaluation:
                                                    max(1, len(self.devices)), elem)
         self.k = 0
 
-    def measure(self, draft: Path | None) -> dict:
-        """One server (with the draft, or without), the prompts through it."""
+    def measure(self, draft: Path | None, served: Path | None = None,
+                spec_extra: dict | None = None) -> dict:
+        """One server (with the draft, or without), the prompts through it;
+        `served` is the folder vLLM loads the draft from (default: `draft`),
+        `spec_extra` more keys of the speculative config."""
         sec = self.sec
         flags = list(sec.server_args)
         if draft is not None:
-            spec = {"method": "eagle3", "model": str(draft),
-                    "num_speculative_tokens": sec.num_speculative_tokens}
+            spec = {"method": "eagle3", "model": str(served or draft),
+                    "num_speculative_tokens": sec.num_speculative_tokens, **(spec_extra or {})}
             flags = ["--speculative-config", json.dumps(spec)] + flags
         name = draft.name if draft is not None else "baseline"
         server = make_server(self.k, self.env, self.target, self.devices,
@@ -191,6 +204,50 @@ class Evaluation:
         self.ctx.check_stop()   # cut short by a stop: not a measurement
         return {**run, **(acceptance(before, after) if draft is not None else {}),
                 "vllm_command": command, "prompts": len(self.prompts)}
+
+
+def served_draft(ctx: StageContext, ckpt: Path, env) -> Path:
+    """The folder vLLM serves for checkpoint `ckpt`: the checkpoint itself
+    (speculators' format, a Llama-layer draft), or an MLA draft's vLLM
+    export — train's, or one made here when train's is missing or stale."""
+    if not is_mla_checkpoint(ckpt):
+        if env.cpu_build and read_model(ctx.cfg.target_path()).mla and \
+                "--attention-backend" not in ctx.section.server_args:
+            raise StageError(f"vLLM {env.version} (CPU build) cannot serve this MLA target "
+                             f"with the Llama-layer draft {ckpt} ({CPU_CONFLICT})",
+                             hint='train an MLA draft: [stages.train] draft_layer = "auto" '
+                                  'or "mla", then run train and evaluate again')
+        return ckpt
+    export = ctx.out_of("train") / "vllm" / ckpt.name
+    if export_is_current(ckpt, export) and not validate_export(export):
+        return export
+    own = ctx.out / "vllm" / ckpt.name
+    if not (export_is_current(ckpt, own) and not validate_export(own)):
+        print(f"evaluate: no current vLLM export of checkpoint {ckpt.name} in {export}; "
+              f"writing one to {own}", flush=True)
+        export_for_vllm(ckpt, own)
+    return own
+
+
+def mla_draft_backend(ctx: StageContext, env) -> dict:
+    """The speculative-config keys an MLA draft needs: the target's
+    attention backend, when one is set (target_flags' CPU_MLA on the CPU
+    build, or the user's server_args). vLLM picks a draft's backend on its
+    own, never inheriting `--attention-backend`: on an AMX host it gives an
+    MLA draft AMX_MLA, which takes bf16 only, beside a float32 CPU_MLA target."""
+    from pipeline.vllm.target_flags import flags_for
+    source = env.source()
+    flags = flags_for(ctx.cfg.target_path(), env.cpu_build, source) + list(ctx.section.server_args)
+    backend = None
+    for i, flag in enumerate(flags):
+        if flag == "--attention-backend" and i + 1 < len(flags):
+            backend = flags[i + 1]
+        elif flag.startswith("--attention-backend="):
+            backend = flag.split("=", 1)[1]
+    text = source.text("config.speculative") if source is not None else None
+    if backend is None or (text is not None and "attention_backend" not in text):
+        return {}   # (a vLLM whose speculative config has no such key picks its own)
+    return {"attention_backend": backend}
 
 
 def body(ctx: StageContext) -> dict:
@@ -227,7 +284,13 @@ def body(ctx: StageContext) -> dict:
             results[ckpt.name] = old
             print(f"evaluate: checkpoint {ckpt.name} already measured", flush=True)
         else:
-            m = ev.measure(ckpt)
+            served = served_draft(ctx, ckpt, env)
+            if served != ckpt:
+                print(f"evaluate: checkpoint {ckpt.name} is an MLA draft: serving its vLLM "
+                      f"export {served}", flush=True)
+            m = ev.measure(ckpt, served,
+                           mla_draft_backend(ctx, env) if served != ckpt else None)
+            m["served"] = str(served)
             m["checkpoint"] = ident
             m["estimate"] = acceptance_length(read_val_metrics(ckpt), ttt)
             ctx.write_json(path, m)

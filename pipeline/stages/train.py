@@ -2,6 +2,14 @@
 
     train/out/checkpoints/<epoch>/   speculators checkpoint folders
     train/out/checkpoints/checkpoint_best -> best epoch by validation loss
+    train/out/draft_config.json      an MLA draft's decoder config (--draft-config)
+    train/out/vllm/<epoch>/          an MLA draft's checkpoint as vLLM serves it
+                                     (pipeline.train.mla_draft)
+
+The draft's layer ([stages.train] draft_layer): speculators' Llama layer, or
+for an MLA target where the vLLM in use needs it an MLA layer of ours
+(pipeline.train.mla_layer), registered in speculators in every process that
+trains (run_in_process: in this process and in each torchrun rank).
 
 The trainer is speculators 0.9's (`speculators.train.cli.main`, resolved
 from the same flags as `speculators train`), with its metrics logger turned
@@ -23,6 +31,15 @@ from pipeline.cluster import slurm
 from pipeline.run.events import EventType
 from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
 from pipeline.train.checkpoints import latest_checkpoint, set_aside_incomplete
+from pipeline.train.mla_draft import (
+    DraftChoice,
+    choose_draft_layer,
+    draft_config_path,
+    draft_layer_config,
+    mla_argv,
+    sync_exports,
+    validate_export,
+)
 
 # torch versions whose compile of speculators' fused loss is known to fail
 # (docs/FACTS.md: torch 2.11, "ListVariable(...) is already tracked for mutation").
@@ -208,6 +225,25 @@ def online_meta(ctx: StageContext) -> dict:
             "bytes_per_token": len(layer_ids) * mcfg.hidden_size * elem + 8}
 
 
+def resolve_draft_layer(ctx: StageContext) -> DraftChoice:
+    """`[stages.train] draft_layer` for this run's target and vLLM."""
+    from pipeline.model.info import read_model
+    from pipeline.vllm.environment import probe
+    info = read_model(ctx.cfg.target_path())
+    return choose_draft_layer(ctx.section.draft_layer, info.mla,
+                              lambda: probe(ctx.cfg.vllm_python()))
+
+
+def write_draft_config(ctx: StageContext) -> tuple[Path, list[str]]:
+    """The MLA draft's decoder config, derived from the target's, as a file
+    `--draft-config` reads (and a user replaying the flags)."""
+    raw = json.loads((ctx.cfg.target_path() / "config.json").read_text())
+    cfg, notes = draft_layer_config(raw, ctx.section.num_layers)
+    path = ctx.out / "draft_config.json"
+    ctx.write_json(path, cfg)
+    return path, notes
+
+
 def body(ctx: StageContext) -> dict:
     import torch
 
@@ -225,6 +261,17 @@ def body(ctx: StageContext) -> dict:
         ctx.events.warning(why, hint='set [stages.train] loss = "eager" to silence this')
     attn = choose_attention(ctx.section.attention, device_type)
     argv = trainer_argv(ctx, meta, loss, attn)
+    choice = resolve_draft_layer(ctx)
+    print(f"train: draft layer {choice.layer} ({choice.why})", flush=True)
+    if choice.layer == "mla":
+        draft_cfg, notes = write_draft_config(ctx)
+        for note in notes:
+            print(f"train: MLA draft: {note}", flush=True)
+        print(f"train: MLA draft: decoder config {draft_cfg}; its layer classes are "
+              "pipeline.train.mla_layer's (a replay of the flags needs "
+              "pipeline.train.mla_layer.register() in the process); vLLM serves "
+              f"{ctx.out / 'vllm'}/<epoch>/", flush=True)
+        argv = mla_argv(argv, draft_cfg)
     save_path = ctx.out / "checkpoints"
     moved = set_aside_incomplete(save_path)
     if moved:
@@ -265,7 +312,10 @@ def body(ctx: StageContext) -> dict:
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
     summary = {"checkpoint": str(final), "acceptance_length": accept,
-               "val_loss": val.get("loss"), "train_argv": "speculators train " + " ".join(argv)}
+               "val_loss": val.get("loss"), "train_argv": "speculators train " + " ".join(argv),
+               "draft_layer": choice.layer, "draft_layer_reason": choice.why}
+    if choice.layer == "mla":
+        summary.update(vllm_export(ctx, save_path, final))
     if metrics and metrics.first_loss is not None:
         summary.update(first_train_loss=metrics.first_loss, last_train_loss=metrics.last_loss)
     if metrics and metrics.waits:
@@ -274,6 +324,21 @@ def body(ctx: StageContext) -> dict:
         summary.update(mode="online", buffer_peak_bytes=servers.peak_buffer,
                        server_restarts=servers.restarts)
     return summary
+
+
+def vllm_export(ctx: StageContext, save_path: Path, final: Path) -> dict:
+    """Every complete checkpoint's vLLM export up to date (those the
+    trainer wrote as it went are kept); the final one checked and named."""
+    export_root = ctx.out / "vllm"
+    sync_exports(save_path, export_root)
+    export = export_root / final.name
+    problems = validate_export(export)
+    if problems:
+        raise StageError(f"the vLLM export {export} is not whole: {'; '.join(problems[:8])}",
+                         hint="resume the train stage: it writes the export again")
+    size = sum(p.stat().st_size for p in export.iterdir() if p.is_file())
+    ctx.events.emit(EventType.ARTIFACT, path=str(export), kind="vllm_draft", bytes=size)
+    return {"vllm_draft": str(export), "draft_config": str(ctx.out / "draft_config.json")}
 
 
 def replace_flags(argv: list[str], flags: list[str]) -> list[str]:
@@ -310,6 +375,15 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
         dl_mod.ArrowDataset = keyed_dataset_class()   # our key, our servers
     hooks = Hooks(ctx, metrics)
     panel_trainer.install(cpu=device_type == "cpu", hooks=hooks)
+    if draft_config_path(argv) is not None:
+        # the MLA draft: its layer in speculators' registry, for this
+        # process (in-process training, or this torchrun rank), and each
+        # checkpoint's vLLM export written as soon as the checkpoint is
+        from pipeline.train.mla_draft import argv_value, exporting_trainer
+        from pipeline.train.mla_layer import register
+        register()
+        cli_mod.Trainer = exporting_trainer(cli_mod.Trainer, Path(argv_value(argv, "--save-path")),
+                                            ctx.out / "vllm")
     real_setup = cli_mod.setup_metric_logger
 
     def setup_metric_logger(*a, **kw):
