@@ -25,6 +25,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from pipeline import __version__, builtin
 from pipeline.builtin import conversations_path
+from pipeline.data.prompt_sets import MT_BENCH
 from pipeline.paths import PROJECT_ROOT, VLLM_VENV
 from pipeline.stage_graph import STAGE_INPUTS
 
@@ -211,6 +212,8 @@ class EvaluateSection(ServerCommon):
     seed: int = 0
     concurrency: int = 1        # requests in flight: the decode speed is measured at this load
     baseline: bool = True       # also serve without the draft: the speedup
+    # below this measured acceptance length the stage fails (0 = no gate)
+    min_acceptance: float = 0.0
 
 
 @dataclass
@@ -525,11 +528,12 @@ def _check_ranges(cfg: Config, src: str) -> None:
 
 def _check_paths(cfg: Config, src: str) -> None:
     """Files and folders the config names must be there."""
-    if cfg.stages.evaluate.prompts and not cfg.resolve(cfg.stages.evaluate.prompts).is_file():
+    prompts = cfg.stages.evaluate.prompts
+    if prompts and prompts != MT_BENCH and not cfg.resolve(prompts).is_file():
         raise ConfigError(
-            f"{src}: `stages.evaluate.prompts` = {cfg.stages.evaluate.prompts!r}: "
-            f"{cfg.resolve(cfg.stages.evaluate.prompts)} is not a file. Give a JSONL file of "
-            'chats (`messages`) or prompts (`prompt`), or "" for the validation split.')
+            f"{src}: `stages.evaluate.prompts` = {prompts!r}: {cfg.resolve(prompts)} is not a "
+            f'file. Give "{MT_BENCH}", a JSONL file (`turns` with a `category`, `messages` or '
+            '`prompt`), or "" for the validation split.')
     known = {"model.target": tuple(builtin.TARGETS), "data.path": (BUILTIN_DATA,)}
     for kind, value in (("model.target", cfg.model.target), ("data.path", cfg.data.path)):
         if value.startswith("builtin:"):

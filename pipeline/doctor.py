@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pipeline.cluster import slurm
 from pipeline.config import Config
+from pipeline.data.prompt_sets import MT_BENCH, MT_BENCH_PACKAGE
 from pipeline.model.info import (
     ModelInfo,
     hs_bytes_per_token,
@@ -152,8 +153,11 @@ def check_environment(x: Inputs) -> list[Finding]:
                            f"environment: {env['torch_error']}",
                            "repair that environment's torch (or point [runtime] python "
                            "elsewhere)"))
-    for name, why in (("torch", "every stage"), ("transformers", "prepare and the hf backend"),
-                      ("speculators", "vocab and train")):
+    needs = [("torch", "every stage"), ("transformers", "prepare and the hf backend"),
+             ("speculators", "vocab and train")]
+    if x.cfg.enabled("evaluate") and x.cfg.stages.evaluate.prompts == MT_BENCH:
+        needs.append((MT_BENCH_PACKAGE, 'evaluate\'s prompts = "mt-bench" (its questions)'))
+    for name, why in needs:
         if not pk.get(name):
             out.append(Finding("environment", BLOCK, f"{name} is not installed in the stage "
                                f"environment; {why} need it",

@@ -21,7 +21,7 @@ import platform
 import sys
 
 PACKAGES = ("torch", "transformers", "speculators", "hs-connectors", "vllm", "datasets",
-            "safetensors", "nvidia-ml-py", "triton")
+            "safetensors", "nvidia-ml-py", "triton", "nvidia-mtbench-evaluator")
 
 
 def _version(name: str) -> str | None:

@@ -512,3 +512,30 @@ async def test_gpus_of_cluster_nodes_grouped_stale_marked_and_drilled(tmp_path, 
         live.terminate()
         live.wait()
         cli("cancel", cwd=tmp_path, check=0)
+
+
+async def test_training_tab_shows_acceptance_per_category(tmp_path, stagekit):
+    """Evaluate's per-category acceptance (MT-bench's categories) as bars beside
+    the curves, the lowest marked; evaluate's line reads like a sentence."""
+    stagekit()
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    with EventWriter(rd.events_path("evaluate")) as ev:
+        ev.emit("stage_finished", status="succeeded", duration_s=60.0, summary={
+            "acceptance_length": 3.02135231316726, "acceptance_estimate": 2.9978991596638656,
+            "per_position": [0.84, 0.66, 0.49], "speedup": 0.958, "prompts": 16,
+            "per_category": {"math": 1.81, "writing": 3.3, "coding": 2.9},
+            "worst_category": {"category": "math", "acceptance_length": 1.81}})
+    app = make_app(rd, tmp_path, gpus=0)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("4")
+        await pilot.pause(0.5)
+        text = screen_text(app)
+        assert "acceptance per category" in text
+        lines = [ln for ln in text.splitlines() if "math" in ln or "writing" in ln]
+        assert any("1.81" in ln for ln in lines) and any("3.30" in ln for ln in lines)
+        app.query_one(StageTable).select("evaluate")
+        await pilot.pause(0.3)
+        detail = str(app.query_one("#detail").render())
+        assert "acceptance 3.02 measured, 3.00 estimated · lowest: math 1.81 · speedup 0.96x" \
+            in detail

@@ -125,6 +125,51 @@ def test_evaluate_measured_every_checkpoint_and_resumed(run):
     assert not server_pids()
 
 
+def test_mt_bench_per_category_the_gate_and_provenance(run):
+    """MT-bench's questions (two turns, the second after the target's own first
+    answer) on the trained draft: each request's acceptance from the real
+    responses, aggregated per category; the gate failing, then passing."""
+    import tomllib
+
+    from tests.configs import merged, write
+    tmp, rd, seen = run
+    base = tomllib.loads(textwrap.dedent(CONFIG))
+    mt = {"stages": {"evaluate": {"prompts": "mt-bench", "max_prompts": 16, "max_tokens": 32,
+                                  "checkpoints": "last", "baseline": False,
+                                  "min_acceptance": 99.0}}}
+    write(tmp / "config.toml", merged(base, mt))
+    p = cli("run", "--stage", "evaluate", "--wait", cwd=tmp, timeout=900)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "below min_acceptance 99" in p.stdout and "lowest category:" in p.stdout
+    results = json.loads((rd.out_dir("evaluate") / "results.json").read_text())
+    cats = results["per_category"]
+    assert sorted(cats) == sorted(["writing", "roleplay", "reasoning", "math", "coding",
+                                   "extraction", "stem", "humanities"])
+    m = results["checkpoints"]["2"]
+    assert m["per_request"] == "response"
+    reqs = m["requests_measured"]
+    assert len(reqs) == 32 and {r["turn"] for r in reqs} == {0, 1}   # 16 prompts x 2 turns
+    # the per-request figures add up to what /metrics counted for the whole run
+    assert sum(r["steps"] for r in reqs) == m["drafts"]
+    assert sum(r["accepted"] for r in reqs) == m["accepted_tokens"]
+    assert sum(c["requests"] for c in cats.values()) == 32
+    assert results["worst_prompts"] and results["worst_prompts"][0]["text"]
+    print("MT-bench per category:", {c: round(v["acceptance_length"], 2)
+                                     for c, v in cats.items()})
+    # the gate passes
+    mt["stages"]["evaluate"]["min_acceptance"] = 1.0
+    write(tmp / "config.toml", merged(base, mt))
+    p = cli("run", "--stage", "evaluate", "--wait", cwd=tmp, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "acceptance" in p.stdout and "measured" in p.stdout
+    # provenance: the server's exact command and the vLLM that ran it
+    status = json.loads(cli("status", "--json", cwd=tmp, check=0).stdout)
+    prov = status["provenance"]["evaluate"]
+    assert prov["servers"] and "--per-request-spec-decode-metrics" in prov["servers"][0][
+        "command"] and prov["servers"][0]["vllm"].endswith("+cpu")
+    assert not server_pids()
+
+
 def test_without_a_usable_vllm_regenerate_and_evaluate_are_skipped(tmp_path):
     """An interpreter with no vLLM: one clear line each, status skipped."""
     cfg = f'[runtime]\nvllm_python = "{sys.executable}"\n[stages.regenerate]\nenabled = true\n'

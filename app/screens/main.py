@@ -12,7 +12,7 @@ import time
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, TabbedContent, TabPane
@@ -22,6 +22,7 @@ from pipeline.run import driver
 from pipeline.run.rundir import Status
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
+from widgets.category_bars import CategoryBars
 from widgets.gpu_table import GpuTable
 from widgets.kv_panel import KVCachePanel, KVReport
 from widgets.log_view import LogView
@@ -90,7 +91,9 @@ class MainScreen(Screen):
             with TabPane("4 Training", id="training"):
                 with Vertical():
                     yield QuietStatic(id="train-info")
-                    yield LossChart(id="chart")
+                    with Horizontal(id="train-views"):
+                        yield LossChart(id="chart")
+                        yield CategoryBars(id="categories")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -240,6 +243,10 @@ class MainScreen(Screen):
             t.append_text(online_text(train.online))
         self.query_one("#train-info", QuietStatic).set(t)
         self.query_one(LossChart).update_from(view.metrics, view.version, force)
+        done = view.stages["evaluate"].finished or {}
+        summary = done.get("summary") or {}
+        self.query_one(CategoryBars).update_from(summary.get("per_category"),
+                                                 len(summary.get("per_position") or []) or 3)
 
     def show_log(self, stage: str) -> None:
         """The stage's own log (selecting a stage always comes back to it)."""

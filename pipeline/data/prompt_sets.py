@@ -105,3 +105,20 @@ def _prompt(row: dict, path: Path, n: int) -> Prompt:
 def from_token_ids(prompts: list[list[int]]) -> list[Prompt]:
     """The validation split's prompts (token ids, one turn each)."""
     return [Prompt(str(i), "validation", [ids], "tokens") for i, ids in enumerate(prompts)]
+
+
+def take(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """At most n prompts, every category represented: round robin over the
+    categories in their order (MT-bench's first 16 questions are writing and
+    roleplay only)."""
+    if n <= 0 or len(prompts) <= n:
+        return list(prompts)
+    cats: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        cats.setdefault(p.category, []).append(p)
+    out: list[Prompt] = []
+    while len(out) < n:
+        for group in cats.values():
+            if group and len(out) < n:
+                out.append(group.pop(0))
+    return out

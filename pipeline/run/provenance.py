@@ -100,6 +100,15 @@ def finish(adaptations: dict) -> None:
         _current.finish(adaptations)
 
 
+def copy_to(folder: Path) -> None:
+    """This process's record beside a result (a trained checkpoint carries
+    what made it)."""
+    if _current is not None:
+        from pipeline.run.rundir import atomic_write_bytes
+        atomic_write_bytes(Path(folder) / FILE,
+                           (json.dumps(_current.data, indent=1) + "\n").encode())
+
+
 def read_run(run_path: Path, stages) -> dict:
     """Each stage's record in a run directory (the ones that ran)."""
     out = {}

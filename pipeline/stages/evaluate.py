@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.data.prompt_sets import Prompt, from_token_ids, take
+from pipeline.data.prompt_sets import load as load_prompts
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
 from pipeline.stages.common import Skipped, StageContext, StageError, main_for
@@ -42,9 +44,11 @@ from pipeline.train.mla_draft import (
     is_mla_checkpoint,
     validate_export,
 )
+from pipeline.vllm.acceptance import FLAG, by_category, from_counters, from_response, worst_prompts
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import acceptance, spec_counters
-from pipeline.vllm.server import make_server, serving
+from pipeline.vllm.server import make_server, server_log, serving
+from pipeline.vllm.target_flags import parser_has
 
 
 def checkpoints(save_path: Path, which: str) -> list[Path]:
@@ -89,40 +93,52 @@ def validation_prompts(ctx: StageContext) -> list[list[int]]:
     return prompts
 
 
-def file_prompts(path: Path) -> list:
-    """A JSONL file's prompts: chats (`messages`, a final assistant turn
-    dropped) or plain text (`prompt`)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise StageError(f"{path} line {n}: not JSON ({e})",
-                                 hint="one JSON object per line: `messages` or `prompt`") from None
-            if isinstance(row.get("messages"), list):
-                msgs = list(row["messages"])
-                while msgs and msgs[-1].get("role") == "assistant":
-                    msgs.pop()
-                out.append({"messages": msgs})
-            elif isinstance(row.get("prompt"), str):
-                out.append({"prompt": row["prompt"]})
-            else:
-                raise StageError(f"{path} line {n}: no `messages` list or `prompt` text",
-                                 hint="one JSON object per line: `messages` or `prompt`")
-    return out
-
-
-def generate(server, model: str, prompts: list, sec, should_stop) -> dict:
-    """Send every prompt (`concurrency` at a time); tokens and wall time."""
+def generate(server, model: str, prompts: list[Prompt], sec, should_stop,
+             per_request: str | None, k: int) -> dict:
+    """Ask every prompt (`concurrency` conversations at a time; a prompt's
+    turns one after the other, each after the target's own answer to the
+    last). Returns tokens, wall time and one record per request with its
+    acceptance: from the response (`per_request` = "response"), from /metrics
+    around it ("metrics": one request at a time), or none (no draft)."""
     work: queue.Queue = queue.Queue()
     for p in prompts:
         work.put(p)
     lock = threading.Lock()
-    done = {"completion_tokens": 0, "requests": 0}
+    done = {"completion_tokens": 0, "requests": 0, "records": []}
     errors: list[BaseException] = []
+    serial = threading.Lock() if per_request == "metrics" else None
+    params = {"model": model, "max_tokens": sec.max_tokens, "temperature": sec.temperature,
+              "seed": sec.seed}
+
+    def ask(path: str, body: dict) -> tuple[dict, dict | None]:
+        if serial is None:
+            r = server.post(path, {**params, **body}, sec.request_timeout_s)
+            return r, (from_response(r) if per_request else None)
+        with serial:   # /metrics around one request: nothing else in flight
+            before = spec_counters(server.metrics_text() or "")
+            r = server.post(path, {**params, **body}, sec.request_timeout_s)
+            return r, from_counters(before, spec_counters(server.metrics_text() or ""), k)
+
+    def conversation(p: Prompt) -> None:
+        msgs = []
+        for turn, content in enumerate(p.turns):
+            if p.kind == "turns":
+                msgs = msgs + [{"role": "user", "content": content}]
+                r, acc = ask("/v1/chat/completions", {"messages": msgs})
+                msgs = msgs + [{"role": "assistant",
+                                "content": r["choices"][0]["message"].get("content") or ""}]
+            elif p.kind == "messages":
+                r, acc = ask("/v1/chat/completions", {"messages": content})
+            else:   # text or token ids
+                r, acc = ask("/v1/completions", {"prompt": content})
+            with lock:
+                done["completion_tokens"] += r["usage"]["completion_tokens"]
+                done["requests"] += 1
+                if acc is not None:
+                    done["records"].append({"prompt_id": p.id, "category": p.category,
+                                            "turn": turn, "text": p.text()[:200],
+                                            "completion_tokens": r["usage"]["completion_tokens"],
+                                            **acc})
 
     def client():
         while not errors and not should_stop():
@@ -130,22 +146,11 @@ def generate(server, model: str, prompts: list, sec, should_stop) -> dict:
                 p = work.get_nowait()
             except queue.Empty:
                 return
-            params = {"model": model, "max_tokens": sec.max_tokens,
-                      "temperature": sec.temperature, "seed": sec.seed}
             try:
-                if isinstance(p, dict) and "messages" in p:
-                    r = server.post("/v1/chat/completions", {**params, **p},
-                                    sec.request_timeout_s)
-                else:
-                    prompt = p["prompt"] if isinstance(p, dict) else p
-                    r = server.post("/v1/completions", {**params, "prompt": prompt},
-                                    sec.request_timeout_s)
+                conversation(p)
             except OSError as e:
                 errors.append(server.died() or e)
                 return
-            with lock:
-                done["completion_tokens"] += r["usage"]["completion_tokens"]
-                done["requests"] += 1
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(sec.concurrency)]
@@ -163,7 +168,7 @@ def generate(server, model: str, prompts: list, sec, should_stop) -> dict:
 
 
 class Evaluation:
-    def __init__(self, ctx: StageContext, env, prompts: list, max_len: int):
+    def __init__(self, ctx: StageContext, env, prompts: list[Prompt], max_len: int):
         self.ctx, self.env, self.prompts, self.max_len = ctx, env, prompts, max_len
         self.sec = ctx.section
         self.target = ctx.cfg.target_path()
@@ -173,11 +178,12 @@ class Evaluation:
         # the target's KV plus the draft's (one layer): a generous plan
         self.kv_per_token = 2 * kv_bytes_per_token(read_model(self.target),
                                                    max(1, len(self.devices)), elem)
-        self.k = 0
+        # each request's acceptance in its response where the vLLM has it
+        self.per_request = "response" if parser_has(env.source(), FLAG) else "metrics"
 
-    def measure(self, draft: Path | None, served: Path | None = None,
+    def measure(self, k: int, draft: Path | None, served: Path | None = None,
                 spec_extra: dict | None = None) -> dict:
-        """One server (with the draft, or without), the prompts through it;
+        """Server k (with the draft, or without), the prompts through it;
         `served` is the folder vLLM loads the draft from (default: `draft`),
         `spec_extra` more keys of the speculative config."""
         sec = self.sec
@@ -186,24 +192,38 @@ class Evaluation:
             spec = {"method": "eagle3", "model": str(served or draft),
                     "num_speculative_tokens": sec.num_speculative_tokens, **(spec_extra or {})}
             flags = ["--speculative-config", json.dumps(spec)] + flags
+            if self.per_request == "response":
+                flags = [FLAG, "summary"] + flags
         name = draft.name if draft is not None else "baseline"
-        server = make_server(self.k, self.env, self.target, self.devices,
-                             self.ctx.run.stage_dir("evaluate") / f"vllm-{name}.log", self.dtype,
+        server = make_server(k, self.env, self.target, self.devices,
+                             server_log(self.ctx.run.stage_dir("evaluate"), k), self.dtype,
                              self.max_len, self.ctx.cfg.model.trust_remote_code, flags,
                              sec.serve_command, sec.concurrency * self.max_len, self.kv_per_token,
-                             what=f"vLLM server ({'draft ' + name if draft else 'no draft'})")
-        self.k += 1
+                             what=f"vLLM server ({'checkpoint ' + name if draft else 'no draft'})",
+                             report=lambda kind, f: self.ctx.events.emit(kind, **f),
+                             stall_after_s=sec.stall_after_s)
         command = shlex.join(server.argv)
         with serving(server, sec.startup_timeout_s, lambda: self.ctx.stop_requested,
                      self.ctx.cfg.runtime.term_grace_s):
             self.ctx.check_stop()
             before = spec_counters(server.metrics_text() or "")
             run = generate(server, str(self.target), self.prompts, sec,
-                           lambda: self.ctx.stop_requested)
+                           lambda: self.ctx.stop_requested,
+                           self.per_request if draft is not None else None,
+                           sec.num_speculative_tokens)
             after = spec_counters(server.metrics_text() or "")
         self.ctx.check_stop()   # cut short by a stop: not a measurement
-        return {**run, **(acceptance(before, after) if draft is not None else {}),
-                "vllm_command": command, "prompts": len(self.prompts)}
+        out = {**run, "vllm_command": command, "prompts": len(self.prompts)}
+        if draft is not None:
+            k_ = sec.num_speculative_tokens
+            records = out.pop("records")
+            out.update(acceptance(before, after))
+            out.update(per_request=self.per_request, requests_measured=records,
+                       per_category=by_category(records, k_),
+                       worst_prompts=worst_prompts(records, k_))
+        else:
+            out.pop("records")
+        return out
 
 
 def served_draft(ctx: StageContext, ckpt: Path, env) -> Path:
@@ -261,15 +281,16 @@ def body(ctx: StageContext) -> dict:
     if not chosen:
         raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
     if sec.prompts:
-        prompts = file_prompts(ctx.cfg.resolve(sec.prompts))
+        prompts = load_prompts(sec.prompts, ctx.cfg.resolve)
         max_len = int(read_model(ctx.cfg.target_path()).max_position or 4096)
     else:
-        prompts = validation_prompts(ctx)
-        max_len = max(len(p) for p in prompts) + sec.max_tokens + 8 if prompts else 0
-    prompts = prompts[:sec.max_prompts]
+        ids = validation_prompts(ctx)
+        prompts = from_token_ids(ids)
+        max_len = max(len(p) for p in ids) + sec.max_tokens + 8 if ids else 0
+    prompts = take(prompts, sec.max_prompts)
     if not prompts:
         raise StageError("no prompts to evaluate with",
-                         hint="give [stages.evaluate] prompts a JSONL file")
+                         hint='give [stages.evaluate] prompts "mt-bench" or a JSONL file')
     folder = ctx.out / "checkpoints"
     folder.mkdir(exist_ok=True)
     ev = Evaluation(ctx, env, prompts, max_len)
@@ -288,7 +309,7 @@ def body(ctx: StageContext) -> dict:
             if served != ckpt:
                 print(f"evaluate: checkpoint {ckpt.name} is an MLA draft: serving its vLLM "
                       f"export {served}", flush=True)
-            m = ev.measure(ckpt, served,
+            m = ev.measure(n, ckpt, served,
                            mla_draft_backend(ctx, env) if served != ckpt else None)
             m["served"] = str(served)
             m["checkpoint"] = ident
@@ -310,26 +331,54 @@ def body(ctx: StageContext) -> dict:
         path = ctx.out / "baseline.json"
         baseline = json.loads(path.read_text()) if path.exists() else None
         if baseline is None or baseline.get("prompts") != len(prompts):
-            baseline = ev.measure(None)
+            baseline = ev.measure(len(chosen), None)
             ctx.write_json(path, baseline)
         ctx.progress(total, total, "measurements")
     last = results[chosen[-1].name]
     speedup = (last["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
                if baseline and baseline["decode_tokens_per_s"] else None)
+    cats = last.get("per_category") or {}
+    worst = min(((c, v["acceptance_length"]) for c, v in cats.items()
+                 if v.get("acceptance_length") is not None), key=lambda x: x[1], default=None)
     report = {"checkpoints": results, "baseline": baseline, "speedup": speedup,
               "num_speculative_tokens": sec.num_speculative_tokens,
               "temperature": sec.temperature, "concurrency": sec.concurrency,
-              "prompts": "validation split" if not sec.prompts else sec.prompts}
+              "prompts": "validation split" if not sec.prompts else sec.prompts,
+              "per_category": cats, "worst_prompts": last.get("worst_prompts") or [],
+              "min_acceptance": sec.min_acceptance or None}
     ctx.write_json(ctx.out / "results.json", report)
     ctx.events.emit(EventType.ARTIFACT, path=str(ctx.out / "results.json"), kind="evaluation",
                     bytes=(ctx.out / "results.json").stat().st_size)
-    return {"checkpoint": chosen[-1].name, "acceptance_length": last["acceptance_length"],
-            "acceptance_estimate": last["estimate"],
-            "per_position": [round(r, 4) for r in last["per_position"] if r is not None],
-            "decode_tokens_per_s": round(last["decode_tokens_per_s"], 1),
-            "baseline_tokens_per_s": round(baseline["decode_tokens_per_s"], 1) if baseline else None,
-            "speedup": round(speedup, 3) if speedup else None, "prompts": len(prompts),
-            "results": str(ctx.out / "results.json")}
+    summary = {
+        "checkpoint": chosen[-1].name, "acceptance_length": last["acceptance_length"],
+        "acceptance_estimate": last["estimate"],
+        "per_position": [round(r, 4) for r in last["per_position"] if r is not None],
+        "per_category": {c: round(v["acceptance_length"], 4) for c, v in cats.items()
+                         if v.get("acceptance_length") is not None},
+        "worst_category": {"category": worst[0], "acceptance_length": round(worst[1], 4)}
+        if worst and len(cats) > 1 else None,
+        "decode_tokens_per_s": round(last["decode_tokens_per_s"], 1),
+        "baseline_tokens_per_s": round(baseline["decode_tokens_per_s"], 1) if baseline else None,
+        "speedup": round(speedup, 3) if speedup else None, "prompts": len(prompts),
+        "results": str(ctx.out / "results.json")}
+    gate(sec.min_acceptance, summary)
+    return summary
+
+
+def gate(threshold: float, summary: dict) -> None:
+    """[stages.evaluate] min_acceptance: below it the stage fails, so a
+    script can rely on `run --wait`'s exit status (0 = off). The
+    measurements are kept: a resume fails again at once, without serving."""
+    measured = summary.get("acceptance_length")
+    if not threshold or measured is None or measured >= threshold:
+        return
+    worst = summary.get("worst_category")
+    raise StageError(f"acceptance length {measured:.2f} measured is below min_acceptance "
+                     f"{threshold:g}" + (f"; lowest category: {worst['category']} "
+                                         f"{worst['acceptance_length']:.2f}" if worst else ""),
+                     hint=f"see the worst prompts in {summary['results']}; train longer or "
+                          "on the target's own answers ([stages.regenerate]), or lower "
+                          "min_acceptance")
 
 
 def main() -> None:

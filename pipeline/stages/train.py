@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from pipeline.cluster import slurm
+from pipeline.run import provenance
 from pipeline.run.events import EventType
 from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
 from pipeline.train.checkpoints import latest_checkpoint, set_aside_incomplete
@@ -316,6 +317,9 @@ def body(ctx: StageContext) -> dict:
                "draft_layer": choice.layer, "draft_layer_reason": choice.why}
     if choice.layer == "mla":
         summary.update(vllm_export(ctx, save_path, final))
+    provenance.copy_to(final)   # the draft carries what made it
+    if summary.get("vllm_draft"):
+        provenance.copy_to(Path(summary["vllm_draft"]))
     if metrics and metrics.first_loss is not None:
         summary.update(first_train_loss=metrics.first_loss, last_train_loss=metrics.last_loss)
     if metrics and metrics.waits:
