@@ -9,7 +9,8 @@ import importlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TARGETS = {"builtin:tiny-llama": "pipeline.builtin.tiny_model"}
+TARGETS = {"builtin:tiny-llama": "pipeline.builtin.tiny_model",
+           "builtin:tiny-kimi": "pipeline.builtin.tiny_kimi"}
 
 
 def conversations_path() -> Path:
