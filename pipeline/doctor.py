@@ -642,7 +642,9 @@ def target_info(cfg: Config) -> ModelInfo:
     building it (a launch must not wait for a build the first stage does)."""
     from pipeline import builtin
     if cfg.model.target in builtin.TARGETS:
-        return model_info(builtin.target(cfg.model.target).describe())
+        module = builtin.target(cfg.model.target)
+        return model_info(module.describe(), tokenizer_remote_code=getattr(
+            module, "TRUST_REMOTE_CODE", False))
     return read_model(cfg.target_path())
 
 

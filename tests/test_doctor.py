@@ -268,3 +268,55 @@ def test_the_shipped_kimi_config_is_accepted_against_kimi_k25s_sizes(tmp_path):
     assert launch in ([], ["gpus"])
     print("\n".join(f"{f.area}: {f.message}" for f in findings
                     if f.area in ("model", "layers", "shapes", "kv_cache", "disk")))
+
+
+def test_what_broke_on_the_cpu_build_is_predicted(tmp_path):
+    """What a DeepSeek-V3 target broke on vLLM 0.32's CPU build (issue 19), said
+    before a launch, read from the installed vLLM's source: an MLA latent its
+    kernels do not compile for, a Llama-layer draft beside an MLA target (no
+    common KV block size), and a router whose config leaves out noaux_tc."""
+    from pipeline.paths import VLLM_VENV
+    from pipeline.vllm.environment import probe
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists():
+        pytest.skip(f"no vLLM source to read: {VLLM_VENV} is missing (scripts/install.sh)")
+    env = probe(str(py))
+    if not env.cpu_build:
+        pytest.skip("the installed vLLM is not the CPU build")
+    target = tmp_path / "ds"
+    target.mkdir()
+    cfg_json = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+                "q_lora_rank": 48, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                "n_routed_experts": 8, "vocab_size": 1024, "max_position_embeddings": 2048}
+    (target / "config.json").write_text(json.dumps(cfg_json))
+    header = json.dumps({"model.layers.1.mlp.gate.e_score_correction_bias":
+                         {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}).encode()
+    (target / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header
+                                               + bytes(32))
+
+    def findings(extra: str):
+        cfg = cfg_for(tmp_path, target, "[stages.extract]\nlayer_ids = [1, 2, 3]\n"
+                      "[stages.vocab]\ndraft_vocab_size = 256\n" + extra)
+        vllm_env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=None))
+        return doctor.diagnose(cfg, env=vllm_env, gpus=None, vllm_env=env,
+                               vllm_source=env.source())
+    got = findings("")
+    att = by_area(got, "attention")
+    assert att[0].level == doctor.BLOCK and "latent kv_lora_rank + qk_rope_head_dim = 48" in \
+        att[0].message and "[576]" in att[0].message
+    routing = [f for f in by_area(got, "compat") if f.key == "moe_routing"]
+    assert routing and "topk_method = 'noaux_tc'" in routing[0].message
+    assert "scoring_func = 'sigmoid'" in routing[0].message
+    # Kimi's and DeepSeek's latent, with a Llama-layer draft: the pairing blocks
+    cfg_json.update(kv_lora_rank=512, qk_rope_head_dim=64, topk_method="noaux_tc",
+                    scoring_func="sigmoid")
+    (target / "config.json").write_text(json.dumps(cfg_json))
+    got = findings('[stages.train]\ndraft_layer = "llama"\n')
+    (pair,) = by_area(got, "attention")
+    assert pair.level == doctor.BLOCK and "no common KV block size" in pair.message
+    assert 'draft_layer = "auto"' in pair.fix
+    assert not [f for f in by_area(got, "compat") if f.key == "moe_routing"]
+    (ok,) = by_area(findings(""), "attention")
+    assert ok.level == doctor.OK and "mla-layer draft" in ok.message

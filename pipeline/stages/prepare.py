@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, RowError, normalize
 from pipeline.data.rows import count_rows, iter_raw, regenerated_rows
+from pipeline.model.info import read_model
 from pipeline.run.events import EventType
 from pipeline.stages.common import StageContext, StageError, main_for
 
@@ -31,7 +32,12 @@ def load_tokenizer(ctx: StageContext):
                                              trust_remote_code=ctx.cfg.model.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         msg = str(e)
-        if "trust_remote_code" in msg:
+        # a tokenizer that is code in the model folder (auto_map) fails without
+        # trust_remote_code in ways that do not always say so (Kimi's:
+        # "Couldn't instantiate the backend tokenizer")
+        remote = read_model(target).needs_remote_code if (target / "config.json").exists() \
+            else False
+        if "trust_remote_code" in msg or (remote and not ctx.cfg.model.trust_remote_code):
             raise StageError(f"the tokenizer of {target} runs custom code",
                              hint="set [model] trust_remote_code = true in config.toml "
                                   "if you trust this model") from None
