@@ -97,7 +97,7 @@ def summary_text(stage: str, s: dict) -> str:
     """A stage's summary as a person would write it, e.g. `acceptance 3.02
     measured, 3.00 estimated · speedup 0.96x`; figures a stage does not
     name here are listed rounded."""
-    if s.get("skipped"):
+    if isinstance(s.get("skipped"), str):   # the stage was skipped (prepare counts rows)
         return f"skipped: {s['skipped']}"
     if s.get("error"):
         return str(s["error"])

@@ -1,0 +1,21 @@
+"""Stage summaries as a person reads them (pipeline.fmt.summary_text), in the
+panel's detail line and `run --wait`."""
+
+from pipeline.fmt import summary_text
+
+
+def test_summaries_read_like_sentences():
+    assert summary_text("evaluate", {
+        "acceptance_length": 3.02135231316726, "acceptance_estimate": 2.9978991596638656,
+        "speedup": 0.958, "prompts": 48}) == \
+        "acceptance 3.02 measured, 3.00 estimated · speedup 0.96x · 48 prompts"
+    assert summary_text("prepare", {"rows_in": 830, "samples": 829, "skipped": 1,
+                                    "tokens": 46938, "supervised_tokens": 20298}) == \
+        "829 rows from 830 (1 skipped) · 46,938 tokens, 20,298 supervised"
+    assert summary_text("evaluate", {"skipped": "vLLM is not installed"}) == \
+        "skipped: vLLM is not installed"
+    assert summary_text("train", {"checkpoint": "/r/train/out/checkpoints/5", "val_loss": 1.2345,
+                                  "acceptance_length": 2.99, "draft_layer": "mla"}) == \
+        "validation loss 1.234 · acceptance 2.99 estimated · mla draft · checkpoint 5"
+    # a stage it does not know: its figures, rounded
+    assert summary_text("other", {"a": 1.23456, "b": 123456, "c": "text"}) == "a 1.23 · b 123,456"
