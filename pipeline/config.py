@@ -43,6 +43,9 @@ class PipelineSection:
     # offline: extract writes every sample's hidden states, train reads them.
     # online: no extract pass; train asks vLLM server(s) on [gpus] extract for
     # the hidden states of each sample as it needs them (no multi-TB disk).
+    # hybrid: no extract pass either; train reads what an earlier extract left
+    # on disk and asks the servers for the rest (an extraction that ran out of
+    # disk or time, continued without redoing it).
     mode: str = "offline"
 
 
@@ -57,9 +60,19 @@ class RunSection:
 
 @dataclass
 class ModelSection:
+    # a local model folder, a built-in, or a Hugging Face id "ORG/NAME" found in
+    # the local hub cache (HF_HOME / HF_HUB_CACHE); a path that exists wins
     target: str = BUILTIN_MODEL
+    # a hub id's branch, tag or commit ("" = the cached `main`)
+    revision: str = ""
+    # a hub id not (all) in the cache: the first stage downloads it (false:
+    # nothing is ever downloaded; `hf download` it first)
+    download: bool = False
     trust_remote_code: bool = False
     dtype: str = "auto"
+    # not a config key: the snapshot a run froze when it was launched
+    # (state.json `target`), given to the run's config when it is loaded
+    pinned: typing.ClassVar[dict | None] = None
 
 
 @dataclass
@@ -150,6 +163,9 @@ class PrepareSection(StageCommon):
 class ExtractSection(StageCommon):
     backend: str = "hf"
     layer_ids: list[int] = field(default_factory=list)
+    # auto: the dtype the target runs in (bf16 on GPUs, fp32 on the CPU); fp8:
+    # float8_e4m3fn with a scale per token, speculators' layout: half of bf16
+    hidden_states_dtype: str = "auto"
     batch_tokens: int = 8192
     min_free_gb: float = 2.0
     workers: int = 0
@@ -188,6 +204,10 @@ class TrainSection(StageCommon):
     # server that dies mid-training is restarted before the stage fails
     online_max_inflight: int = 16
     server_restarts: int = 2
+    # online and hybrid: keep the hidden states the servers generate, up to this
+    # many GB, beside extract's files, so later epochs read them from disk
+    # (0: speculators' way, each deleted once loaded; min_free_gb applies too)
+    keep_generated_gb: float = 0.0
     # speculators' dataloader processes: -1 = auto (4 on GPUs; on the CPU 0,
     # and 2 online so that requests to vLLM overlap)
     dataloader_workers: int = -1
@@ -267,6 +287,9 @@ class Config:
         return self.off_reason(name) is None
 
     def off_reason(self, name: str) -> str | None:
+        if name == "extract" and self.pipeline.mode == "hybrid":
+            return ('off ([pipeline] mode = "hybrid": train reads the hidden states extract '
+                    "left on disk and asks vLLM for the rest)")
         if name == "extract" and self.online:
             return 'off ([pipeline] mode = "online": train asks vLLM for the hidden states)'
         if not getattr(self.stage(name), "enabled", True):
@@ -275,7 +298,8 @@ class Config:
 
     @property
     def online(self) -> bool:
-        return self.pipeline.mode == "online"
+        """Train runs vLLM servers for the hidden states (online and hybrid)."""
+        return self.pipeline.mode in ("online", "hybrid")
 
     def python(self) -> str:
         return self.runtime.python or sys.executable
@@ -295,10 +319,19 @@ class Config:
         return self.resolve(self.run.runs_dir)
 
     def target_path(self) -> Path:
-        """The target model's folder (the built-in one is built on first use)."""
+        """The target model's folder: a built-in (built on first use), a local
+        folder, or a hub id's snapshot in the local cache (a run's: the one it
+        froze; pipeline.model.hub)."""
         if self.model.target in builtin.TARGETS:
             return builtin.target(self.model.target).ensure_built()
-        return self.resolve(self.model.target)
+        local = self.resolve(self.model.target)
+        from pipeline.model import hub
+        if not hub.is_hub_target(self):
+            return local
+        try:
+            return hub.target_path(self)
+        except hub.HubError as e:
+            raise ConfigError(str(e)) from None
 
     def data_path(self) -> Path:
         if self.data.path == BUILTIN_DATA:
@@ -318,12 +351,16 @@ class Config:
     def fingerprint(self, name: str, upstream: dict[str, str]) -> str:
         """Hash of what decides the stage's output: its section, the shared
         sections it reads, the fingerprints of its inputs and our version."""
+        from pipeline.model import hub
         payload = {
             "stage": name,
             "section": self.section_dict(name),
-            "model": dataclasses.asdict(self.model),
+            "model": hub.model_identity(self),   # a hub id: by its resolved commit
             "data": dataclasses.asdict(self.data) if name in ("regenerate", "prepare") else None,
-            "pipeline": dataclasses.asdict(self.pipeline),
+            # the mode changes only what extract and train do: prepare, vocab and
+            # evaluate stay done when an offline run continues as "hybrid"
+            "pipeline": dataclasses.asdict(self.pipeline) if name in ("extract", "train")
+            else None,
             "devices": self.stage_devices(name),
             "inputs": {k: upstream.get(k, "") for k in STAGE_INPUTS[name]},
             "version": __version__,
@@ -458,14 +495,16 @@ def _check_choices(cfg: Config, src: str) -> None:
     _choice(cfg.data.format, ("auto", "messages", "sharegpt", "tokenized"), "data.format", src)
     _choice(cfg.stages.extract.backend, ("auto", "hf", "vllm-server", "vllm-engine"),
             "stages.extract.backend", src)
+    _choice(cfg.stages.extract.hidden_states_dtype, ("auto", "fp8"),
+            "stages.extract.hidden_states_dtype", src)
     _choice(cfg.stages.train.loss, ("auto", "eager", "fused"), "stages.train.loss", src)
     _choice(cfg.stages.train.attention, ("auto", "sdpa", "eager", "flex"),
             "stages.train.attention", src)
     _choice(cfg.stages.train.draft_layer, ("auto", "llama", "mla"),
             "stages.train.draft_layer", src)
-    _choice(cfg.pipeline.mode, ("offline", "online"), "pipeline.mode", src)
+    _choice(cfg.pipeline.mode, ("offline", "online", "hybrid"), "pipeline.mode", src)
     _choice(cfg.cluster.scheduler, ("local", "slurm"), "cluster.scheduler", src)
-    if cfg.cluster.nodes > 1 and cfg.pipeline.mode == "online":
+    if cfg.cluster.nodes > 1 and cfg.online:
         raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes} with `pipeline.mode = "
                           '"online"`: online training runs its vLLM servers beside the trainer '
                           "on one node. Set `cluster.nodes = 1`, or mode = \"offline\".")
@@ -519,6 +558,9 @@ def _check_ranges(cfg: Config, src: str) -> None:
                          ("stages.evaluate.temperature", cfg.stages.evaluate.temperature)):
         if value < 0:
             raise ConfigError(f"{src}: `{where}` must be 0 (greedy) or positive, got {value}.")
+    if cfg.stages.train.keep_generated_gb < 0:
+        raise ConfigError(f"{src}: `stages.train.keep_generated_gb` must be 0 (keep nothing) "
+                          f"or a size in GB, got {cfg.stages.train.keep_generated_gb}.")
     if cfg.gpus.memory_gb < 0:
         raise ConfigError(f"{src}: `gpus.memory_gb` must be 0 (as NVML reports) or a GPU's "
                           f"memory in GB, got {cfg.gpus.memory_gb}.")
@@ -544,11 +586,27 @@ def _check_paths(cfg: Config, src: str) -> None:
                 )
             continue
         if not cfg.resolve(value).exists():
+            if kind == "model.target":
+                from pipeline.model import hub
+                if hub.is_hub_id(value):   # found in the hub cache (or to be downloaded)
+                    try:
+                        hub.check_config(cfg, src)
+                    except hub.HubError as e:
+                        raise ConfigError(str(e)) from None
+                    continue
             raise ConfigError(
                 f"{src}: `{kind}` = {value!r}: {cfg.resolve(value)} does not exist. "
-                "Give a local path (relative paths are relative to the config file), "
-                "or use the built-in default."
+                "Give a local path (relative paths are relative to the config file)"
+                + (", a Hugging Face id (ORG/NAME)" if kind == "model.target" else "")
+                + ", or use the built-in default."
             )
+    if cfg.model.revision and (cfg.model.target.startswith("builtin:")
+                               or cfg.resolve(cfg.model.target).exists()):
+        raise ConfigError(
+            f"{src}: `model.revision` = {cfg.model.revision!r} applies to a Hugging Face id "
+            f"only, and `model.target` = {cfg.model.target!r} is "
+            + ("a built-in" if cfg.model.target.startswith("builtin:") else "a local folder")
+            + ". Remove `model.revision`, or name the model by its id (ORG/NAME).")
     for key in ("python", "vllm_python"):
         value = getattr(cfg.runtime, key)
         py = Path(value)

@@ -24,6 +24,7 @@ from pathlib import Path
 from pipeline.cluster import slurm
 from pipeline.config import Config
 from pipeline.data.prompt_sets import MT_BENCH, MT_BENCH_PACKAGE
+from pipeline.model import fp8
 from pipeline.model.info import (
     ModelInfo,
     hs_bytes_per_token,
@@ -253,13 +254,24 @@ def check_gpus(x: Inputs) -> list[Finding]:
 
 
 def check_model(x: Inputs) -> list[Finding]:
+    from pipeline.model import hub
+    # a hub id: its revision and commit, the snapshot, its size, the files vLLM
+    # needs (with [model] download = true and nothing cached: what the Hub has)
+    out = [Finding("model", level, message, fix) for level, message, fix in hub.report(x.cfg)]
     if x.model is None:
-        return [Finding("model", BLOCK, f"cannot read the target's config.json: "
-                        f"{x.extra.get('model_error')}",
-                        "point [model] target at a local HF model folder")]
+        if out and any(f.level == BLOCK for f in out):
+            return out
+        if hub.download_pending(x.cfg):
+            return out + [Finding("model", OK, "the target's shapes: a launch checks them "
+                                  "against the config.json the Hub serves; doctor, once it is "
+                                  "downloaded")]
+        return out + [Finding("model", BLOCK, f"cannot read the target's config.json: "
+                              f"{x.extra.get('model_error')}",
+                              "point [model] target at a local HF model folder or a Hugging "
+                              "Face id (ORG/NAME) in the cache")]
     m = x.model
     kind = "MLA" if m.mla else ("GQA" if m.kv_heads < m.heads else "MHA")
-    out = [Finding("model", OK, f"{m.architecture} ({m.model_type}): {m.layers} layers, hidden "
+    out += [Finding("model", OK, f"{m.architecture} ({m.model_type}): {m.layers} layers, hidden "
                    f"{m.hidden}, {m.heads} heads / {m.kv_heads} KV heads, {kind} attention, "
                    f"{m.dtype}" + (", decoder under text_config (multimodal wrapper)"
                                    if m.wrapped else "")
@@ -524,16 +536,36 @@ def planned_gpus(x: Inputs) -> list[dict]:
             for d in x.cfg.gpus.devices] if gb else []
 
 
+def stored_per_token(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool) -> tuple[int, str]:
+    """(bytes one token of hidden states takes on disk, how): the target's
+    dtype, or FP8 with a float32 scale per token ([stages.extract]
+    hidden_states_dtype)."""
+    if cfg.stages.extract.hidden_states_dtype == "fp8":
+        return fp8.bytes_per_token(n_layers, m.hidden), f"{n_layers} layers x {m.hidden} x 1 B FP8"
+    elem = 4 if cfg.dtype_name(gpu) == "float32" else 2
+    return hs_bytes_per_token(m, n_layers, elem), f"{n_layers} layers x {m.hidden} x {elem} B"
+
+
 def check_disk(x: Inputs) -> list[Finding]:
     if x.model is None or x.layer_ids is None:
         return []
-    if x.cfg.online:
-        elem = 4 if x.cfg.dtype_name(bool(x.cfg.gpus.devices)) == "float32" else 2
-        bpt = hs_bytes_per_token(x.model, len(x.layer_ids), elem)
-        return [Finding("disk", OK, f"online: hidden states are not kept; the buffer holds "
-                        f"the samples in flight, {bpt / 1024:.1f} KiB/token x at most "
-                        f"{x.cfg.stages.prepare.seq_length} tokens each")]
-    return [disk_forecast(x.cfg, x.model, len(x.layer_ids), bool(x.cfg.gpus.devices))]
+    gpu = bool(x.cfg.gpus.devices)
+    bpt, how = stored_per_token(x.cfg, x.model, len(x.layer_ids), gpu)
+    keep = x.cfg.stages.train.keep_generated_gb
+    kept = f"; up to {keep:g} GB of what the servers generate is kept for later epochs" \
+        if keep else ""
+    if x.cfg.pipeline.mode == "online":
+        return [Finding("disk", OK, f"online: hidden states are not kept on disk{kept}; the "
+                        f"buffer holds the samples in flight, {bpt / 1024:.1f} KiB/token ({how}) "
+                        f"x at most {x.cfg.stages.prepare.seq_length} tokens each")]
+    if x.cfg.pipeline.mode == "hybrid":
+        folder = RunDir(x.cfg.runs_dir() / x.cfg.run.name).out_dir("extract") / "hidden_states"
+        files = list(folder.glob("hs_*.safetensors")) if folder.is_dir() else []
+        size = sum(f.stat().st_size for f in files)
+        return [Finding("disk", OK, f"hybrid: train reads the {len(files):,} hidden-state files "
+                        f"on disk ({size / GIB:,.2f} GiB at {folder}) and asks vLLM for the "
+                        f"rest ({bpt / 1024:.1f} KiB/token, {how}){kept}")]
+    return [disk_forecast(x.cfg, x.model, len(x.layer_ids), gpu)]
 
 
 def check_versions(x: Inputs) -> list[Finding]:
@@ -639,12 +671,21 @@ LAUNCH_CHECKS = (check_gpus, check_model, check_layers, check_shapes)
 
 def target_info(cfg: Config) -> ModelInfo:
     """The target's ModelInfo; a built-in one from its description, without
-    building it (a launch must not wait for a build the first stage does)."""
+    building it (a launch must not wait for a build the first stage does); a
+    hub id to be downloaded ([model] download = true) from the config.json the
+    Hub serves, so that its shapes are checked before the download."""
     from pipeline import builtin
+    from pipeline.model import hub
     if cfg.model.target in builtin.TARGETS:
         module = builtin.target(cfg.model.target)
         return model_info(module.describe(), tokenizer_remote_code=getattr(
             module, "TRUST_REMOTE_CODE", False))
+    if hub.download_pending(cfg):
+        try:
+            raw, tok_auto, weights = hub.remote_config(cfg)
+        except hub.RemoteError as e:
+            raise OSError(str(e)) from None   # check_model names it, with the fix
+        return model_info(raw, tokenizer_remote_code=tok_auto, weights_bytes=weights)
     return read_model(cfg.target_path())
 
 
@@ -682,9 +723,14 @@ def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool 
         x.backend, x.backend_why = choose_backend("auto", vllm_env, cfg.stage_devices("extract"))
     else:
         x.backend = sec.backend
+    from pipeline.config import ConfigError
+    from pipeline.model import hub
     try:
-        x.model = read_model(cfg.target_path())
-    except (OSError, ValueError, KeyError) as e:
+        if hub.download_pending(cfg):   # its checks run on the files once downloaded
+            x.extra["model_error"] = "not downloaded yet"
+        else:
+            x.model = read_model(cfg.target_path())
+    except (OSError, ValueError, KeyError, ConfigError) as e:   # a hub snapshot that is gone
         x.extra["model_error"] = str(e)
     return x
 
@@ -769,8 +815,7 @@ def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -
 
 def disk_forecast(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
                   tokens: int | None = None) -> Finding:
-    elem = 4 if cfg.dtype_name(gpu) == "float32" else 2
-    bpt = hs_bytes_per_token(m, n_layers, elem)
+    bpt, how = stored_per_token(cfg, m, n_layers, gpu)
     exact = tokens is not None
     if tokens is None:
         tokens, exact = _prepared_tokens(cfg)
@@ -780,19 +825,22 @@ def disk_forecast(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if tokens is None:
-        return Finding("disk", OK, f"hidden states: {bpt / 1024:.1f} KiB/token ({n_layers} "
-                       f"layers x {m.hidden} x {elem} B); data size unknown, {free / GIB:.0f} "
-                       f"GiB free at {probe}")
+        return Finding("disk", OK, f"hidden states: {bpt / 1024:.1f} KiB/token ({how}); data "
+                       f"size unknown, {free / GIB:.0f} GiB free at {probe}")
     need = tokens * bpt
     room = free - cfg.stages.extract.min_free_gb * GIB
     what = "" if exact else "at most "
-    msg = (f"hidden states: {bpt / 1024:.1f} KiB/token ({n_layers} layers x {m.hidden} x "
-           f"{elem} B) x {what}{tokens:,} tokens = {what}{need / GIB:,.1f} GiB; "
-           f"{free / GIB:,.0f} GiB free at {probe}")
+    msg = (f"hidden states: {bpt / 1024:.1f} KiB/token ({how}) x {what}{tokens:,} tokens = "
+           f"{what}{need / GIB:,.1f} GiB; {free / GIB:,.0f} GiB free at {probe}")
+    if cfg.stages.extract.hidden_states_dtype != "fp8" and gpu:
+        half = tokens * fp8.bytes_per_token(n_layers, m.hidden)
+        msg += f" (FP8: {what}{half / GIB:,.1f} GiB)"
     if need > room:
         level = BLOCK if exact else WARN
         return Finding("disk", level, msg, "free space, move [run] runs_dir to a bigger disk, "
-                       "or lower [data] max_samples / [stages.prepare] seq_length")
+                       'set [stages.extract] hidden_states_dtype = "fp8" (half of bf16), '
+                       '[pipeline] mode = "online" or "hybrid", or lower [data] max_samples / '
+                       "[stages.prepare] seq_length")
     if need > 0.5 * room:
         return Finding("disk", WARN, msg, "less than half of the free space would be left")
     return Finding("disk", OK, msg)

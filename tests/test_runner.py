@@ -52,9 +52,7 @@ def test_changed_section_invalidates_downstream_only(tmp_path, stagekit):
     cli("run", "--wait", cwd=tmp_path, check=0)
     # vocab's section changes: vocab and train (which reads it) re-run.
     cfg = tmp_path / "config.toml"
-    cfg.write_text(cfg.read_text().replace(
-        '[stages.vocab]\nentry = "tests.fakes.stagekit"',
-        '[stages.vocab]\ndraft_vocab_size = 77\nentry = "tests.fakes.stagekit"'))
+    cfg.write_text(cfg.read_text().replace("draft_vocab_size = 256", "draft_vocab_size = 77"))
     p = cli("run", "--wait", cwd=tmp_path, check=0)
     assert starts(tmp_path)[6:] == ["vocab", "train", "evaluate"], p.stdout
     assert "config changed" in p.stdout

@@ -123,3 +123,64 @@ def test_online_without_a_usable_vllm_fails_before_training(tmp_path):
     assert not (rd.out_dir("train") / "checkpoints").exists() or \
         not list((rd.out_dir("train") / "checkpoints").iterdir())
     assert json.dumps(err)   # one event, whole
+
+
+def test_hybrid_fp8_reads_the_disk_asks_the_servers_keeps_and_resumes(tmp_path):
+    """FP8 end to end through the real vLLM: an offline extraction (our
+    connector writing FP8) killed part way; the run continued as "hybrid":
+    train reads the files on disk, asks the server for the rest and keeps
+    what it generates; killed in its first epoch and resumed, it reads what
+    it kept instead of generating it again."""
+    import tomllib
+
+    from pipeline.model.hsfile import validate_file
+    from tests.configs import merged, write
+    if not PY.exists() or probe(str(PY)).unusable([]):
+        pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
+    env = dict(os.environ, RUN_OF=str(os.getpid()))
+    base = merged(tomllib.loads(CONFIG.format(name="h", mode="offline")), {
+        "stages": {"extract": {"hidden_states_dtype": "fp8", "max_inflight": 2},
+                   "train": {"epochs": 2, "keep_generated_gb": 1.0}}})
+    write(tmp_path / "config.toml", base)
+    rd = RunDir(tmp_path / "runs" / "h")
+    cli("run", "--stage", "prepare", "--wait", cwd=tmp_path, check=0, env=env)
+    cli("run", "--stage", "extract", cwd=tmp_path, check=0, env=env)
+    folder = rd.out_dir("extract") / "hidden_states"
+    wait_for(lambda: len(list(folder.glob("hs_*.safetensors"))) >= 16, timeout=600, poll=0.1,
+             what="16 FP8 files from the server")
+    os.killpg(rd.read_state()["stages"]["extract"]["pgid"], signal.SIGKILL)
+    wait_for(lambda: rd.read_state()["stages"]["extract"]["status"] != "running", timeout=60,
+             what="extract recorded as ended")
+    wait_for(lambda: not server_pids(), timeout=60, what="the extract server gone")
+    from datasets import load_from_disk
+    ids = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)["input_ids"]
+    on_disk = {p.name: p.stat().st_mtime_ns for p in folder.glob("hs_*.safetensors")}
+    import torch
+    for name in on_disk:
+        i = int(name[3:-12])
+        assert validate_file(folder / name, ids[i], 4, 128, torch.float8_e4m3fn) is None
+    # continue as hybrid: extract is off, train reads the disk and asks vLLM for the rest
+    write(tmp_path / "config.toml", merged(base, {"pipeline": {"mode": "hybrid"}}))
+    cli("run", cwd=tmp_path, check=0, env=env)
+    wait_for(lambda: len(list(folder.glob("hs_*.safetensors"))) >= len(on_disk) + 8,
+             timeout=900, poll=0.1, what="generated states kept beside extract's")
+    os.killpg(rd.read_state()["stages"]["train"]["pgid"], signal.SIGKILL)
+    wait_for(lambda: rd.read_state()["stages"]["train"]["status"] != "running", timeout=60,
+             what="train recorded as ended")
+    wait_for(lambda: not server_pids(), timeout=60, what="the train server gone")
+    kept = {p.name: p.stat().st_mtime_ns for p in folder.glob("hs_*.safetensors")}
+    p = cli("resume", "--wait", cwd=tmp_path, timeout=1500, env=env)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    st = rd.read_state()["stages"]
+    assert st["extract"]["status"] == "skipped" and "hybrid" in st["extract"]["reason"]
+    assert st["prepare"]["attempt"] == 1   # the mode changed nothing before extract
+    after = {p.name: p.stat().st_mtime_ns for p in folder.glob("hs_*.safetensors")}
+    # nothing on disk was written again: extract's files and what the killed train kept
+    assert all(after[n] == t for n, t in kept.items())
+    s = stage_summary(rd, "train")
+    assert s["mode"] == "hybrid" and "--hidden-states-backend fp8" in s["train_argv"]
+    assert s["from_disk"] > 0 and s["from_servers"] > 0 and s["kept_bytes"] > 0
+    assert len(after) == len(ids)   # by the end every sample is on disk (under the budget)
+    print(f"hybrid: {len(on_disk)} files from extract, {len(kept) - len(on_disk)} kept before "
+          f"the kill; resumed: from disk {s['from_disk']}, from the server {s['from_servers']}")
+    assert not server_pids()

@@ -145,7 +145,7 @@ def extract_shard(backend: HFBackend, job: ExtractJob, writer_threads: int | Non
     import torch
     if writer_threads is None:
         writer_threads = 2 if backend.device.type == "cuda" else 0
-    writer = Writer(job.folder, threads=writer_threads, release=job.disk.release)
+    writer = Writer(job.folder, threads=writer_threads, release=job.disk.release, fp8=job.fp8)
     disk_full = False
     job.on_progress(writer.done)   # loaded: extraction starts now
     todo = job.todo or job.more()

@@ -118,7 +118,7 @@ class ExtractJob:
     """What to extract and where; the same for every backend."""
     target: Path                 # the target model's folder
     layer_ids: list[int]         # aux layer ids + the last layer (vLLM convention)
-    dtype: Any                   # torch dtype of the files
+    dtype: Any                   # torch dtype the target computes in
     hidden: int
     trust_remote_code: bool
     rows: RowIds
@@ -139,6 +139,7 @@ class ExtractJob:
     # once `todo` is used up; None on one node.
     feed: Any = None
     node: str = ""               # this node's worker id across nodes ("" on one node)
+    fp8: bool = False            # files in FP8 with per-token scales (pipeline.model.fp8)
 
     def more(self, wait: bool = True) -> list[int]:
         """Rows beyond `todo`: the next chunk of the queue shared with other
@@ -159,6 +160,14 @@ class ExtractJob:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
+
+    @property
+    def stored_dtype(self):
+        """The files' hidden-state dtype: the target's, or FP8."""
+        if self.fp8:
+            import torch
+            return torch.float8_e4m3fn
+        return self.dtype
 
     def groups(self) -> list[list[int]]:
         return gpu_groups(self.devices, self.section.tensor_parallel)

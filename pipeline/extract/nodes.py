@@ -141,67 +141,82 @@ def node_main(queue_dir: Path) -> int:
     spec = pickle.loads((queue_dir / "job.pkl").read_bytes())
     job: ExtractJob = spec["job"]
     me = worker_id()
-    q = WorkQueue(queue_dir, me, spec["lost_after_s"])
-    stop = {"flag": False, "checked": 0.0, "file": False}
+    worker = NodeWorker(WorkQueue(queue_dir, me, spec["lost_after_s"]))
+    signal.signal(signal.SIGINT, worker.on_signal)
+    signal.signal(signal.SIGTERM, worker.on_signal)
+    job.todo, job.feed, job.node = [], worker.queue, me
+    job.log_dir = job.log_dir / "nodes" / me
+    job.log_dir.mkdir(parents=True, exist_ok=True)
+    job.should_stop, job.on_progress, job.on_event = \
+        worker.should_stop, worker.on_progress, worker.on_event
+    code = worker.run(job, spec["backend"])
+    status = worker.status
+    print(f"extract: node worker {me} {status['state']}: {status['counters'][0]} samples",
+          flush=True)
+    return code
 
-    def on_signal(_signum, _frame):
-        stop["flag"] = True   # scancel --signal=INT reaches every task: end like a stop
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+class NodeWorker:
+    """One node's worker: its status file in the queue, kept current from
+    the backend's progress and events, and the stop it watches for."""
 
-    def should_stop() -> bool:
+    def __init__(self, queue: WorkQueue):
+        self.queue = queue
+        self.stop_flag, self.stop_checked, self.stop_file = False, 0.0, False
+        self.status = {"state": "running", "counters": (0, 0, 0), "kv_cache": {},
+                       "kv_usage": {}, "servers": {}}
+        self.said_at = 0.0
+
+    def on_signal(self, _signum, _frame) -> None:
+        self.stop_flag = True   # scancel --signal=INT reaches every task: end like a stop
+
+    def should_stop(self) -> bool:
         now = time.monotonic()
-        if now - stop["checked"] >= REPORT_S:   # a stat on a shared filesystem: not per sample
-            stop["checked"], stop["file"] = now, q.stop_requested()
-        return stop["flag"] or stop["file"]
+        if now - self.stop_checked >= REPORT_S:   # a stat on a shared filesystem: not per sample
+            self.stop_checked, self.stop_file = now, self.queue.stop_requested()
+        return self.stop_flag or self.stop_file
 
-    status = {"state": "running", "counters": (0, 0, 0), "kv_cache": {}, "kv_usage": {},
-              "servers": {}}
-    said = {"t": 0.0}
+    def report(self, force: bool = False) -> None:
+        if force or time.monotonic() - self.said_at >= REPORT_S:
+            self.said_at = time.monotonic()
+            self.queue.report(self.status)
 
-    def report(force: bool = False) -> None:
-        if force or time.monotonic() - said["t"] >= REPORT_S:
-            said["t"] = time.monotonic()
-            q.report(status)
+    def on_progress(self, c: Counters) -> None:
+        self.status["counters"] = c.as_tuple()
+        self.report()
 
-    def on_progress(c: Counters) -> None:
-        status["counters"] = c.as_tuple()
-        report()
-
-    def on_event(kind: str, fields: dict) -> None:
+    def on_event(self, kind: str, fields: dict) -> None:
+        status = self.status
         k = str(fields.get("server", 0))
         if kind == "server":
             before = status["servers"].get(k, {})
             status["servers"][k] = fields
-            report(force=(before.get("phase"), before.get("done")) !=
-                   (fields.get("phase"), fields.get("done")))
+            self.report(force=(before.get("phase"), before.get("done")) !=
+                        (fields.get("phase"), fields.get("done")))
             return
         status["kv_cache" if kind == "kv_cache" else "kv_usage"][k] = fields
-        report(force=kind == "kv_cache")
+        self.report(force=kind == "kv_cache")
 
-    job.todo, job.feed, job.node = [], q, me
-    job.log_dir = job.log_dir / "nodes" / me
-    job.log_dir.mkdir(parents=True, exist_ok=True)
-    job.should_stop, job.on_progress, job.on_event = should_stop, on_progress, on_event
-    code = 0
-    try:
-        done = backend_runner(spec["backend"])(job)
-        status.update(counters=done.as_tuple(), state="stopped" if should_stop() else "done")
-    except (StageError, DiskFull) as e:
-        status.update(state="failed", error=str(e), hint=getattr(e, "hint", None),
-                      disk_full=isinstance(e, DiskFull))
-        code = 1
-    except BaseException as e:  # noqa: BLE001 - reported to the coordinator, then exit 1
-        traceback.print_exc()
-        status.update(state="failed", error=f"{type(e).__name__}: {e}")
-        code = 1
-    finally:
-        job.finish()
-    report(force=True)
-    print(f"extract: node worker {me} {status['state']}: {status['counters'][0]} samples",
-          flush=True)
-    return code
+    def run(self, job: ExtractJob, backend: str) -> int:
+        """Run the backend on this node's share; the exit code (its last
+        status reported either way)."""
+        status, code = self.status, 0
+        try:
+            done = backend_runner(backend)(job)
+            status.update(counters=done.as_tuple(),
+                          state="stopped" if self.should_stop() else "done")
+        except (StageError, DiskFull) as e:
+            status.update(state="failed", error=str(e), hint=getattr(e, "hint", None),
+                          disk_full=isinstance(e, DiskFull))
+            code = 1
+        except BaseException as e:  # noqa: BLE001 - reported to the coordinator, then exit 1
+            traceback.print_exc()
+            status.update(state="failed", error=f"{type(e).__name__}: {e}")
+            code = 1
+        finally:
+            job.finish()
+        self.report(force=True)
+        return code
 
 
 def main() -> None:

@@ -268,7 +268,8 @@ class HiddenStateCapture:
     """vLLM worker extension (mixed into vLLM's Worker: `self.model_runner` is
     the worker's). Attributes are prefixed so they cannot shadow the Worker's."""
 
-    def eagle_setup(self, layer_ids: list[int], folder: str, writer_threads: int = 2) -> dict:
+    def eagle_setup(self, layer_ids: list[int], folder: str, writer_threads: int = 2,
+                    fp8: bool = False) -> dict:
         from pipeline.model.hsfile import Writer
         model = self.model_runner.model
         base = find_base_model(model)
@@ -278,7 +279,8 @@ class HiddenStateCapture:
             raise CaptureError(f"layer ids {layer_ids} end at {max(layer_ids)} but "
                                f"{type(model).__name__} has {n} decoder layers")
         capture_here = getattr(self, "rank", 0) == 0
-        self._eagle = Capture(list(layer_ids), Writer(Path(folder), threads=writer_threads))
+        self._eagle = Capture(list(layer_ids), Writer(Path(folder), threads=writer_threads,
+                                                      fp8=fp8))
         self._eagle_hooks = []
         if capture_here:
             self._eagle_hooks = install_hooks(self._eagle, base, layers, self._eagle_req_order)

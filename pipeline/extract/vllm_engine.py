@@ -93,104 +93,140 @@ def run_group(api, job: ExtractJob, k: int = 0, writer_threads: int = 2) -> Coun
         return executor.collective_rpc(method, args=args, unique_reply_rank=0)
 
     try:
-        info = rpc("eagle_setup", list(job.layer_ids), str(job.folder), writer_threads)
+        info = rpc("eagle_setup", list(job.layer_ids), str(job.folder), writer_threads, job.fp8)
         print(f"extract: capturing layers {job.layer_ids} of {info['model']} "
               f"({info['base']}, {info['layers']} layers) with vLLM's engine, TP={tp}", flush=True)
         scheduler, kv_config = start_scheduler(api, vllm_config, executor)
         job.on_event("kv_cache", {**kv_cache_event(kv_config, BLOCK_SIZE, max_model_len),
                                   "server": k, "devices": job.groups()[k]})
         job.on_progress(Counters())   # up: extraction starts now
-        return _loop(api, executor, scheduler, rpc, job, k, sec.max_num_seqs * 2)
+        return _EngineLoop(api, executor, scheduler, rpc, job, k, sec.max_num_seqs * 2).run()
     finally:
         executor.shutdown()
 
 
-def _loop(api, executor, scheduler, rpc, job: ExtractJob, k: int, window: int) -> Counters:
-    def by_length(rows):
-        return sorted(rows, key=lambda i: job.lengths[i])   # pop() from the end: longest first
+class _EngineLoop:
+    """Engine k's scheduling loop: requests pending, in flight (with their
+    disk reservations) and the workers' last poll."""
 
-    pending = by_length(job.todo or job.more())
-    active: dict[str, int] = {}           # request id -> bytes reserved on the disk
-    sampling = api.SamplingParams(max_tokens=1, temperature=0.0)
-    disk_full = False
-    usage_at, last_usage = 0.0, None
-    poll = {"samples": 0, "tokens": 0, "bytes": 0}
-    waiting_since = None   # since when finished requests wait for their files, no progress
+    def __init__(self, api, executor, scheduler, rpc, job: ExtractJob, k: int, window: int):
+        self.api, self.executor, self.scheduler, self.rpc = api, executor, scheduler, rpc
+        self.job, self.k, self.window = job, k, window
+        self.pending = self.by_length(job.todo or job.more())
+        self.active: dict[str, int] = {}      # request id -> bytes reserved on the disk
+        self.sampling = api.SamplingParams(max_tokens=1, temperature=0.0)
+        self.disk_full = False
+        self.usage_at, self.last_usage = 0.0, None
+        self.poll = {"samples": 0, "tokens": 0, "bytes": 0}
+        self.waiting_since = None   # since when finished requests wait for their files, no progress
 
-    def check(p):
-        if p["error"]:
-            raise StageError(f"hidden-state capture in vLLM's worker failed: {p['error']}",
-                             hint="finished files are kept; `eagle-panel doctor` shows the "
-                                  "vLLM adaptations in use")
-        for i in p["written"]:
-            job.disk.release(active.pop(f"hs-{i}", 0))
-        job.on_progress(Counters(p["samples"], p["tokens"], p["bytes"]))
+    def by_length(self, rows):
+        return sorted(rows, key=lambda i: self.job.lengths[i])   # pop() from the end: longest first
 
-    while True:
-        if job.should_stop():
-            break
-        new = {}
-        while pending and len(active) < window and not disk_full:
-            i = pending[-1]
+    def run(self) -> Counters:
+        job, scheduler = self.job, self.scheduler
+        while True:
+            if job.should_stop():
+                break
+            self.admit()
+            if self.refill():
+                continue
+            if not self.active:
+                break
+            scheduled = self.step()
+            self.poll = self.rpc("eagle_poll")
+            self.check(self.poll)
+            self.check_finished()
+            if not scheduled and not scheduler.requests:
+                time.sleep(0.01)   # only files still being written
+            self.report_usage()
+        self.check(self.rpc("eagle_poll", True))     # let the writer finish what is complete
+        if self.disk_full:
+            raise job.disk.error()
+        poll = self.poll
+        return Counters(poll["samples"], poll["tokens"], poll["bytes"])
+
+    def admit(self) -> None:
+        """Add pending requests, longest first, while the window and the disk allow."""
+        job, new = self.job, {}
+        while self.pending and len(self.active) < self.window and not self.disk_full:
+            i = self.pending[-1]
             ids = list(job.rows[i])
             need = job.bytes_per_token * len(ids)
             if not job.disk.reserve(need):
-                disk_full = True
+                self.disk_full = True
                 break
-            pending.pop()
+            self.pending.pop()
             rid = f"hs-{i}"
-            scheduler.add_request(compat.make_request(
-                api.Request, None, request_id=rid, prompt_token_ids=ids,
-                sampling_params=sampling, pooling_params=None, arrival_time=time.time()))
-            active[rid] = need
+            self.scheduler.add_request(compat.make_request(
+                self.api.Request, None, request_id=rid, prompt_token_ids=ids,
+                sampling_params=self.sampling, pooling_params=None, arrival_time=time.time()))
+            self.active[rid] = need
             new[rid] = (i, ids)
         if new:
-            rpc("eagle_expect", new)
-        if not pending and not disk_full and not job.should_stop():
+            self.rpc("eagle_expect", new)
+
+    def refill(self) -> bool:
+        """Whether more rows came to admit before this step."""
+        if not self.pending and not self.disk_full and not self.job.should_stop():
             # Across nodes: the next chunk of the shared queue, waiting for
             # one only with nothing in flight (in flight is our own chunk).
-            pending = by_length(job.more(wait=not active))
-            if pending:
-                continue
-        if not active:
-            break
+            self.pending = self.by_length(self.job.more(wait=not self.active))
+            if self.pending:
+                return True
+        return False
+
+    def step(self) -> bool:
+        """One engine step; whether it scheduled any tokens."""
+        scheduler = self.scheduler
         out = scheduler.schedule()
         if out.total_num_scheduled_tokens:
             counts = dict(out.num_scheduled_tokens)
             # schedule() has advanced num_computed_tokens past this step (0.11-0.16)
             starts = {r: scheduler.requests[r].num_computed_tokens - n for r, n in counts.items()}
-            rpc("eagle_step", counts, starts)
-            compat.run_step(executor, scheduler, out)
-        poll = rpc("eagle_poll")
-        check(poll)
-        gone = [r for r in poll["open"] if r not in scheduler.requests]
+            self.rpc("eagle_step", counts, starts)
+            compat.run_step(self.executor, scheduler, out)
+        return bool(out.total_num_scheduled_tokens)
+
+    def check(self, p) -> None:
+        if p["error"]:
+            raise StageError(f"hidden-state capture in vLLM's worker failed: {p['error']}",
+                             hint="finished files are kept; `eagle-panel doctor` shows the "
+                                  "vLLM adaptations in use")
+        for i in p["written"]:
+            self.job.disk.release(self.active.pop(f"hs-{i}", 0))
+        self.job.on_progress(Counters(p["samples"], p["tokens"], p["bytes"]))
+
+    def check_finished(self) -> None:
+        """Requests vLLM finished must get their files, whole and soon."""
+        requests, poll = self.scheduler.requests, self.poll
+        gone = [r for r in poll["open"] if r not in requests]
         if gone:
             raise StageError(f"vLLM finished {gone[:3]} before their hidden states were all "
                              "captured", hint="report this with the stage log: the engine "
                                               "skipped prompt positions")
-        unwritten = [r for r in active if r not in scheduler.requests]
+        unwritten = [r for r in self.active if r not in requests]
         if not unwritten or poll["written"]:
-            waiting_since = None
-        elif waiting_since is None:
-            waiting_since = time.monotonic()
-        elif time.monotonic() - waiting_since > STUCK_S:
+            self.waiting_since = None
+        elif self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        elif time.monotonic() - self.waiting_since > STUCK_S:
             raise StageError(f"vLLM finished {unwritten[:3]} but no file came for them in "
                              f"{STUCK_S:.0f} s", hint="report this with the stage log; "
                                                       "finished files are kept")
-        if not out.total_num_scheduled_tokens and not scheduler.requests:
-            time.sleep(0.01)   # only files still being written
-        if time.monotonic() - usage_at >= 2.0:
-            usage_at = time.monotonic()
-            usage = {"usage_perc": float(scheduler.kv_cache_manager.usage),
-                     "running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                     "server": k}
-            if usage != last_usage:
-                last_usage = usage
-                job.on_event("kv_usage", usage)
-    check(rpc("eagle_poll", True))     # let the writer finish what is complete
-    if disk_full:
-        raise job.disk.error()
-    return Counters(poll["samples"], poll["tokens"], poll["bytes"])
+
+    def report_usage(self) -> None:
+        """A kv_usage event every 2 s, when it changed."""
+        if time.monotonic() - self.usage_at < 2.0:
+            return
+        self.usage_at = time.monotonic()
+        scheduler = self.scheduler
+        usage = {"usage_perc": float(scheduler.kv_cache_manager.usage),
+                 "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                 "server": self.k}
+        if usage != self.last_usage:
+            self.last_usage = usage
+            self.job.on_event("kv_usage", usage)
 
 
 def _group_main(k: int, job: ExtractJob, q, stop, groups: list[list[int]], api_factory) -> None:

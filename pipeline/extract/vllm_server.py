@@ -39,7 +39,11 @@ from pipeline.vllm.source import VllmSource
 LOCK_SUFFIX = ".lock"
 
 
-def extraction_flags(layer_ids: list[int], storage: Path, own_connector: bool) -> list[str]:
+def extraction_flags(layer_ids: list[int], storage: Path, own_connector: bool,
+                     fp8: bool = False) -> list[str]:
+    """The server's extraction flags. fp8: our connector writes FP8 files
+    itself; with the stock connector the stage quantizes as it takes each
+    staged file (take_staged)."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
     kv = {"kv_connector": compat.STOCK_CONNECTOR, "kv_role": "kv_producer",
@@ -47,6 +51,7 @@ def extraction_flags(layer_ids: list[int], storage: Path, own_connector: bool) -
     if own_connector:
         kv.update(kv_connector=compat.OWN_CONNECTOR_CLASS,
                   kv_connector_module_path=compat.OWN_CONNECTOR_MODULE)
+        kv["kv_connector_extra_config"][compat.FP8_KEY] = fp8
     return ["--no-enable-chunked-prefill", "--speculative-config", json.dumps(spec),
             "--kv-transfer-config", json.dumps(kv)]
 
@@ -76,7 +81,7 @@ def check_written(path: Path, ids: list[int], job: ExtractJob) -> int:
         raise StageError(f"the vLLM server wrote no {path.name}",
                          hint=f"see {job.log_dir}/vllm*.log (`Hidden-states write failed`: "
                               "non-finite values, or the disk)")
-    why = check_header(path, ids, len(job.layer_ids), job.hidden, job.dtype)
+    why = check_header(path, ids, len(job.layer_ids), job.hidden, job.stored_dtype)
     if why is not None:
         path.unlink(missing_ok=True)
         raise StageError(f"{path.name} from the vLLM server is not right: {why}",
@@ -117,7 +122,7 @@ def take_staged(src: Path, final: Path, ids: list[int], job: ExtractJob) -> int:
     if not bool(torch.isfinite(hs[:n]).all()):
         raise StageError(f"{src.name}: the server produced non-finite hidden states",
                          hint="check [model] dtype and the model weights")
-    size = write_sample(final, hs[:n].to(job.dtype), ids)
+    size = write_sample(final, hs[:n].to(job.dtype), ids, fp8=job.fp8)
     src.unlink()
     return size
 

@@ -2,8 +2,10 @@
 connector and the train stage's checks:
 
     hs_{i}.safetensors
-        hidden_states [seq_len, n_aux + 1, hidden]   (the target's dtype)
+        hidden_states [seq_len, n_aux + 1, hidden]   (the target's dtype, or FP8)
         token_ids     [seq_len]                      (int64)
+        hidden_states_scales [seq_len, 1, 1]         (float32; FP8 files only:
+                                                      speculators' layout, pipeline.model.fp8)
 
 i is the row of prepare/out/data. A file is written to a temp name in the
 same folder and renamed, so a file that exists under its final name is
@@ -20,6 +22,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.model.fp8 import SAFETENSORS_DTYPE as SAFETENSORS_FP8
+from pipeline.model.fp8 import SCALES_KEY, dequantize, quantize
 from pipeline.stage_error import StageError
 
 
@@ -42,10 +46,12 @@ def remove_leftovers(folder: Path) -> int:
     return n
 
 
-def write_sample(final: Path, hidden_states, token_ids, check_finite: bool = False) -> int:
+def write_sample(final: Path, hidden_states, token_ids, check_finite: bool = False,
+                 fp8: bool = False) -> int:
     """Write one sample atomically; returns the bytes of its tensors.
     check_finite: refuse (ValueError, nothing written) non-finite values,
-    for writers whose readers check only the header (the vLLM connector)."""
+    for writers whose readers check only the header (the vLLM connector).
+    fp8: store the states in FP8 with per-token scales (pipeline.model.fp8)."""
     import torch
     from safetensors.torch import save_file
     final = Path(final)
@@ -54,13 +60,17 @@ def write_sample(final: Path, hidden_states, token_ids, check_finite: bool = Fal
     hs = hidden_states.contiguous()
     if check_finite and not bool(torch.isfinite(hs.sum(dtype=torch.float32))):
         raise ValueError(f"{final.name}: non-finite hidden states, not written")
+    tensors = {"hidden_states": hs, "token_ids": ids}
+    if fp8:
+        q, scales = quantize(hs)
+        tensors.update(hidden_states=q, **{SCALES_KEY: scales})
     try:
-        save_file({"hidden_states": hs, "token_ids": ids}, str(tmp))
+        save_file(tensors, str(tmp))
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return hs.numel() * hs.element_size() + 8 * ids.numel()
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def check_header(path: Path, token_ids, n_layers: int, hidden: int, dtype) -> str | None:
@@ -69,20 +79,24 @@ def check_header(path: Path, token_ids, n_layers: int, hidden: int, dtype) -> st
     the token ids; None if right. The hidden states are not read."""
     import torch
     from safetensors import SafetensorError, safe_open
+    fp8 = is_fp8(dtype)
     try:
         with safe_open(str(path), framework="pt") as f:
-            if set(f.keys()) != {"hidden_states", "token_ids"}:
-                return "missing hidden_states or token_ids"
+            if set(f.keys()) != expected_keys(fp8):
+                return f"tensors {sorted(f.keys())} != {sorted(expected_keys(fp8))}"
             hs = f.get_slice("hidden_states")
             shape, got = tuple(hs.get_shape()), hs.get_dtype()
+            scales = tuple(f.get_slice(SCALES_KEY).get_shape()) if fp8 else None
             ids = f.get_tensor("token_ids")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         return f"unreadable ({e})"
     want = (len(token_ids), n_layers, hidden)
     if shape != want:
         return f"shape {shape} != {want}"
+    if fp8 and scales != (len(token_ids), 1, 1):
+        return f"scales shape {scales} != {(len(token_ids), 1, 1)}"
     names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-    if names.get(dtype, str(dtype)) != got:
+    if (SAFETENSORS_FP8 if fp8 else names.get(dtype, str(dtype))) != got:
         return f"dtype {got} != {dtype}"
     if not torch.equal(ids, torch.as_tensor(token_ids, dtype=ids.dtype)):
         return "token ids differ from the prepared data"
@@ -98,9 +112,10 @@ def validate_file(path: Path, token_ids, n_layers: int, hidden: int, dtype) -> s
         data = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         return f"unreadable ({e})"
-    hs, ids = data.get("hidden_states"), data.get("token_ids")
-    if hs is None or ids is None:
-        return "missing hidden_states or token_ids"
+    fp8 = is_fp8(dtype)
+    if set(data) != expected_keys(fp8):
+        return f"tensors {sorted(data)} != {sorted(expected_keys(fp8))}"
+    hs, ids = data["hidden_states"], data["token_ids"]
     want = (len(token_ids), n_layers, hidden)
     if tuple(hs.shape) != want:
         return f"shape {tuple(hs.shape)} != {want}"
@@ -108,9 +123,22 @@ def validate_file(path: Path, token_ids, n_layers: int, hidden: int, dtype) -> s
         return f"dtype {hs.dtype} != {dtype}"
     if not torch.equal(ids, torch.as_tensor(token_ids, dtype=ids.dtype)):
         return "token ids differ from the prepared data"
+    if fp8:
+        scales = data[SCALES_KEY]
+        if tuple(scales.shape) != (len(token_ids), 1, 1):
+            return f"scales shape {tuple(scales.shape)} != {(len(token_ids), 1, 1)}"
+        hs = dequantize(hs, scales, torch.float32)
     if not bool(torch.isfinite(hs).all()):
         return "non-finite values"
     return None
+
+
+def is_fp8(dtype) -> bool:
+    return "float8" in str(dtype)
+
+
+def expected_keys(fp8: bool) -> set[str]:
+    return {"hidden_states", "token_ids"} | ({SCALES_KEY} if fp8 else set())
 
 
 @dataclass
@@ -132,11 +160,13 @@ class Counters:
 class Writer:
     """Background threads that save finished batches while the next forward runs."""
 
-    def __init__(self, folder: Path, threads: int = 2, depth: int = 3, release=None):
+    def __init__(self, folder: Path, threads: int = 2, depth: int = 3, release=None,
+                 fp8: bool = False):
         # threads=0 writes inline: on a CPU-only run the forward already uses
         # every core, and writer threads only contend with it (measured: 0.82x
         # of a bare forward inline vs 0.75x with two threads on 2 cores).
         self.folder = Path(folder)
+        self.fp8 = fp8
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.done = Counters()
         self.written: list[int] = []   # sample indices, in the order their files landed
@@ -182,7 +212,7 @@ class Writer:
                     raise StageError(f"sample {i}: the target produced non-finite hidden "
                                      "states", hint="check [model] dtype (try bfloat16 or "
                                                     "float32) and the model weights")
-                size = write_sample(hs_path(self.folder, i), t, ids)
+                size = write_sample(hs_path(self.folder, i), t, ids, fp8=self.fp8)
                 with self._lock:
                     self.done.samples += 1
                     self.done.tokens += len(ids)

@@ -383,14 +383,28 @@ def say_in_log(rd: RunDir, line: str) -> None:
 def load_run_config(rd: RunDir, state: dict | None = None) -> Config:
     """The run's frozen config, with relative paths meaning what they meant
     next to the original config file."""
+    from pipeline.model import hub
     state = state or rd.read_state()
     base = state.get("base_dir")
-    return config_mod.load(rd.config_path, gpu_count=None, base_dir=Path(base) if base else None)
+    # a hub target: the snapshot the run froze (state.json `target`), not what
+    # its revision names in the cache now
+    with hub.loading_run(state.get("target")):
+        cfg = config_mod.load(rd.config_path, gpu_count=None,
+                              base_dir=Path(base) if base else None)
+    return hub.apply_pin(cfg, state.get("target"))
 
 
 def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
-    """Create (or reuse) the run directory and freeze the config into it."""
+    """Create (or reuse) the run directory and freeze the config into it, and
+    a hub target's snapshot (repo id, revision asked, commit, path) into
+    state.json's `target`: resumes use that commit whatever the cache's
+    revision becomes. `cfg` is given the same snapshot."""
+    from pipeline.model import hub
     rid = run_id or cfg.run.name
+    try:   # before anything is created: a refusal leaves nothing
+        target = hub.freeze(cfg)
+    except hub.HubError as e:
+        raise config_mod.ConfigError(str(e)) from None
     rd = RunDir(cfg.runs_dir() / rid)
     rd.path.parent.mkdir(parents=True, exist_ok=True)
     # Two launchers creating the same run at once: one creates, the other
@@ -402,12 +416,20 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
                 f"{rd.path} exists and is not an eagle-panel run; choose another --run name "
                 "or [run] name.")
         text = cfg.source.read_text() if cfg.source else ""
+        fresh = True
         if rd.is_run():
             rd.read_state()  # a corrupt state is reported, never silently reset
-            if rd.lock_holder() is None:
+            fresh = rd.lock_holder() is None
+            if fresh:
                 rd.create(text, cfg.base_dir, cfg.run.shared)
         else:
             rd.create(text, cfg.base_dir, cfg.run.shared)
+        if fresh and (target or rd.read_state().get("target")):
+            with rd.mutate_state() as state:
+                state["target"] = target
+        else:   # a launcher drives it: its snapshot stays
+            target = rd.read_state().get("target")
+    hub.apply_pin(cfg, target)
     return rd
 
 

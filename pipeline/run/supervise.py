@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull
 from pipeline.run.events import EventType, EventWriter, last_event, tail_lines
@@ -39,6 +40,15 @@ def _classify(code: int, cancel_requested: bool, events_path) -> tuple[str, int 
     return (Status.CANCELLED if cancel_requested else Status.FAILED), exit_code, sig
 
 
+@dataclass
+class Ending:
+    """How the stage ended: its exit code (negative: the signal) and what is recorded."""
+    code: int
+    status: str
+    exit_code: int | None
+    signal: str | None
+
+
 def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     # The supervisor must outlive a cancel (which signals the stage's group,
     # not ours) and a hang-up of the terminal that started it.
@@ -59,19 +69,45 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
             preexec_fn=lambda: (os.setpgid(0, 0), _restore_signals()),
         )
     except OSError as e:
-        print(f"eagle-panel: cannot start {argv[0]}: {e}", file=sys.stderr, flush=True)
-        events.error(f"cannot start the stage: {e}", hint="check [runtime] python in config.toml")
-        events.emit(EventType.STAGE_FINISHED, status=Status.FAILED, duration_s=0.0,
-                    summary={"error": str(e)})
-        rd.update_stage(stage, status=Status.FAILED, exit_code=127, ended_at=time.time(),
-                        reason=f"could not start: {e}")
-        return 127
+        return _could_not_start(rd, stage, argv, events, e)
 
     try:
         rd.update_stage(stage, pid=child.pid, pgid=child.pid,
                         create_time=proc_start_ticks(child.pid))
     except DiskFull:
         pass   # still waited for and stopped below; we are its recorded supervisor
+    code, usage = _wait(child)
+
+    # Anything the stage left behind (workers in sessions of their own,
+    # grandchildren) must not keep GPU memory or files busy.
+    survivors = stop_tree(st["token"], child.pid)
+    cancel_requested = rd.read_state()["stages"][stage].get("cancel_requested", False)
+    ending = Ending(code, *_classify(code, cancel_requested, rd.events_path(stage)))
+    reason = None
+    if survivors:
+        reason = f"processes still alive after SIGKILL: {survivors}"
+    _say_finished(rd, stage, events, ending, t0)
+    events.close()
+    rd.update_stage(stage, status=ending.status, exit_code=ending.exit_code, signal=ending.signal,
+                    ended_at=time.time(), reason=reason,
+                    max_rss_kb=usage.ru_maxrss if usage is not None else None)
+    return 0
+
+
+def _could_not_start(rd: RunDir, stage: str, argv: list[str], events: EventWriter,
+                     e: OSError) -> int:
+    print(f"eagle-panel: cannot start {argv[0]}: {e}", file=sys.stderr, flush=True)
+    events.error(f"cannot start the stage: {e}", hint="check [runtime] python in config.toml")
+    events.emit(EventType.STAGE_FINISHED, status=Status.FAILED, duration_s=0.0,
+                summary={"error": str(e)})
+    rd.update_stage(stage, status=Status.FAILED, exit_code=127, ended_at=time.time(),
+                    reason=f"could not start: {e}")
+    return 127
+
+
+def _wait(child: subprocess.Popen):
+    """Wait for the stage: (its exit code, also set as its returncode; its
+    resource usage, None when it was reaped elsewhere)."""
     # wait4 also gives the stage's peak RSS, recorded for the panel and benchmarks.
     while True:
         try:
@@ -84,29 +120,25 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
             continue
     code = os.waitstatus_to_exitcode(wstatus) if wstatus is not None else (child.returncode or 0)
     child.returncode = code
+    return code, usage
 
-    # Anything the stage left behind (workers in sessions of their own,
-    # grandchildren) must not keep GPU memory or files busy.
-    survivors = stop_tree(st["token"], child.pid)
-    cancel_requested = rd.read_state()["stages"][stage].get("cancel_requested", False)
-    status, exit_code, sig = _classify(code, cancel_requested, rd.events_path(stage))
-    reason = None
-    if survivors:
-        reason = f"processes still alive after SIGKILL: {survivors}"
+
+def _say_finished(rd: RunDir, stage: str, events: EventWriter, ending: Ending,
+                  t0: float) -> None:
+    """The stage's stage_finished event when it did not write one itself (and
+    the error from its log when it failed without saying why)."""
     finished = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.STAGE_FINISHED))
-    if not finished or finished.get("type") != EventType.STAGE_FINISHED:
-        own_error = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.ERROR))
-        if status == Status.FAILED and not (own_error and own_error["type"] == EventType.ERROR):
-            events.error(f"stage {stage} {explain_exit(code)}; from its log:\n"
-                         f"{quote_error(attempt_log(rd, stage))}",
-                         hint=f"see {rd.log_path(stage)}; `eagle-panel resume` continues from here")
-        events.emit(EventType.STAGE_FINISHED, status=status, duration_s=round(time.time() - t0, 3),
-                    summary={"exit_code": exit_code, "signal": sig}, source="supervisor")
-    events.close()
-    rd.update_stage(stage, status=status, exit_code=exit_code, signal=sig,
-                    ended_at=time.time(), reason=reason,
-                    max_rss_kb=usage.ru_maxrss if usage is not None else None)
-    return 0
+    if finished and finished.get("type") == EventType.STAGE_FINISHED:
+        return
+    own_error = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.ERROR))
+    if ending.status == Status.FAILED and not (own_error and own_error["type"] == EventType.ERROR):
+        events.error(f"stage {stage} {explain_exit(ending.code)}; from its log:\n"
+                     f"{quote_error(attempt_log(rd, stage))}",
+                     hint=f"see {rd.log_path(stage)}; `eagle-panel resume` continues from here")
+    events.emit(EventType.STAGE_FINISHED, status=ending.status,
+                duration_s=round(time.time() - t0, 3),
+                summary={"exit_code": ending.exit_code, "signal": ending.signal},
+                source="supervisor")
 
 
 def attempt_log(rd: RunDir, stage: str) -> list[str]:

@@ -98,11 +98,16 @@ def load_context(name: str, argv=None) -> StageContext:
     args = parse_args(name, argv)
     run = RunDir(args.run_dir)
     if run.is_run():
+        from pipeline.model import hub
         state = run.read_state()
         base = Path(state["base_dir"]) if state.get("base_dir") else None
         cfg_path = Path(args.config) if args.config else run.config_path
-        cfg = config_mod.load(cfg_path, gpu_count=None,
-                              base_dir=base if cfg_path.resolve() == run.config_path else None)
+        frozen = cfg_path.resolve() == run.config_path
+        # the run's own config: its hub target is the snapshot the run froze
+        pin = state.get("target") if frozen else None
+        with hub.loading_run(pin):
+            cfg = config_mod.load(cfg_path, gpu_count=None, base_dir=base if frozen else None)
+        hub.apply_pin(cfg, pin)
     else:
         # Run by hand on a fresh folder: make it a run directory.
         if not args.config:
@@ -138,6 +143,7 @@ def run_stage(name: str, body, argv=None) -> int:
                      int(os.environ.get("EAGLE_PANEL_ATTEMPT") or 0), list(sys.argv))
     status, summary, code = Status.FAILED, {}, 1
     try:
+        fetch_target(ctx)
         summary = body(ctx) or {}
         status, code = Status.SUCCEEDED, 0
     except Interrupted:
@@ -171,6 +177,17 @@ def run_stage(name: str, body, argv=None) -> int:
         pass   # the supervisor records the exit code; the panel reads it from state
     ctx.events.close()
     return code
+
+
+def fetch_target(ctx: StageContext) -> None:
+    """[model] download = true: the first stage that runs downloads what the
+    hub cache lacks of the run's snapshot, with `progress` events in bytes and
+    in files; a no-op otherwise (nothing is ever downloaded without it)."""
+    from pipeline.model import hub
+    try:
+        hub.fetch(ctx.cfg, ctx.progress, ctx.check_stop)
+    except hub.RemoteError as e:
+        raise StageError(f"downloading the target: {e}", e.fix) from None
 
 
 def _report(ctx: StageContext, message: str, hint: str | None, quiet=False,

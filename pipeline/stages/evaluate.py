@@ -100,71 +100,88 @@ def generate(server, model: str, prompts: list[Prompt], sec, should_stop,
     last). Returns tokens, wall time and one record per request with its
     acceptance: from the response (`per_request` = "response"), from /metrics
     around it ("metrics": one request at a time), or none (no draft)."""
-    work: queue.Queue = queue.Queue()
-    for p in prompts:
-        work.put(p)
-    lock = threading.Lock()
-    done = {"completion_tokens": 0, "requests": 0, "records": []}
-    errors: list[BaseException] = []
-    serial = threading.Lock() if per_request == "metrics" else None
-    params = {"model": model, "max_tokens": sec.max_tokens, "temperature": sec.temperature,
-              "seed": sec.seed}
+    return Generation(server, model, sec, should_stop, per_request, k).run(prompts)
 
-    def ask(path: str, body: dict) -> tuple[dict, dict | None]:
-        if serial is None:
-            r = server.post(path, {**params, **body}, sec.request_timeout_s)
-            return r, (from_response(r) if per_request else None)
-        with serial:   # /metrics around one request: nothing else in flight
+
+class Generation:
+    """One pass of the prompts through a server: what its client threads share."""
+
+    def __init__(self, server, model: str, sec, should_stop, per_request: str | None, k: int):
+        self.server, self.sec, self.should_stop = server, sec, should_stop
+        self.per_request, self.k = per_request, k
+        self.work: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.done = {"completion_tokens": 0, "requests": 0, "records": []}
+        self.errors: list[BaseException] = []
+        self.serial = threading.Lock() if per_request == "metrics" else None
+        self.params = {"model": model, "max_tokens": sec.max_tokens,
+                       "temperature": sec.temperature, "seed": sec.seed}
+
+    def ask(self, path: str, body: dict) -> tuple[dict, dict | None]:
+        server, timeout = self.server, self.sec.request_timeout_s
+        if self.serial is None:
+            r = server.post(path, {**self.params, **body}, timeout)
+            return r, (from_response(r) if self.per_request else None)
+        with self.serial:   # /metrics around one request: nothing else in flight
             before = spec_counters(server.metrics_text() or "")
-            r = server.post(path, {**params, **body}, sec.request_timeout_s)
-            return r, from_counters(before, spec_counters(server.metrics_text() or ""), k)
+            r = server.post(path, {**self.params, **body}, timeout)
+            return r, from_counters(before, spec_counters(server.metrics_text() or ""), self.k)
 
-    def conversation(p: Prompt) -> None:
+    def conversation(self, p: Prompt) -> None:
         msgs = []
         for turn, content in enumerate(p.turns):
             if p.kind == "turns":
                 msgs = msgs + [{"role": "user", "content": content}]
-                r, acc = ask("/v1/chat/completions", {"messages": msgs})
+                r, acc = self.ask("/v1/chat/completions", {"messages": msgs})
                 msgs = msgs + [{"role": "assistant",
                                 "content": r["choices"][0]["message"].get("content") or ""}]
             elif p.kind == "messages":
-                r, acc = ask("/v1/chat/completions", {"messages": content})
+                r, acc = self.ask("/v1/chat/completions", {"messages": content})
             else:   # text or token ids
-                r, acc = ask("/v1/completions", {"prompt": content})
-            with lock:
-                done["completion_tokens"] += r["usage"]["completion_tokens"]
-                done["requests"] += 1
-                if acc is not None:
-                    done["records"].append({"prompt_id": p.id, "category": p.category,
-                                            "turn": turn, "text": p.text()[:200],
-                                            "completion_tokens": r["usage"]["completion_tokens"],
-                                            **acc})
+                r, acc = self.ask("/v1/completions", {"prompt": content})
+            self.record(p, turn, r, acc)
 
-    def client():
-        while not errors and not should_stop():
+    def record(self, p: Prompt, turn: int, r: dict, acc: dict | None) -> None:
+        done = self.done
+        with self.lock:
+            done["completion_tokens"] += r["usage"]["completion_tokens"]
+            done["requests"] += 1
+            if acc is not None:
+                done["records"].append({"prompt_id": p.id, "category": p.category,
+                                        "turn": turn, "text": p.text()[:200],
+                                        "completion_tokens": r["usage"]["completion_tokens"],
+                                        **acc})
+
+    def client(self) -> None:
+        while not self.errors and not self.should_stop():
             try:
-                p = work.get_nowait()
+                p = self.work.get_nowait()
             except queue.Empty:
                 return
             try:
-                conversation(p)
+                self.conversation(p)
             except OSError as e:
-                errors.append(server.died() or e)
+                self.errors.append(self.server.died() or e)
                 return
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(sec.concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    done["seconds"] = time.perf_counter() - t0
-    if errors:
-        e = errors[0]
-        raise e if isinstance(e, StageError) else StageError(
-            f"a request to the vLLM server failed: {e}", hint="see the server log")
-    done["decode_tokens_per_s"] = done["completion_tokens"] / max(done["seconds"], 1e-9)
-    return done
+    def run(self, prompts: list[Prompt]) -> dict:
+        for p in prompts:
+            self.work.put(p)
+        done = self.done
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=self.client, daemon=True)
+                   for _ in range(self.sec.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done["seconds"] = time.perf_counter() - t0
+        if self.errors:
+            e = self.errors[0]
+            raise e if isinstance(e, StageError) else StageError(
+                f"a request to the vLLM server failed: {e}", hint="see the server log")
+        done["decode_tokens_per_s"] = done["completion_tokens"] / max(done["seconds"], 1e-9)
+        return done
 
 
 class Evaluation:
@@ -270,16 +287,9 @@ def mla_draft_backend(ctx: StageContext, env) -> dict:
     return {"attention_backend": backend}
 
 
-def body(ctx: StageContext) -> dict:
+def choose_prompts(ctx: StageContext) -> tuple[list[Prompt], int]:
+    """The prompts to serve and the longest context they need."""
     sec = ctx.section
-    env = probe(ctx.cfg.vllm_python())
-    why = env.unusable(ctx.cfg.stage_devices("evaluate"))
-    if why:
-        raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
-    save = ctx.out_of("train") / "checkpoints"
-    chosen = checkpoints(save, sec.checkpoints)
-    if not chosen:
-        raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
     if sec.prompts:
         prompts = load_prompts(sec.prompts, ctx.cfg.resolve)
         max_len = int(read_model(ctx.cfg.target_path()).max_position or 4096)
@@ -291,66 +301,101 @@ def body(ctx: StageContext) -> dict:
     if not prompts:
         raise StageError("no prompts to evaluate with",
                          hint='give [stages.evaluate] prompts "mt-bench" or a JSONL file')
-    folder = ctx.out / "checkpoints"
-    folder.mkdir(exist_ok=True)
+    return prompts, max_len
+
+
+def measure_checkpoint(ctx: StageContext, ev: Evaluation, n: int, ckpt: Path) -> dict:
+    """Checkpoint `ckpt`'s measurement: the saved one when it is of these
+    contents, else a new one (server n), saved as it ends."""
+    ident = checkpoint_id(ckpt)
+    path = ctx.out / "checkpoints" / f"{ckpt.name}.json"
+    old = json.loads(path.read_text()) if path.exists() else None
+    if old and old.get("checkpoint") == ident:
+        print(f"evaluate: checkpoint {ckpt.name} already measured", flush=True)
+        return old
+    served = served_draft(ctx, ckpt, ev.env)
+    if served != ckpt:
+        print(f"evaluate: checkpoint {ckpt.name} is an MLA draft: serving its vLLM "
+              f"export {served}", flush=True)
+    m = ev.measure(n, ckpt, served,
+                   mla_draft_backend(ctx, ev.env) if served != ckpt else None)
+    m["served"] = str(served)
+    m["checkpoint"] = ident
+    m["estimate"] = acceptance_length(read_val_metrics(ckpt), ctx.cfg.stages.train.ttt_steps)
+    ctx.write_json(path, m)
+    print(f"evaluate: checkpoint {ckpt.name}: acceptance length "
+          f"{m['acceptance_length']:.3f} (estimate {m['estimate']}) over "
+          f"{m['drafts']} drafts, {m['decode_tokens_per_s']:.1f} tokens/s", flush=True)
+    return m
+
+
+def emit_measurement(ctx: StageContext, ckpt: Path, m: dict) -> None:
+    ctx.events.emit(EventType.METRIC, step=m["checkpoint"]["global_step"], epoch=ckpt.name,
+                    split="eval", values={
+                        "acceptance_length": m["acceptance_length"],
+                        "acceptance_estimate": m["estimate"],
+                        **{f"accept_rate_{k}": r for k, r in enumerate(m["per_position"])}})
+
+
+def measure_baseline(ctx: StageContext, ev: Evaluation, k: int) -> dict:
+    """The same prompts without a draft (server k), unless already measured."""
+    path = ctx.out / "baseline.json"
+    baseline = json.loads(path.read_text()) if path.exists() else None
+    if baseline is None or baseline.get("prompts") != len(ev.prompts):
+        baseline = ev.measure(k, None)
+        ctx.write_json(path, baseline)
+    return baseline
+
+
+def body(ctx: StageContext) -> dict:
+    sec = ctx.section
+    env = probe(ctx.cfg.vllm_python())
+    why = env.unusable(ctx.cfg.stage_devices("evaluate"))
+    if why:
+        raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
+    save = ctx.out_of("train") / "checkpoints"
+    chosen = checkpoints(save, sec.checkpoints)
+    if not chosen:
+        raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
+    prompts, max_len = choose_prompts(ctx)
+    (ctx.out / "checkpoints").mkdir(exist_ok=True)
     ev = Evaluation(ctx, env, prompts, max_len)
-    ttt = ctx.cfg.stages.train.ttt_steps
     total = len(chosen) + int(sec.baseline)
     results = {}
     for n, ckpt in enumerate(chosen):
-        ident = checkpoint_id(ckpt)
-        path = folder / f"{ckpt.name}.json"
-        old = json.loads(path.read_text()) if path.exists() else None
-        if old and old.get("checkpoint") == ident:
-            results[ckpt.name] = old
-            print(f"evaluate: checkpoint {ckpt.name} already measured", flush=True)
-        else:
-            served = served_draft(ctx, ckpt, env)
-            if served != ckpt:
-                print(f"evaluate: checkpoint {ckpt.name} is an MLA draft: serving its vLLM "
-                      f"export {served}", flush=True)
-            m = ev.measure(n, ckpt, served,
-                           mla_draft_backend(ctx, env) if served != ckpt else None)
-            m["served"] = str(served)
-            m["checkpoint"] = ident
-            m["estimate"] = acceptance_length(read_val_metrics(ckpt), ttt)
-            ctx.write_json(path, m)
-            results[ckpt.name] = m
-            print(f"evaluate: checkpoint {ckpt.name}: acceptance length "
-                  f"{m['acceptance_length']:.3f} (estimate {m['estimate']}) over "
-                  f"{m['drafts']} drafts, {m['decode_tokens_per_s']:.1f} tokens/s", flush=True)
-        m = results[ckpt.name]
-        ctx.events.emit(EventType.METRIC, step=ident["global_step"], epoch=ckpt.name,
-                        split="eval", values={
-                            "acceptance_length": m["acceptance_length"],
-                            "acceptance_estimate": m["estimate"],
-                            **{f"accept_rate_{k}": r for k, r in enumerate(m["per_position"])}})
+        results[ckpt.name] = measure_checkpoint(ctx, ev, n, ckpt)
+        emit_measurement(ctx, ckpt, results[ckpt.name])
         ctx.progress(n + 1, total, "measurements")
     baseline = None
     if sec.baseline:
-        path = ctx.out / "baseline.json"
-        baseline = json.loads(path.read_text()) if path.exists() else None
-        if baseline is None or baseline.get("prompts") != len(prompts):
-            baseline = ev.measure(len(chosen), None)
-            ctx.write_json(path, baseline)
+        baseline = measure_baseline(ctx, ev, len(chosen))
         ctx.progress(total, total, "measurements")
-    last = results[chosen[-1].name]
+    summary = report(ctx, results, chosen[-1].name, baseline, len(prompts))
+    gate(sec.min_acceptance, summary)
+    return summary
+
+
+def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | None,
+           n_prompts: int) -> dict:
+    """results.json (with its artifact event) and the stage's summary."""
+    sec = ctx.section
+    last = results[last_name]
     speedup = (last["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
                if baseline and baseline["decode_tokens_per_s"] else None)
     cats = last.get("per_category") or {}
     worst = min(((c, v["acceptance_length"]) for c, v in cats.items()
                  if v.get("acceptance_length") is not None), key=lambda x: x[1], default=None)
-    report = {"checkpoints": results, "baseline": baseline, "speedup": speedup,
+    out = {"checkpoints": results, "baseline": baseline, "speedup": speedup,
               "num_speculative_tokens": sec.num_speculative_tokens,
               "temperature": sec.temperature, "concurrency": sec.concurrency,
               "prompts": "validation split" if not sec.prompts else sec.prompts,
               "per_category": cats, "worst_prompts": last.get("worst_prompts") or [],
               "min_acceptance": sec.min_acceptance or None}
-    ctx.write_json(ctx.out / "results.json", report)
+    ctx.write_json(ctx.out / "results.json", out)
     ctx.events.emit(EventType.ARTIFACT, path=str(ctx.out / "results.json"), kind="evaluation",
                     bytes=(ctx.out / "results.json").stat().st_size)
-    summary = {
-        "checkpoint": chosen[-1].name, "acceptance_length": last["acceptance_length"],
+    return {
+        "checkpoint": last_name, "acceptance_length": last["acceptance_length"],
         "acceptance_estimate": last["estimate"],
         "per_position": [round(r, 4) for r in last["per_position"] if r is not None],
         "per_category": {c: round(v["acceptance_length"], 4) for c, v in cats.items()
@@ -359,10 +404,8 @@ def body(ctx: StageContext) -> dict:
         if worst and len(cats) > 1 else None,
         "decode_tokens_per_s": round(last["decode_tokens_per_s"], 1),
         "baseline_tokens_per_s": round(baseline["decode_tokens_per_s"], 1) if baseline else None,
-        "speedup": round(speedup, 3) if speedup else None, "prompts": len(prompts),
+        "speedup": round(speedup, 3) if speedup else None, "prompts": n_prompts,
         "results": str(ctx.out / "results.json")}
-    gate(sec.min_acceptance, summary)
-    return summary
 
 
 def gate(threshold: float, summary: dict) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, RowError, normalize
@@ -70,15 +71,25 @@ def process_chunk(rows, renderer, seq_length: int, fmt: str):
     return {"input_ids": ids_out, "loss_mask": mask_out, "skipped": skipped}
 
 
-def body(ctx: StageContext) -> dict:
-    import torch
-    sec = ctx.section
-    src, fmt, limit = ctx.cfg.data_path(), ctx.cfg.data.format, ctx.cfg.data.max_samples or None
+@dataclass(frozen=True)
+class Source:
+    """Where prepare reads its rows: a path, its format and the row limit."""
+    path: Path
+    fmt: str
+    limit: int | None
+
+
+def pick_source(ctx: StageContext) -> Source:
     regenerated = regenerated_rows(ctx.run)
     if ctx.cfg.enabled("regenerate") and regenerated.exists():
         # The target's own answers, as token ids (max_samples was applied there).
-        src, fmt, limit = regenerated, "tokenized", None
-        print(f"prepare: reading the target's regenerated answers, {src}", flush=True)
+        print(f"prepare: reading the target's regenerated answers, {regenerated}", flush=True)
+        return Source(regenerated, "tokenized", None)
+    return Source(ctx.cfg.data_path(), ctx.cfg.data.format, ctx.cfg.data.max_samples or None)
+
+
+def make_renderer(ctx: StageContext):
+    sec = ctx.section
     if sec.render_endpoint:
         renderer = EndpointRenderer(sec.render_endpoint, sec.render_timeout_s)
         try:
@@ -87,36 +98,44 @@ def body(ctx: StageContext) -> dict:
             raise StageError(f"render endpoint unusable: {e}",
                              hint="start the vLLM server, or set [stages.prepare] "
                                   "render_endpoint = \"\" to use the local chat template") from None
-    else:
-        try:
-            renderer = LocalRenderer(load_tokenizer(ctx))
-        except ValueError as e:
-            raise StageError(f"{ctx.cfg.target_path()}: {e}",
-                             hint="add a chat_template to the tokenizer, or use "
-                                  "render_endpoint with a vLLM server") from None
+        return renderer
+    try:
+        return LocalRenderer(load_tokenizer(ctx))
+    except ValueError as e:
+        raise StageError(f"{ctx.cfg.target_path()}: {e}",
+                         hint="add a chat_template to the tokenizer, or use "
+                              "render_endpoint with a vLLM server") from None
 
-    total = count_rows(src)
-    if limit:
-        total = min(total, limit)
-    chunk_dir = ctx.out / ".chunks"
+
+def chunk_path(chunk_dir: Path, k: int) -> Path:
+    return chunk_dir / f"chunk_{k:06d}.pt"
+
+
+def tokenize_chunks(ctx: StageContext, src: Source, renderer, chunk_dir: Path) -> tuple[int, int]:
+    """Render the source's rows chunk by chunk, skipping chunks already saved;
+    returns (chunks, rows seen)."""
+    import torch
+    total = count_rows(src.path)
+    if src.limit:
+        total = min(total, src.limit)
     chunk_dir.mkdir(exist_ok=True)
     n_chunks = (total + CHUNK_ROWS - 1) // CHUNK_ROWS
-    done_before = sum(1 for k in range(n_chunks) if (chunk_dir / f"chunk_{k:06d}.pt").exists())
+    done_before = sum(1 for k in range(n_chunks) if chunk_path(chunk_dir, k).exists())
     if done_before:
         print(f"prepare: resuming, {done_before}/{n_chunks} chunks already done", flush=True)
 
     buf, k, seen = [], 0, 0
-    for n, obj in iter_raw(src):
+    for n, obj in iter_raw(src.path):
         if seen >= total:
             break
         seen += 1
         buf.append((n, obj))
         if len(buf) == CHUNK_ROWS or seen == total:
-            path = chunk_dir / f"chunk_{k:06d}.pt"
+            path = chunk_path(chunk_dir, k)
             if not path.exists():
                 ctx.check_stop()
                 try:
-                    result = process_chunk(buf, renderer, sec.seq_length, fmt)
+                    result = process_chunk(buf, renderer, ctx.section.seq_length, src.fmt)
                 except ConnectionError as e:
                     raise StageError(f"render endpoint failed: {e}",
                                      hint="check the vLLM server; resume continues here") from None
@@ -125,13 +144,22 @@ def body(ctx: StageContext) -> dict:
                 os.replace(tmp, path)
             ctx.progress(seen, total, "rows", done_before=done_before * CHUNK_ROWS)
             buf, k = [], k + 1
+    return k, seen
 
+
+def gather_chunks(chunk_dir: Path, k: int) -> tuple[list, list, list]:
+    import torch
     ids, masks, skipped = [], [], []
     for j in range(k):
-        part = torch.load(chunk_dir / f"chunk_{j:06d}.pt", weights_only=True)
+        part = torch.load(chunk_path(chunk_dir, j), weights_only=True)
         ids += part["input_ids"]
         masks += part["loss_mask"]
         skipped += part["skipped"]
+    return ids, masks, skipped
+
+
+def check_rows(ctx: StageContext, src: Path, seen: int, ids: list, skipped: list) -> None:
+    """Warn about the skipped rows; fail when nothing usable is left."""
     if skipped:
         reasons = Counter(reason.split(" (")[0] for _, reason in skipped)
         where = "line" if src.is_file() else "row"
@@ -152,13 +180,28 @@ def body(ctx: StageContext) -> dict:
             hint="check [data] path and format: JSONL with `messages` (OpenAI) or "
                  "`conversations` (ShareGPT), each with at least one assistant turn")
 
-    write_dataset(ctx.out / "data", ids, masks)
+
+def write_token_freq(out: Path, ids, masks) -> Counter:
+    import torch
     freq = Counter()
     for row, mask in zip(ids, masks, strict=True):
         freq.update(t for t, m in zip(row, mask, strict=True) if m)
-    tmp = ctx.out / ".token_freq.pt.tmp"
+    tmp = out / ".token_freq.pt.tmp"
     torch.save(dict(freq), tmp)
-    os.replace(tmp, ctx.out / "token_freq.pt")
+    os.replace(tmp, out / "token_freq.pt")
+    return freq
+
+
+def body(ctx: StageContext) -> dict:
+    src = pick_source(ctx)
+    renderer = make_renderer(ctx)
+    chunk_dir = ctx.out / ".chunks"
+    k, seen = tokenize_chunks(ctx, src, renderer, chunk_dir)
+    ids, masks, skipped = gather_chunks(chunk_dir, k)
+    check_rows(ctx, src.path, seen, ids, skipped)
+
+    write_dataset(ctx.out / "data", ids, masks)
+    freq = write_token_freq(ctx.out, ids, masks)
     n_tokens = sum(len(r) for r in ids)
     n_masked = sum(sum(m) for m in masks)
     summary = {"rows_in": seen, "samples": len(ids), "skipped": len(skipped),

@@ -26,6 +26,8 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.data.chat_mask import RowError, normalize, wire_messages
 from pipeline.data.rows import iter_raw, regenerated_rows
@@ -144,67 +146,86 @@ def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> 
     return {"rows": [r for n in sorted(results) for r in results[n]], "failed": sorted(failed)}
 
 
-def body(ctx: StageContext) -> dict:
-    sec = ctx.section
-    env = probe(ctx.cfg.vllm_python())
-    devices = ctx.cfg.stage_devices("regenerate")
-    why = env.unusable(devices)
-    if why:
-        raise Skipped(f"{why}; prepare uses [data] as it is")
-    items = list(conversations(ctx))
-    if not items:
-        raise StageError(f"{ctx.cfg.data_path()}: no conversations",
-                         hint="check [data] path and max_samples")
-    chunks = ctx.out / ".chunks"
-    chunks.mkdir(exist_ok=True)
+@dataclass
+class Chunks:
+    """The conversations in chunks of CHUNK, each saved as it is regenerated."""
+    folder: Path
+    parts: list[list]
+    todo: list[int]   # the chunks not saved yet
+
+    def path(self, k: int) -> Path:
+        return self.folder / f"chunk_{k:06d}.json"
+
+
+def split_chunks(ctx: StageContext, items: list) -> Chunks:
+    folder = ctx.out / ".chunks"
+    folder.mkdir(exist_ok=True)
     parts = [items[i:i + CHUNK] for i in range(0, len(items), CHUNK)]
-    todo = [k for k in range(len(parts)) if not (chunks / f"chunk_{k:06d}.json").exists()]
-    if len(todo) < len(parts):
-        print(f"regenerate: resuming, {len(parts) - len(todo)}/{len(parts)} chunks already "
+    chunks = Chunks(folder, parts, [])
+    chunks.todo = [k for k in range(len(parts)) if not chunks.path(k).exists()]
+    if len(chunks.todo) < len(parts):
+        print(f"regenerate: resuming, {len(parts) - len(chunks.todo)}/{len(parts)} chunks already "
               "done", flush=True)
-    target = ctx.cfg.target_path()
-    limit = ctx.cfg.stages.prepare.seq_length
-    if todo:
-        dtype = ctx.cfg.dtype_name(bool(devices))
-        elem = 4 if dtype == "float32" else 2
-        max_len = limit + sec.max_tokens + 8
-        server = make_server(0, env, target, devices, server_log(ctx.run.stage_dir("regenerate"), 0),
-                             dtype, max_len, ctx.cfg.model.trust_remote_code,
-                             list(sec.server_args), sec.serve_command,
-                             sec.concurrency * max_len,
-                             kv_bytes_per_token(read_model(target), max(1, len(devices)), elem),
-                             what="vLLM server (regenerate)",
-                             report=lambda kind, f: ctx.events.emit(kind, **f),
-                             stall_after_s=sec.stall_after_s)
-        model = str(target)
-        with serving(server, sec.startup_timeout_s, lambda: ctx.stop_requested,
-                     ctx.cfg.runtime.term_grace_s):
-            ctx.check_stop()
-            t0 = time.time()
-            done_before = sum(len(parts[k]) for k in range(len(parts)) if k not in todo)
-            done = 0
-            for k in todo:
-                result = run_chunk(server, model, parts[k], sec, limit,
-                                   lambda: ctx.stop_requested)
-                ctx.check_stop()   # a chunk cut short by a stop is not saved
-                ctx.write_json(chunks / f"chunk_{k:06d}.json", result)
-                done += len(parts[k])
-                ctx.progress(done_before + done, len(items), "conversations",
-                             rate=done / (time.time() - t0))
+    return chunks
+
+
+def start_server(ctx: StageContext, env, devices: list):
+    """The one vLLM server regenerate asks (not started yet)."""
+    sec, target = ctx.section, ctx.cfg.target_path()
+    dtype = ctx.cfg.dtype_name(bool(devices))
+    elem = 4 if dtype == "float32" else 2
+    max_len = ctx.cfg.stages.prepare.seq_length + sec.max_tokens + 8
+    return make_server(0, env, target, devices, server_log(ctx.run.stage_dir("regenerate"), 0),
+                       dtype, max_len, ctx.cfg.model.trust_remote_code,
+                       list(sec.server_args), sec.serve_command,
+                       sec.concurrency * max_len,
+                       kv_bytes_per_token(read_model(target), max(1, len(devices)), elem),
+                       what="vLLM server (regenerate)",
+                       report=lambda kind, f: ctx.events.emit(kind, **f),
+                       stall_after_s=sec.stall_after_s)
+
+
+def regenerate_todo(ctx: StageContext, server, chunks: Chunks, n_items: int) -> None:
+    """Serve, and regenerate the chunks not saved yet, saving each."""
+    sec, parts = ctx.section, chunks.parts
+    model, limit = str(ctx.cfg.target_path()), ctx.cfg.stages.prepare.seq_length
+    with serving(server, sec.startup_timeout_s, lambda: ctx.stop_requested,
+                 ctx.cfg.runtime.term_grace_s):
+        ctx.check_stop()
+        t0 = time.time()
+        done_before = sum(len(parts[k]) for k in range(len(parts)) if k not in chunks.todo)
+        done = 0
+        for k in chunks.todo:
+            result = run_chunk(server, model, parts[k], sec, limit,
+                               lambda: ctx.stop_requested)
+            ctx.check_stop()   # a chunk cut short by a stop is not saved
+            ctx.write_json(chunks.path(k), result)
+            done += len(parts[k])
+            ctx.progress(done_before + done, n_items, "conversations",
+                         rate=done / (time.time() - t0))
+
+
+def gather(ctx: StageContext, chunks: Chunks, n_items: int) -> tuple[list, list]:
+    """Every chunk's rows; the conversations that failed listed in a warning."""
     rows, failed = [], []
-    for k in range(len(parts)):
-        part = json.loads((chunks / f"chunk_{k:06d}.json").read_text())
+    for k in range(len(chunks.parts)):
+        part = json.loads(chunks.path(k).read_text())
         rows += part["rows"]
         failed += part["failed"]
     if failed:
         listed = "; ".join(f"row {n}: {r}" for n, r in failed[:10])
-        ctx.events.warning(f"{len(failed)} of {len(items)} conversations were not regenerated: "
+        ctx.events.warning(f"{len(failed)} of {n_items} conversations were not regenerated: "
                            f"{listed}" + (" ..." if len(failed) > 10 else ""),
                            hint="the others were; prepare uses what was regenerated",
                            rows=[{"row": n, "reason": r} for n, r in failed[:MAX_LISTED]])
     if not rows:
         raise StageError("no conversation could be regenerated",
                          hint=f"see {ctx.run.log_path('regenerate')}")
+    return rows, failed
+
+
+def write_rows(ctx: StageContext, rows: list[dict]) -> Path:
+    """rows.jsonl, atomically, with its artifact event."""
     out = regenerated_rows(ctx.run)
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -214,6 +235,24 @@ def body(ctx: StageContext) -> dict:
         os.fsync(f.fileno())
     os.replace(tmp, out)
     ctx.events.emit(EventType.ARTIFACT, path=str(out), kind="dataset", bytes=out.stat().st_size)
+    return out
+
+
+def body(ctx: StageContext) -> dict:
+    env = probe(ctx.cfg.vllm_python())
+    devices = ctx.cfg.stage_devices("regenerate")
+    why = env.unusable(devices)
+    if why:
+        raise Skipped(f"{why}; prepare uses [data] as it is")
+    items = list(conversations(ctx))
+    if not items:
+        raise StageError(f"{ctx.cfg.data_path()}: no conversations",
+                         hint="check [data] path and max_samples")
+    chunks = split_chunks(ctx, items)
+    if chunks.todo:
+        regenerate_todo(ctx, start_server(ctx, env, devices), chunks, len(items))
+    rows, failed = gather(ctx, chunks, len(items))
+    out = write_rows(ctx, rows)
     tokens = sum(sum(r["loss_mask"]) for r in rows)
     return {"conversations": len(items), "regenerated": len(items) - len(failed),
             "failed": len(failed), "rows": len(rows), "generated_tokens": tokens,

@@ -25,9 +25,11 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cluster import slurm
+from pipeline.model import fp8
 from pipeline.run import provenance
 from pipeline.run.events import EventType
 from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
@@ -102,7 +104,42 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str) -> list[st
         argv += ["--max-steps", str(sec.max_steps)]
     if ctx.cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
+    mask = wrapper_mask_token(ctx)
+    if mask is not None:
+        argv += ["--mask-token-id", str(mask)]
+    if stores_fp8(ctx, meta):
+        # speculators' own FP8 loader: files dequantized as they are read
+        argv += ["--hidden-states-backend", "fp8"]
     return argv
+
+
+def stores_fp8(ctx: StageContext, meta: dict) -> bool:
+    """Hidden states in FP8: extract's files (its meta.json says), or, online
+    and hybrid, what the servers will write."""
+    if ctx.cfg.pipeline.mode != "offline":
+        return ctx.cfg.stages.extract.hidden_states_dtype == "fp8"
+    return meta.get("stored") == "fp8"
+
+
+def wrapper_mask_token(ctx: StageContext) -> int | None:
+    """speculators 0.9 finds its mask token through the verifier's
+    AutoProcessor; a multimodal wrapper's (Kimi-K2.5's) also builds its image
+    processor, which needs torchvision — not installable beside a CPU torch,
+    and not needed for text. For such a target the token is found here the
+    way speculators would from the tokenizer (its mask token, else pad,
+    eos, unk) and passed as --mask-token-id; other targets are left to
+    speculators."""
+    from pipeline.model.info import read_model
+    target = ctx.cfg.target_path()
+    if not read_model(target).wrapped:
+        return None
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(target),
+                                        trust_remote_code=ctx.cfg.model.trust_remote_code)
+    for token_id in (tok.mask_token_id, tok.pad_token_id, tok.eos_token_id, tok.unk_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return None
 
 
 def dataloader_workers(ctx: StageContext) -> int:
@@ -204,7 +241,7 @@ class Hooks:
 
 
 def online_meta(ctx: StageContext) -> dict:
-    """What extract's meta.json says, for online mode (there is no extract)."""
+    """What extract's meta.json says, for online and hybrid mode (extract is off)."""
     import torch
     from transformers import AutoConfig
 
@@ -221,9 +258,11 @@ def online_meta(ctx: StageContext) -> dict:
                          hint="vLLM convention: id k is the residual stream after k layers") from None
     dtype = ctx.cfg.dtype_name(bool(ctx.cfg.stage_devices("extract")))
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    stored_fp8 = ctx.cfg.stages.extract.hidden_states_dtype == "fp8"
     return {"layer_ids": layer_ids, "aux_layer_ids": layer_ids[:-1], "dtype": dtype,
-            "hidden_size": mcfg.hidden_size,
-            "bytes_per_token": len(layer_ids) * mcfg.hidden_size * elem + 8}
+            "stored": "fp8" if stored_fp8 else dtype, "hidden_size": mcfg.hidden_size,
+            "bytes_per_token": fp8.bytes_per_token(len(layer_ids), mcfg.hidden_size)
+            if stored_fp8 else len(layer_ids) * mcfg.hidden_size * elem + 8}
 
 
 def resolve_draft_layer(ctx: StageContext) -> DraftChoice:
@@ -245,19 +284,31 @@ def write_draft_config(ctx: StageContext) -> tuple[Path, list[str]]:
     return path, notes
 
 
-def body(ctx: StageContext) -> dict:
-    import torch
+@dataclass
+class Training:
+    """What body decided for the trainer, and what it gave back."""
+    argv: list[str]
+    choice: DraftChoice
+    device_type: str
+    servers: object | None = None   # OnlineServers, in online mode
+    metrics: MetricEvents | None = None
 
-    online = ctx.cfg.online
-    if online:
-        meta = online_meta(ctx)
-    else:
-        meta_path = ctx.out_of("extract") / "meta.json"
-        if not meta_path.exists():
-            raise StageError(f"{meta_path} is missing", hint="run the extract stage first")
-        meta = json.loads(meta_path.read_text())
+
+def read_meta(ctx: StageContext) -> dict:
+    """The hidden states' layout: extract's meta.json, or (online) what the servers will give."""
+    if ctx.cfg.online:
+        return online_meta(ctx)
+    meta_path = ctx.out_of("extract") / "meta.json"
+    if not meta_path.exists():
+        raise StageError(f"{meta_path} is missing", hint="run the extract stage first")
+    return json.loads(meta_path.read_text())
+
+
+def plan_training(ctx: StageContext, meta: dict, torch_version: str) -> Training:
+    """The trainer's flags: loss, attention and the draft's layer (an MLA
+    draft's decoder config written for it)."""
     device_type = "cuda" if ctx.devices[0].startswith("cuda") else "cpu"
-    loss, why = choose_loss(ctx.section.loss, device_type, torch.__version__)
+    loss, why = choose_loss(ctx.section.loss, device_type, torch_version)
     if why:
         ctx.events.warning(why, hint='set [stages.train] loss = "eager" to silence this')
     attn = choose_attention(ctx.section.attention, device_type)
@@ -273,47 +324,74 @@ def body(ctx: StageContext) -> dict:
               "pipeline.train.mla_layer.register() in the process); vLLM serves "
               f"{ctx.out / 'vllm'}/<epoch>/", flush=True)
         argv = mla_argv(argv, draft_cfg)
-    save_path = ctx.out / "checkpoints"
-    moved = set_aside_incomplete(save_path)
-    if moved:
-        ctx.events.warning(f"set aside incomplete checkpoint(s) {moved} (cut short by a kill); "
-                           "resuming from the last complete one")
-    servers = None
-    if online:
-        from datasets import load_from_disk
+    return Training(argv, choice, device_type)
 
-        from pipeline.train.online import OnlineServers, online_argv
-        lengths = load_from_disk(str(ctx.out_of("prepare") / "data"))["seq_len"]
-        servers = OnlineServers(ctx, meta, int(max(lengths)))
-        try:
-            servers.start()
-        except BaseException:
-            servers.stop()
-            raise
-        ctx.check_stop()
-        argv = replace_flags(argv, online_argv(servers, ctx.section))
+
+def start_online(ctx: StageContext, meta: dict, training: Training) -> None:
+    """Online mode: the vLLM servers that make hidden states on demand, and
+    the trainer's flags pointed at them."""
+    from datasets import load_from_disk
+
+    from pipeline.train.online import OnlineServers, online_argv
+    lengths = load_from_disk(str(ctx.out_of("prepare") / "data"))["seq_len"]
+    servers = OnlineServers(ctx, meta, int(max(lengths)))
+    training.servers = servers
+    try:
+        servers.start()
+        ctx.check_stop()   # a stop while they started: stopped with them
+    except BaseException:
+        servers.stop()
+        raise
+    training.argv = replace_flags(training.argv, online_argv(servers, ctx.section))
+
+
+def run_trainer(ctx: StageContext, training: Training) -> None:
+    """Train (torchrun with several GPUs or nodes, else in this process);
+    the online servers stopped however it ends."""
+    servers = training.servers
     try:
         if len(ctx.devices) > 1 or (ctx.devices and ctx.cfg.cluster.nodes > 1):
-            run_torchrun(ctx, argv)
-            metrics = None
+            run_torchrun(ctx, training.argv)
         else:
-            metrics = run_in_process(ctx, argv, device_type, servers)
+            training.metrics = run_in_process(ctx, training.argv, training.device_type, servers)
     finally:
         if servers is not None:
             servers.stop()
     if servers is not None and servers.fatal is not None:
         raise StageError(f"training stopped (a checkpoint was saved): {servers.fatal}",
                          hint=servers.fatal.hint)
+
+
+def body(ctx: StageContext) -> dict:
+    import torch
+
+    meta = read_meta(ctx)
+    training = plan_training(ctx, meta, torch.__version__)
+    save_path = ctx.out / "checkpoints"
+    moved = set_aside_incomplete(save_path)
+    if moved:
+        ctx.events.warning(f"set aside incomplete checkpoint(s) {moved} (cut short by a kill); "
+                           "resuming from the last complete one")
+    if ctx.cfg.online:
+        start_online(ctx, meta, training)
+    run_trainer(ctx, training)
     final = latest_checkpoint(save_path)
     if final is None:
         raise StageError(f"training ended without a checkpoint in {save_path}",
                          hint=f"see {ctx.run.log_path('train')}")
+    return summarize(ctx, training, save_path, final)
+
+
+def summarize(ctx: StageContext, training: Training, save_path: Path, final: Path) -> dict:
+    """The final checkpoint's artifact (and an MLA draft's vLLM export), the
+    provenance it carries, and the stage's summary."""
+    metrics, servers, choice = training.metrics, training.servers, training.choice
     val = dict(metrics.last_val) if metrics and metrics.last_val else read_val_metrics(final)
     accept = acceptance_length(val, ctx.section.ttt_steps)
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
-    summary = {"checkpoint": str(final), "acceptance_length": accept,
-               "val_loss": val.get("loss"), "train_argv": "speculators train " + " ".join(argv),
+    summary = {"checkpoint": str(final), "acceptance_length": accept, "val_loss": val.get("loss"),
+               "train_argv": "speculators train " + " ".join(training.argv),
                "draft_layer": choice.layer, "draft_layer_reason": choice.why}
     if choice.layer == "mla":
         summary.update(vllm_export(ctx, save_path, final))
@@ -325,8 +403,8 @@ def body(ctx: StageContext) -> dict:
     if metrics and metrics.waits:
         summary["data_wait_share"] = round(sum(metrics.waits) / len(metrics.waits), 4)
     if servers is not None:
-        summary.update(mode="online", buffer_peak_bytes=servers.peak_buffer,
-                       server_restarts=servers.restarts)
+        summary.update(mode=ctx.cfg.pipeline.mode, buffer_peak_bytes=servers.peak_buffer,
+                       server_restarts=servers.restarts, **servers.counts)
     return summary
 
 

@@ -357,24 +357,12 @@ def export_is_current(checkpoint: Path, export: Path) -> bool:
         return False
 
 
-def export_for_vllm(checkpoint: Path, dest: Path) -> dict:
-    """Write `dest` (a folder vLLM serves as the draft) from the speculators
-    checkpoint `checkpoint`: written aside, validated, then renamed into
-    place. Returns what export.json records."""
+def export_tensors(checkpoint: Path, spec: dict, cfg: dict) -> tuple[dict, list[str]]:
+    """The checkpoint's tensors as vLLM loads them (checked against `cfg`,
+    its vLLM config), and what was dropped."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from pipeline.run.diskspace import ensure_room
-
-    checkpoint, dest = Path(checkpoint), Path(dest)
-    spec = json.loads((checkpoint / "config.json").read_text())
-    try:
-        cfg = vllm_config(spec)
-    except ValueError as e:
-        raise StageError(f"cannot export {checkpoint} for vLLM: {e}",
-                         hint='train the draft again with [stages.train] draft_layer = "mla"') \
-            from None
-    source = source_id(checkpoint)
     tensors = load_file(str(checkpoint / "model.safetensors"))
     dropped = ["t2d"] if tensors.pop("t2d", None) is not None else []
     if not spec.get("embed_requires_grad") and tensors.pop("embed_tokens.weight", None) \
@@ -389,6 +377,27 @@ def export_for_vllm(checkpoint: Path, dest: Path) -> dict:
                          hint="a bug in the MLA draft's layer or export; report it")
     if "d2t" in tensors:
         tensors["d2t"] = tensors["d2t"].to(torch.int64)
+    return tensors, dropped
+
+
+def export_for_vllm(checkpoint: Path, dest: Path) -> dict:
+    """Write `dest` (a folder vLLM serves as the draft) from the speculators
+    checkpoint `checkpoint`: written aside, validated, then renamed into
+    place. Returns what export.json records."""
+    from safetensors.torch import save_file
+
+    from pipeline.run.diskspace import ensure_room
+
+    checkpoint, dest = Path(checkpoint), Path(dest)
+    spec = json.loads((checkpoint / "config.json").read_text())
+    try:
+        cfg = vllm_config(spec)
+    except ValueError as e:
+        raise StageError(f"cannot export {checkpoint} for vLLM: {e}",
+                         hint='train the draft again with [stages.train] draft_layer = "mla"') \
+            from None
+    source = source_id(checkpoint)
+    tensors, dropped = export_tensors(checkpoint, spec, cfg)
     dest.parent.mkdir(parents=True, exist_ok=True)
     ensure_room(dest.parent, sum(t.numel() * t.element_size() for t in tensors.values())
                 + (1 << 20), f"the vLLM export of checkpoint {checkpoint.name}")

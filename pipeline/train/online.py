@@ -27,6 +27,7 @@ What eagle-panel adds around speculators' online mode:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -43,7 +44,10 @@ from pipeline.vllm.metrics import samples
 from pipeline.vllm.server import VllmServer, make_server, served_model_name, server_log
 
 ENDPOINTS_VAR = "EAGLE_PANEL_ONLINE_ENDPOINTS"
+KEEP_VAR = "EAGLE_PANEL_ONLINE_KEEP"   # "<folder>:<bytes>:<fp8 0|1>:<min free bytes>"
+COUNTS = ".counts-"   # in the buffer: each dataloader process's counts (samples from where)
 KEY_VAR = "EAGLE_PANEL_ONLINE_KEY"
+BUFFER_VAR = "EAGLE_PANEL_ONLINE_BUFFER"   # where the servers write (and the counts live)
 WAIT_VAR = "EAGLE_PANEL_ONLINE_WAIT_S"   # how long a request waits for a server to be back
 GONE = ".servers-gone"   # in the buffer: the watchdog gave up, stop waiting
 REPORT_S = 3.0
@@ -101,7 +105,8 @@ class OnlineServers:
         self.servers: list[VllmServer] = [
             make_server(k, self.env, target, group, server_log(ctx.run.stage_dir("train"), k),
                         dtype, max_len, ctx.cfg.model.trust_remote_code,
-                        extraction_flags(meta["layer_ids"], self.buffer, True)
+                        extraction_flags(meta["layer_ids"], self.buffer, True,
+                                         meta.get("stored") == "fp8")
                         + list(ext.server_args), ext.serve_command,
                         sec.online_max_inflight * max_len, per_token,
                         what="vLLM server (online)", report=self._server_event,
@@ -113,6 +118,7 @@ class OnlineServers:
         self._watch: threading.Thread | None = None
         self.peak_buffer = 0
         self.trainer = {"wait": None, "tokens_per_s": None}   # set by the metric handler
+        self.counts = {"from_disk": 0, "from_servers": 0, "kept_bytes": 0}
 
     def _server_event(self, kind: str, fields: dict) -> None:
         self.ctx.events.emit(kind, **fields)
@@ -131,6 +137,7 @@ class OnlineServers:
             if report:
                 self.ctx.events.emit(EventType.KV_CACHE, **report)
         os.environ[ENDPOINTS_VAR] = ",".join(self.endpoints())
+        os.environ[BUFFER_VAR] = str(self.buffer)
         os.environ[KEY_VAR] = self.servers[0].api_key
         os.environ[WAIT_VAR] = str(ext.startup_timeout_s)
         self._watch = threading.Thread(target=self._watchdog, daemon=True)
@@ -202,6 +209,7 @@ class OnlineServers:
         del busy[:-20]   # the last minute
         buffer = dir_bytes(self.buffer)
         self.peak_buffer = max(self.peak_buffer, buffer)
+        counts = read_counts(self.buffer)
         server_idle = 1.0 - sum(busy) / len(busy)
         wait = self.trainer["wait"]
         self.ctx.events.emit(
@@ -212,7 +220,7 @@ class OnlineServers:
             buffer_peak_bytes=self.peak_buffer, servers=len(self.servers),
             server_devices=self.ctx.cfg.stage_devices("extract"),
             trainer_devices=self.ctx.cfg.stage_devices("train"),
-            restarts=self.restarts, verdict=verdict(wait, server_idle))
+            restarts=self.restarts, verdict=verdict(wait, server_idle), **counts)
 
     def stop(self) -> None:
         self._stop.set()
@@ -222,17 +230,51 @@ class OnlineServers:
             left = s.stop(grace=self.ctx.cfg.runtime.term_grace_s)
             if left:
                 print(f"train: {s.name} processes {left} survived SIGKILL", flush=True)
+        self.counts = read_counts(self.buffer)   # the dataloaders' last word
         shutil.rmtree(self.buffer, ignore_errors=True)
 
 
+def hidden_states_folder(ctx: StageContext, buffer: Path) -> Path:
+    """Where speculators' dataloader looks first for a sample's hidden states:
+    extract's folder in hybrid mode (what an earlier extract left there), or
+    whenever generated states are kept; else the buffer (online: nothing on
+    disk)."""
+    if ctx.cfg.pipeline.mode == "hybrid" or ctx.section.keep_generated_gb > 0:
+        folder = ctx.out_of("extract") / "hidden_states"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    return buffer
+
+
 def online_argv(servers: OnlineServers, sec) -> list[str]:
-    """speculators' online flags, pointed at our servers and buffer."""
+    """speculators' online flags, pointed at our servers and buffer (and, in
+    hybrid mode, at extract's files first)."""
+    ctx = servers.ctx
+    folder = hidden_states_folder(ctx, servers.buffer)
+    if sec.keep_generated_gb > 0:
+        os.environ[KEEP_VAR] = (f"{folder}:{int(sec.keep_generated_gb * 1e9)}:"
+                                f"{int(ctx.cfg.stages.extract.hidden_states_dtype == 'fp8')}:"
+                                f"{int(ctx.cfg.stages.extract.min_free_gb * 1e9)}")
     # Retries back off 2, 4, 8, ... s: 6 of them wait ~2 min in all, long
     # enough for a server that died to be restarted (a small model: ~40 s).
     return ["--vllm-endpoint", servers.endpoints()[0], "--on-missing", "generate",
-            "--hidden-states-path", str(servers.buffer),
-            "--request-timeout", str(servers.ctx.cfg.stages.extract.request_timeout_s),
+            "--hidden-states-path", str(folder),
+            "--request-timeout", str(ctx.cfg.stages.extract.request_timeout_s),
             "--max-retries", "6"]
+
+
+def read_counts(buffer: Path) -> dict:
+    """The dataloader processes' counts, summed: samples read from disk and
+    from the servers, and the generated states kept (their bytes)."""
+    total = {"from_disk": 0, "from_servers": 0, "kept_bytes": 0}
+    for f in buffer.glob(COUNTS + "*") if buffer.is_dir() else ():
+        try:
+            counts = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue   # being replaced
+        for k in total:
+            total[k] += int(counts.get(k, 0))
+    return total
 
 
 def keyed_dataset_class():
@@ -272,10 +314,27 @@ def _keyed(base):
                 info = torch.utils.data.get_worker_info()
                 return endpoints[(info.id if info else 0) % len(endpoints)]
 
+            def _get_raw_data(self, index):
+                self._file_idx = self._map_to_file_idx(index)
+                return super()._get_raw_data(index)
+
             def _generate_hidden_states_once(self, dataset_item, client_item):
                 wait_healthy(self._endpoint(), float(os.environ.get(WAIT_VAR, "600")),
-                             Path(self.transfer.hidden_states_path) / GONE)
-                return super()._generate_hidden_states_once(dataset_item, client_item)
+                             Path(os.environ[BUFFER_VAR]) / GONE)
+                loaded = super()._generate_hidden_states_once(dataset_item, client_item)
+                self._counter().generated(self._file_idx, loaded)
+                return loaded
+
+            def __getitem__(self, index):
+                out = super().__getitem__(index)
+                self._counter().seen()
+                return out
+
+            def _counter(self):
+                if getattr(self, "_eagle_counter", None) is None:
+                    self._eagle_counter = Counter(Path(os.environ[BUFFER_VAR]),
+                                                  os.environ.get(KEEP_VAR, ""))
+                return self._eagle_counter
 
             def _setup_client(self):
                 import openai
@@ -293,6 +352,48 @@ def _keyed(base):
         _Keyed.__module__ = __name__
         _CLASS.append(_Keyed)
     return _CLASS[0]
+
+
+class Counter:
+    """One dataloader process's counts (samples seen, generated by the
+    servers, kept), saved to the buffer every few seconds; and the keeping:
+    a generated sample written beside extract's files (atomically, in the
+    run's dtype or FP8) while the kept bytes stay under the budget and the
+    disk above min_free_gb, so later epochs read it from disk."""
+
+    def __init__(self, buffer: Path, keep: str):
+        self.path = buffer / f"{COUNTS}{os.getpid()}"
+        self.counts = {"seen": 0, "from_servers": 0, "kept_bytes": 0}
+        self.saved_at = 0.0
+        folder, budget, fp8, min_free = (keep.rsplit(":", 3) if keep else ("", "0", "0", "0"))
+        self.folder, self.budget = Path(folder) if folder else None, int(budget)
+        self.fp8, self.min_free = fp8 == "1", int(min_free)
+
+    def seen(self) -> None:
+        self.counts["seen"] += 1
+        self.save()
+
+    def generated(self, file_idx: int, loaded: dict) -> None:
+        self.counts["from_servers"] += 1
+        if self.folder is not None and self.counts["kept_bytes"] < self.budget and \
+                shutil.disk_usage(self.folder).free > self.min_free:
+            from pipeline.model.hsfile import hs_path, write_sample
+            self.counts["kept_bytes"] += write_sample(
+                hs_path(self.folder, file_idx), loaded["hidden_states"], loaded["token_ids"],
+                fp8=self.fp8)
+        self.save()
+
+    def save(self, every: float = 2.0) -> None:
+        now = time.monotonic()
+        if now - self.saved_at < every:
+            return
+        self.saved_at = now
+        from pipeline.run.rundir import atomic_write_bytes
+        c = dict(self.counts, from_disk=max(0, self.counts["seen"] - self.counts["from_servers"]))
+        try:
+            atomic_write_bytes(self.path, json.dumps(c).encode())
+        except OSError:
+            pass   # the buffer is being removed at the end
 
 
 def __getattr__(name):

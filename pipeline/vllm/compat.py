@@ -50,6 +50,7 @@ CONNECTOR_MODULE = "distributed.kv_transfer.kv_connector.v1.example_hidden_state
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 OWN_CONNECTOR_MODULE, OWN_CONNECTOR_CLASS = "pipeline.vllm.connector", "HiddenStatesConnector"
 INDEX_KEY = "eagle_panel_index"   # kv_transfer_params key: the sample a request is for
+FP8_KEY = "eagle_panel_fp8"       # our connector's extra config: write FP8 files
 # What pipeline.vllm.connector uses of the stock connector (0.29+).
 OWN_CONNECTOR_NEEDS = ("_submit_async_write", "_write_tensors", "_on_write_done",
                        "build_connector_meta", "_kv_cache", "_block_size", "_is_tp_rank_zero",
@@ -134,6 +135,14 @@ def version_at_least(version: str, floor: str) -> bool:
 
 def plan(src, arch: str | None = None) -> list[Adaptation]:
     """What would fire against this vLLM (a VllmSource), and what is missing."""
+    out = _kv_config_plan(src) + _engine_plan(src) + _server_plan(src)
+    if arch:
+        out.append(eagle3_support(src, arch))
+    return out
+
+
+def _kv_config_plan(src) -> list[Adaptation]:
+    """Where the KV-cache sizing functions are, and which signature they have."""
     out: list[Adaptation] = []
     if not any(src.function_params(m, "get_kv_cache_configs") is not None
                for m in KV_CONFIG_MODULES):
@@ -154,6 +163,12 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
                               if style == "specs" else
                               "get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, "
                               "available_memory), reached through get_kv_cache_configs"))
+    return out
+
+
+def _engine_plan(src) -> list[Adaptation]:
+    """The engine route's constructors and calls."""
+    out: list[Adaptation] = []
     fields = src.dataclass_fields("config.scheduler", "SchedulerConfig")
     init = needs_initvars(fields or {})
     out.append(Adaptation("scheduler_initvars", bool(init),
@@ -191,6 +206,12 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
                           "SchedulerConfig.async_scheduling defaults to vLLM's choice (0.16): "
                           "the engine route passes False" if auto else
                           "SchedulerConfig.async_scheduling defaults to False"))
+    return out
+
+
+def _server_plan(src) -> list[Adaptation]:
+    """The server route: the hidden-state connector and what ours needs of it."""
+    out: list[Adaptation] = []
     has_conn = src.has_module(CONNECTOR_MODULE)
     out.append(Adaptation("server_route", not has_conn,
                           "no ExampleHiddenStatesConnector: the vllm-server backend needs "
@@ -212,8 +233,6 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
                               f"moves the files (this release lacks {', '.join(missing[:3])} "
                               "that eagle-panel's connector extends; the stock one needs a GPU)",
                               "server"))
-    if arch:
-        out.append(eagle3_support(src, arch))
     return out
 
 

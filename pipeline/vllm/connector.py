@@ -31,7 +31,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
 
 from pipeline.model.hsfile import hs_path, write_sample
-from pipeline.vllm.compat import INDEX_KEY
+from pipeline.vllm.compat import FP8_KEY, INDEX_KEY
 
 
 class _Done:
@@ -46,6 +46,11 @@ class _Done:
 
 class HiddenStatesConnector(stock.ExampleHiddenStatesConnector):
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # FP8 files in speculators' layout ([stages.extract] hidden_states_dtype = "fp8")
+        self._fp8 = bool(self._kv_transfer_config.get_from_extra_config(FP8_KEY, False))
+
     def build_connector_meta(self, scheduler_output):
         meta = super().build_connector_meta(scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
@@ -59,14 +64,13 @@ class HiddenStatesConnector(stock.ExampleHiddenStatesConnector):
             meta.new_req_filenames[new_req.req_id] = filename
         return meta
 
-    @staticmethod
-    def _write_tensors(tensors, event, filename, lock_fd) -> None:
+    def _write_tensors(self, tensors, event, filename, lock_fd) -> None:
         try:
             event.synchronize()
             # Non-finite values are refused here, where the tensor is in memory:
             # the stage then reads only the file's header.
             write_sample(filename, tensors["hidden_states"], tensors["token_ids"],
-                         check_finite=True)
+                         check_finite=True, fp8=self._fp8)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)   # releases the client waiting on the lock

@@ -294,6 +294,9 @@ def serving(server: VllmServer, startup_timeout: float, should_stop, term_grace:
     server.start()
     try:
         server.wait_ready(startup_timeout, should_stop, poll)
+        kv = server.kv_report()   # what it allocated, as the stage's kv_cache event
+        if kv is not None and server.report is not None:
+            server.report("kv_cache", kv)
         yield server
     finally:
         left = server.stop(grace=term_grace)

@@ -190,7 +190,7 @@ class _Embed(nn.Module):
         self.runner = runner
 
     def forward(self, input_ids):
-        return self.driver.table_for(0, input_ids.shape[0])
+        return self.runner.table_for(0, input_ids.shape[0])
 
 
 class _Layer(nn.Module):
@@ -199,7 +199,7 @@ class _Layer(nn.Module):
         self.runner, self.k = runner, k
 
     def forward(self, positions, hidden_states, residual):
-        stream = self.driver.table_for(self.k + 1, hidden_states.shape[0])
+        stream = self.runner.table_for(self.k + 1, hidden_states.shape[0])
         if residual is None:
             hidden_states.add_(1.0)   # vLLM's fused add writes into the embedding output
         r = torch.trunc(stream)       # exact split: (stream - r) + r == stream
