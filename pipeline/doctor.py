@@ -38,6 +38,7 @@ from pipeline.run.rundir import RunDir
 from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv, choose_backend, cpu_kv_space_gib
 from pipeline.vllm.environment import probe as probe_vllm
+from pipeline.vllm.target_flags import has_cpu_mla
 
 OK, WARN, BLOCK = "ok", "warning", "blocking"
 GIB = 1 << 30
@@ -186,8 +187,9 @@ def check_backends(x: Inputs) -> list[Finding]:
     usable = ["hf"] if pk.get("torch") and pk.get("transformers") else []
     problem = v.unusable(x.cfg.stage_devices("extract")) if v else "vLLM is not installed"
     if v and not problem:
-        if compat.version_at_least(v.version, compat.ENGINE_RANGE[0]) and not v.cpu_build:
-            usable.append("vllm-engine")
+        if compat.version_at_least(v.version, compat.ENGINE_RANGE[0]) and \
+                not compat.version_at_least(v.version, compat.ENGINE_RANGE[1]):
+            usable.append("vllm-engine")   # (its CPU build too: checked on 0.16's)
         if x.source is not None and x.source.has_module(compat.CONNECTOR_MODULE):
             usable.append("vllm-server")
     out = [Finding("backends", OK, "usable extract backends: " + (", ".join(usable) or "none"))]
@@ -414,10 +416,16 @@ def serves_vllm(x: Inputs) -> bool:
     return x.uses_vllm or any(x.cfg.enabled(s) for s in ("regenerate", "evaluate"))
 
 
+def serves_target(x: Inputs) -> bool:
+    """Whether any stage starts `vllm serve` (the engine route does not)."""
+    return x.backend == "vllm-server" or x.cfg.online or \
+        any(x.cfg.enabled(s) for s in ("regenerate", "evaluate"))
+
+
 def check_target_flags(x: Inputs) -> list[Finding]:
     """What the target needs from `vllm serve` (pipeline.vllm.target_flags):
     each would have stopped the server had it not been passed."""
-    if not (serves_vllm(x) and x.vllm is not None and x.model is not None):
+    if not (serves_target(x) and x.vllm is not None and x.model is not None):
         return []
     from pipeline.vllm.target_flags import target_flags
     return [Finding("compat", OK, f"adapts: {t.detail}", key=t.key)
@@ -444,6 +452,16 @@ def check_cpu_attention(x: Inputs) -> list[Finding]:
     m = x.model
     kind, size = ("mla", int(m.kv_lora_rank) + int(m.qk_rope_head_dim or 0)) if m.mla \
         else ("attn", m.head_dim)
+    if m.mla and not has_cpu_mla(x.source):
+        disabled = x.cfg.runtime.env.get("VLLM_MLA_DISABLE") == "1"
+        return [Finding("attention", WARN if disabled else BLOCK,
+                        f"vLLM {x.vllm.version}'s CPU build has no MLA attention (\"MLA is not "
+                        "supported on CPU\")" + ("; VLLM_MLA_DISABLE=1 runs it as plain "
+                                                  "attention, with a KV cache per token many "
+                                                  "times the latent's" if disabled else ""),
+                        "" if disabled else "use vLLM >= 0.32's CPU build (CPU_MLA), or set "
+                        '[runtime] env = { VLLM_MLA_DISABLE = "1" } (plain attention, a far '
+                        "larger KV cache), or the hf backend")]
     heads, blocks = compat.cpu_attention(x.source, kind)
     out = []
     what = (f"MLA latent kv_lora_rank + qk_rope_head_dim = {size}" if m.mla

@@ -36,13 +36,13 @@ def kimi_run(tmp_path_factory):
     if not PY.exists() or probe(str(PY)).unusable([]):
         pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
     tmp = tmp_path_factory.mktemp("kimi")
-    # the bundled demo config, on the Kimi target (its tokenizer is remote code), 3 epochs,
+    # the bundled demo config, on the Kimi target (its tokenizer is remote code), 5 epochs,
     # evaluate gated at 2.5 on 24 validation prompts (the speedup is the demo's concern)
     text = (ROOT / "config.toml").read_text()
     write(tmp / "config.toml", merged(tomllib.loads(text), {
         "run": {"name": "kimi", "runs_dir": str(tmp / "runs")},
         "model": {"target": "builtin:tiny-kimi", "trust_remote_code": True},
-        "stages": {"train": {"epochs": 3},
+        "stages": {"train": {"epochs": 5},
                    "evaluate": {"max_prompts": 24, "baseline": False,
                                 "min_acceptance": 2.5}}}))
     env = dict(os.environ, RUN_OF=str(os.getpid()))

@@ -125,6 +125,7 @@ def test_online_without_a_usable_vllm_fails_before_training(tmp_path):
     assert json.dumps(err)   # one event, whole
 
 
+@pytest.mark.timeout(1500)   # three server starts and two trainings
 def test_hybrid_fp8_reads_the_disk_asks_the_servers_keeps_and_resumes(tmp_path):
     """FP8 end to end through the real vLLM: an offline extraction (our
     connector writing FP8) killed part way; the run continued as "hybrid":

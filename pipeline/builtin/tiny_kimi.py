@@ -51,7 +51,7 @@ from pathlib import Path
 
 from pipeline.paths import cache_dir as project_cache
 
-VERSION = 1
+VERSION = 2   # 2: rms_norm_eps 1e-6 (transformers and vLLM then agree on the MLA latent norms)
 SEED = 0
 HERE = Path(__file__).resolve().parent
 SHIPPED = HERE / "kimi"            # copied into the model folder
@@ -112,7 +112,10 @@ TEXT_CONFIG = dict(
     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
     moe_layer_freq=1, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
     norm_topk_prob=True, routed_scaling_factor=2.827, hidden_act="silu",
-    num_nextn_predict_layers=0, max_position_embeddings=2048, rms_norm_eps=1e-5,
+    num_nextn_predict_layers=0, max_position_embeddings=2048,
+    # transformers' DeepSeek-V3 gives the q/kv latent norms eps 1e-6 whatever the config
+    # says, vLLM gives them rms_norm_eps: 1e-6 (DeepSeek-V3's own) keeps the two equal
+    rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
                      "original_max_position_embeddings": 512, "beta_fast": 32.0,
                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},

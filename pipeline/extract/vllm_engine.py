@@ -27,6 +27,8 @@ from pipeline.extract.job import ExtractJob
 from pipeline.extract.parallel import reporting, run_parallel
 from pipeline.extract.vllm_capture import CLASS_PATH
 from pipeline.model.hsfile import Counters
+from pipeline.run.events import tail_lines
+from pipeline.run.exit_reasons import quote_error
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.kv import kv_cache_event
@@ -66,6 +68,17 @@ def build_engine(api, target: Path, dtype_name: str, tp: int, max_model_len: int
     return vllm_config, api.MultiprocExecutor(vllm_config)
 
 
+def worker_failure(job: ExtractJob, e: Exception) -> StageError:
+    """vLLM's executor says only "WorkerProc initialization failed"; the
+    worker's own exception is in the log its processes share with the stage:
+    quote it."""
+    lines, _ = tail_lines(Path(job.log_dir) / "stage.log", 300)
+    quoted = quote_error([b.decode(errors="replace") for b in lines])
+    return StageError(f"vLLM's engine did not start ({type(e).__name__}: {e}); from the "
+                      f"log:\n{quoted}", hint="fix what the log says (`eagle-panel doctor` "
+                                              "checks the vLLM build against the target)")
+
+
 def start_scheduler(api, vllm_config, executor):
     """Size the KV cache the way EngineCore does (profile, then vLLM's own
     per-worker configs), allocate it, and make the scheduler."""
@@ -86,8 +99,11 @@ def run_group(api, job: ExtractJob, k: int = 0, writer_threads: int = 2) -> Coun
     sec = job.section
     tp = sec.tensor_parallel
     max_model_len = job.max_len() + 1   # the prompt + its one sampled token
-    vllm_config, executor = build_engine(api, job.target, job.dtype_name, tp, max_model_len, sec,
-                                         job.trust_remote_code)
+    try:
+        vllm_config, executor = build_engine(api, job.target, job.dtype_name, tp, max_model_len,
+                                             sec, job.trust_remote_code)
+    except Exception as e:
+        raise worker_failure(job, e) from e
 
     def rpc(method, *args):
         return executor.collective_rpc(method, args=args, unique_reply_rank=0)

@@ -167,7 +167,7 @@ class Extraction:
             self.servers.append(make_server(
                 k, env, job.target, group, server_log(job.log_dir, k), job.dtype_name, max_len,
                 job.trust_remote_code,
-                extraction_flags(job.layer_ids, storage, self.own) + list(sec.server_args),
+                extraction_flags(job.layer_ids, storage, self.own, job.fp8) + list(sec.server_args),
                 sec.serve_command, sec.max_inflight * max_len, per_token,
                 report=job.on_event, stall_after_s=sec.stall_after_s))
         self.work: queue.Queue = queue.Queue()

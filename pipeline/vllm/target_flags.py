@@ -49,6 +49,12 @@ def parser_has(vllm_source, flag: str) -> bool:
     return text is None or f'"{flag}"' in text
 
 
+def has_cpu_mla(vllm_source) -> bool:
+    """Whether the CPU build has an MLA backend at all (0.32 has CPU_MLA;
+    0.16 raises "MLA is not supported on CPU"); True when unknown."""
+    return vllm_source is None or vllm_source.has_module("v1.attention.backends.mla.cpu_mla")
+
+
 def target_flags(target: Path, cpu_build: bool, vllm_source=None) -> list[TargetFlag]:
     """The flags `vllm serve` needs for this target, each with why."""
     try:
@@ -62,7 +68,8 @@ def target_flags(target: Path, cpu_build: bool, vllm_source=None) -> list[Target
         out.append(TargetFlag("language_model_only", ["--language-model-only"],
                               f"{(raw.get('architectures') or ['the target'])[0]} is a "
                               "multimodal wrapper: served text-only (--language-model-only)"))
-    if cpu_build and text.get("kv_lora_rank") and parser_has(vllm_source, "--attention-backend"):
+    if cpu_build and text.get("kv_lora_rank") and parser_has(vllm_source, "--attention-backend") \
+            and has_cpu_mla(vllm_source):
         out.append(TargetFlag("cpu_mla_backend", ["--attention-backend", "CPU_MLA"],
                               "MLA target on vLLM's CPU build: the reference CPU_MLA backend "
                               "(AMX_MLA, vLLM's pick on AMX hosts, takes bf16 only)"))
