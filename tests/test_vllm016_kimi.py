@@ -253,9 +253,6 @@ def test_the_adaptations_that_fire_on_016(extracted, decoder):
                    for f in ("config.json", "tokenizer_config.json"))
 
 
-@pytest.mark.xfail(strict=True, reason="doctor lists the server route's target flags (here "
-                   "cpu_mla_backend, `--attention-backend CPU_MLA`, which vLLM 0.16 does not "
-                   "have) among the engine route's adaptations")
 def test_doctor_predicts_what_fired(extracted):
     from pipeline import config as config_mod
     from pipeline import doctor
