@@ -93,9 +93,10 @@ def test_every_hidden_state_slot_against_the_hf_backend(kimi_run):
                               (diff / want[:, s].abs().clamp_min(1e-2)).max().item())
     print("vLLM vs hf per slot (layers 1, 2, 3 and the last, 4):",
           [f"{a:.1e} abs / {r:.1e} rel" for a, r in worst])
-    # float32 both, different kernels (vLLM's CPU_MLA and fused MoE): close, not equal;
-    # the last slot is the last layer's output before the final norm in both
-    assert all(a < 5e-3 for a, _ in worst)
+    # float32 both, different kernels (vLLM's CPU_MLA and fused MoE): float32 noise (4e-5
+    # measured with tiny-kimi v2's eps; 7e-4 when the latent norms' eps differed); the last
+    # slot is the last layer's output before the final norm in both
+    assert all(a < 2e-4 for a, _ in worst)
 
 
 def test_doctor_predicted_what_fired_and_the_kv_bytes(kimi_run):
