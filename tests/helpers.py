@@ -35,6 +35,16 @@ def wait_for(pred, timeout=30.0, poll=0.05, what="condition"):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+async def until(pilot, pred, timeout=30.0, what="condition"):
+    """A Pilot's wait for a condition on the running app."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def stagekit_config(tmp_path: Path, actions: dict[str, str] | None = None,
                     extra: str | dict = "", name: str = "t") -> Path:
     """A config whose stages are tests.fakes.stagekit, each with its action;

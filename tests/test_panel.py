@@ -1,7 +1,6 @@
 """The panel under Pilot, driven by real runs of test stages (tests.stagekit)."""
 
 import re
-import time
 
 import pytest
 
@@ -9,7 +8,7 @@ from app.panel import PanelApp
 from pipeline.run.events import EventWriter
 from pipeline.run.rundir import RunDir, proc_alive
 from pipeline.telemetry import Telemetry
-from tests.helpers import cli, kv_tab_text, screen_text, wait_for
+from tests.helpers import cli, kv_tab_text, screen_text, until, wait_for
 from widgets.gpu_table import GpuTable
 from widgets.log_view import LogTail, LogView, collapse_cr
 from widgets.loss_chart import LossChart
@@ -20,15 +19,6 @@ pytestmark = pytest.mark.integration
 
 def cell(app, stage, col):
     return str(app.query_one(StageTable).get_cell(stage, col))
-
-
-async def until(pilot, pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        await pilot.pause(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def make_app(rd=None, tmp_path=None, **kw):

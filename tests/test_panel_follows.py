@@ -5,7 +5,6 @@ selected stage's log through its vLLM servers' logs; `status` and
 `logs --server` show the same."""
 
 import json
-import time
 
 import pytest
 
@@ -13,20 +12,11 @@ from app.panel import PanelApp
 from pipeline.run.events import EventWriter
 from pipeline.run.rundir import RunDir
 from pipeline.telemetry import Telemetry
-from tests.helpers import cli, wait_for
+from tests.helpers import cli, until, wait_for
 from widgets.log_view import LogView
 from widgets.stage_table import StageTable
 
 pytestmark = pytest.mark.integration
-
-
-async def until(pilot, pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        await pilot.pause(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def selected(app) -> str:

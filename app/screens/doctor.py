@@ -9,6 +9,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from app.screens import text_box_css
+
 STYLE = {"ok": ("  ok  ", "green"), "warning": (" WARN ", "yellow"), "blocking": ("BLOCK ", "bold red")}
 
 
@@ -31,17 +33,7 @@ class DoctorScreen(ModalScreen[None]):
     """Runs the checks in a worker thread (the environment probe imports
     torch in the stage interpreter: seconds), then shows them."""
 
-    DEFAULT_CSS = """
-    DoctorScreen #help {
-    width: 84;
-    max-width: 100%;
-    height: auto;
-    max-height: 100%;
-    border: round $accent;
-    background: $surface;
-    padding: 0 1;
-    }
-    """
+    DEFAULT_CSS = text_box_css("DoctorScreen")
     BINDINGS = [("escape", "dismiss", "Close"), ("d", "dismiss", "Close"), ("q", "dismiss", "Close")]
 
     def __init__(self, load_config=None, findings=None, heading: str = ""):

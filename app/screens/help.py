@@ -7,6 +7,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from app.screens import text_box_css
+
 HELP = """\
 [b]eagle-panel[/b] — closing the panel never stops a stage.
 
@@ -30,18 +32,7 @@ HELP = """\
 
 
 class HelpScreen(ModalScreen[None]):
-    DEFAULT_CSS = """
-    HelpScreen { align: center middle; }
-    HelpScreen #help {
-    width: 84;
-    max-width: 100%;
-    height: auto;
-    max-height: 100%;
-    border: round $accent;
-    background: $surface;
-    padding: 0 1;
-    }
-    """
+    DEFAULT_CSS = "HelpScreen { align: center middle; }" + text_box_css("HelpScreen")
     BINDINGS = [("escape", "dismiss", "Close"), ("question_mark", "dismiss", "Close"),
                 ("q", "dismiss", "Close")]
 

@@ -42,13 +42,13 @@ What the folder holds, and why (docs/FACTS.md, "Checked 2026-12-01"):
 from __future__ import annotations
 
 import copy
-import fcntl
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
+from pipeline.builtin import build
+from pipeline.builtin.build import deterministic, fit
 from pipeline.paths import cache_dir as project_cache
 
 VERSION = 2   # 2: rms_norm_eps 1e-6 (transformers and vLLM then agree on the MLA latent norms)
@@ -238,46 +238,6 @@ def _build_tokenizer(out: Path):
     return loaded
 
 
-def _training_tokens(tokenizer) -> list[int]:
-    """The bundled conversations as the chat template renders them."""
-    from pipeline.builtin import conversations_path
-    ids: list[int] = []
-    with open(conversations_path(), encoding="utf-8") as f:
-        for line in f:
-            text = tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=False)
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids
-
-
-# -- the model -----------------------------------------------------------------------------
-
-def _train(model, tokenizer) -> float:
-    """Fit the model to the bundled conversations; returns the last loss."""
-    import math
-
-    import torch
-    t = TRAIN
-    data = torch.tensor(_training_tokens(tokenizer), dtype=torch.long)
-    gen = torch.Generator().manual_seed(SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=0.01)
-    model.train()
-    loss = torch.tensor(0.0)
-    for step in range(t["steps"]):
-        lr = t["lr"] * min(1.0, (step + 1) / t["warmup"]) * 0.5 * (
-            1 + math.cos(math.pi * step / t["steps"]))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, len(data) - t["window"] - 1, (t["batch"],), generator=gen)
-        batch = torch.stack([data[s:s + t["window"]] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    model.eval()
-    return float(loss.detach())
-
-
 # transformers 5.19's save_pretrained reverts its kimi_k25 weight mapping
 # lossily; these are the original Kimi names vLLM's loader expects.
 RENAMES = (("language_model.model.blocks.", "language_model.model.layers."),
@@ -297,18 +257,11 @@ def _build_model(out: Path, tokenizer) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
-    threads = torch.get_num_threads()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.set_num_threads(TRAIN["threads"])   # the same reduction order on every build
-    torch.use_deterministic_algorithms(True)
-    # deterministic mode also fills every torch.empty with NaN: a tenth of
-    # the step time here, and nothing reads uninitialized memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
+    with deterministic(TRAIN["threads"], fill_uninitialized=False):
         torch.manual_seed(SEED)
         config = Kimi_K25Config.from_dict(describe())
         model = Kimi_K25ForConditionalGeneration(config).to(torch.float32)
-        loss = _train(model, tokenizer)
+        loss = fit(model, tokenizer, TRAIN, SEED, use_cache=False)
         print(f"built-in target tiny-kimi: trained {TRAIN['steps']} steps on the bundled "
               f"conversations, final loss {loss:.3f}", file=sys.stderr, flush=True)
         staging = out / ".hf"
@@ -316,10 +269,6 @@ def _build_model(out: Path, tokenizer) -> None:
         tensors = {kimi_key(k): v for k, v in sorted(load_file(staging / "model.safetensors").items())}
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(staging)
-    finally:
-        torch.use_deterministic_algorithms(False)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-        torch.set_num_threads(threads)
     _write_json(out / "config.json", describe())
     _write_json(out / "generation_config.json", {
         "bos_token_id": token_id("[BOS]"), "eos_token_id": token_id("<|im_end|>"),
@@ -333,21 +282,7 @@ def _write_json(path: Path, obj) -> None:
 
 def ensure_built() -> Path:
     """The model folder, built on first use (safe against concurrent callers)."""
-    final = cache_dir()
-    if (final / "config.json").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / "config.json").exists():
-            return final
-        tmp = final.parent / f".{final.name}.building-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        tokenizer = _build_tokenizer(tmp)
-        _build_model(tmp, tokenizer)
-        os.replace(tmp, final)
-    return final
+    return build.ensure_built(cache_dir(), lambda tmp: _build_model(tmp, _build_tokenizer(tmp)))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ enough that aux layer ids [1, 2, 3] plus the last layer (4) are valid.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
+from pipeline.builtin import build
+from pipeline.builtin.build import deterministic, fit
 from pipeline.paths import cache_dir as project_cache
 
 VERSION = 4
@@ -91,66 +90,21 @@ def _build_tokenizer(out: Path):
     return fast
 
 
-def _training_tokens(tokenizer) -> list[int]:
-    """The bundled conversations as the chat template renders them, one
-    after another: what the model learns to continue."""
-    from pipeline.builtin import conversations_path
-    ids: list[int] = []
-    with open(conversations_path(), encoding="utf-8") as f:
-        for line in f:
-            text = tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=False)
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids
-
-
-def _train(model, tokenizer) -> float:
-    """Fit the model to the bundled conversations; returns the last loss."""
-    import math
-
-    import torch
-    t = TRAIN
-    data = torch.tensor(_training_tokens(tokenizer), dtype=torch.long)
-    gen = torch.Generator().manual_seed(SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=0.01)
-    model.train()
-    loss = torch.tensor(0.0)
-    for step in range(t["steps"]):
-        lr = t["lr"] * min(1.0, (step + 1) / t["warmup"]) * 0.5 * (
-            1 + math.cos(math.pi * step / t["steps"]))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, len(data) - t["window"] - 1, (t["batch"],), generator=gen)
-        batch = torch.stack([data[s:s + t["window"]] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    model.eval()
-    return float(loss.detach())
-
-
 def _build_model(out: Path, tokenizer) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(TRAIN["threads"])   # the same reduction order on every build
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic(TRAIN["threads"]):
         torch.manual_seed(SEED)
         config = LlamaConfig(
             vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             **MODEL_CONFIG)
         model = LlamaForCausalLM(config).to(torch.float32)
-        loss = _train(model, tokenizer)
+        loss = fit(model, tokenizer, TRAIN, SEED)
         print(f"built-in target: trained {TRAIN['steps']} steps on the bundled conversations, "
               f"final loss {loss:.3f}", file=sys.stderr, flush=True)   # stdout may be --json
         model.save_pretrained(out, safe_serialization=True)
-    finally:
-        torch.use_deterministic_algorithms(False)
-        torch.set_num_threads(threads)
 
 
 def describe() -> dict:
@@ -161,21 +115,7 @@ def describe() -> dict:
 
 def ensure_built() -> Path:
     """The model folder, built on first use (safe against concurrent callers)."""
-    final = cache_dir()
-    if (final / "config.json").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / "config.json").exists():
-            return final
-        tmp = final.parent / f".{final.name}.building-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        tokenizer = _build_tokenizer(tmp)
-        _build_model(tmp, tokenizer)
-        os.replace(tmp, final)
-    return final
+    return build.ensure_built(cache_dir(), lambda tmp: _build_model(tmp, _build_tokenizer(tmp)))
 
 
 if __name__ == "__main__":
