@@ -187,9 +187,10 @@ def check_backends(x: Inputs) -> list[Finding]:
     usable = ["hf"] if pk.get("torch") and pk.get("transformers") else []
     problem = v.unusable(x.cfg.stage_devices("extract")) if v else "vLLM is not installed"
     if v and not problem:
-        if compat.version_at_least(v.version, compat.ENGINE_RANGE[0]) and \
-                not compat.version_at_least(v.version, compat.ENGINE_RANGE[1]):
-            usable.append("vllm-engine")   # (its CPU build too: checked on 0.16's)
+        lo, hi = compat.ENGINE_RANGE   # (its CPU build too: checked on 0.16's)
+        if compat.version_at_least(v.version, lo):
+            late = compat.version_at_least(v.version, hi)
+            usable.append("vllm-engine" + (" (past the releases it was checked on)" if late else ""))
         if x.source is not None and x.source.has_module(compat.CONNECTOR_MODULE):
             usable.append("vllm-server")
     out = [Finding("backends", OK, "usable extract backends: " + (", ".join(usable) or "none"))]

@@ -1,7 +1,8 @@
 """Test tiers (README "Tests"): every test is `fast` unless its module is
 marked `integration` (real stages, the real panel, real processes) or it
 needs a real vLLM (`vllm`, skipped with the reason when none is installed)
-or a GPU (`gpu`). `pytest -m fast` runs the fast tier."""
+or a GPU (`gpu`). `pytest -m fast` runs the fast tier. pyproject's addopts
+run the files on two pytest-xdist workers (`-n 0` runs them in this process)."""
 
 import os
 import sys
@@ -30,6 +31,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU/driver on this machine"))
         if not any(m in item.keywords for m in ("integration", "vllm", "gpu")):
             item.add_marker(pytest.mark.fast)
+    # pytest-xdist hands out whole files (`--dist loadfile`: a module's fixtures, e.g. a
+    # whole pipeline run, are made once) in this order: the files with real-vLLM tests
+    # (minutes each) first, so that the short ones fill the end instead of one long file
+    # running alone. A stable sort: each file keeps its own order; identical on every worker.
+    heavy = {item.path for item in items if "vllm" in item.keywords}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 def _has_gpu() -> bool:

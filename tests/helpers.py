@@ -105,6 +105,18 @@ def prepared_once(tmp_path_factory, name: str, config: str):
     return tmp, rd
 
 
+def assert_forward_matches(got, want) -> None:
+    """A file a stand-in's forward wrote (another process) against the hf
+    backend's forward here, both float32 rounded to bf16: equal but for one
+    bf16 rounding step. The two processes' float32 matmuls may sum in another
+    order (other batch rows, another thread count on a loaded machine: seen on
+    this AMX machine, <1% of values one step apart, only with two test
+    workers busy); a wrong layer, position or token is off by far more."""
+    import torch
+    step = 2 ** -7   # bf16's relative step (8 bits of mantissa)
+    torch.testing.assert_close(got, want, atol=step, rtol=step)
+
+
 def hs_files(rd):
     """The extract stage's hidden-state files, in name order."""
     return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))

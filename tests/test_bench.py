@@ -4,10 +4,10 @@ benchmark that crashes after an API change, or that stops printing what it
 measures, fails here, not on the next GPU server). The figures are not judged
 against their targets: on 2 shared CPU cores they are noise.
 
-bench_online.py and bench_vllm_extract.py need the real vLLM of this machine
-(`.venv-vllm`): marked `vllm` and skipped, with the reason, without a usable
-one. A helper module in bench/ (no `__main__`) is checked to be used by a
-script instead."""
+bench_online.py, bench_vllm_extract.py and bench_fp8.py need the real vLLM
+of this machine (`.venv-vllm`): marked `vllm` and skipped, with the reason,
+without a usable one. A helper module in bench/ (no `__main__`) is
+checked to be used by a script instead."""
 
 from __future__ import annotations
 
@@ -69,13 +69,16 @@ CASES = {
          rf"{NUM} tokens/s: {NUM}x .*end to end \(cold\): {NUM} tokens/s",
          rf"^train: stage {NUM} s vs speculators directly {NUM} s \(trainer alone {NUM} s\): "
          rf"{NUM}x"], timeout=900),
-    "bench_panel.py": Case(
-        ["--duration", "5"],
-        [r"^panel at 80x24 showing train-log, 8 simulated GPUs",
-         rf"^  CPU {NUM}% of one core",
-         rf"^  RSS first {NUM} MiB, last {NUM} MiB, max {NUM} MiB",
-         rf"^  terminal output {NUM} B/s",
-         rf"^  key press to screen update: p50 {NUM} ms, p95 {NUM} ms",
+    "bench_panel.py": Case(   # one machine, then 2 nodes' samplers (cluster mode): ~55 s
+        ["--duration", "5", "--nodes", "0", "2", "--gpus-per-node", "4"],
+        [r"^panel at 80x24 showing train-log, 8 simulated GPUs, ",
+         r"^panel at 80x24 showing train-log, 2 nodes x 4 simulated GPUs \(node samplers\)",
+         *(rf"^  {line}(?s:.*)^  {line}" for line in (   # in both runs
+             rf"CPU {NUM}% of one core",
+             rf"RSS first {NUM} MiB, last {NUM} MiB, max {NUM} MiB",
+             rf"terminal output {NUM} B/s",
+             rf"key press to screen update: p50 {NUM} ms, p95 {NUM} ms")),
+         r"^  node view seen: yes; drill-down \(g\) seen: yes$",
          rf"^  loss chart redraw, .*: {NUM} ms"]),
     "chaos.py": Case(
         ["--kills", "1", "--samples", "16", "--epochs", "1", "--no-evaluate", "--backend", "hf",
@@ -99,6 +102,12 @@ CASES = {
          rf"^round 0: hf\s+{NUM} tokens/s \({NUM} tokens, 16 samples\)",
          rf"^round 0: no capture\s+{NUM} tokens/s",
          rf"^capture / no capture: {NUM}x .*capture / hf: {NUM}x"], timeout=900, vllm=True),
+    "bench_fp8.py": Case(
+        ["--samples", "16", "--epochs", "1", "--modes", "bf16,fp8", "--no-evaluate"],
+        [rf"^bf16\s+wall\s+{NUM} s .* {NUM} B/token\s+extract {NUM} tokens/s",
+         rf"^fp8\s+wall\s+{NUM} s .* {NUM} B/token\s+extract {NUM} tokens/s",
+         rf"^fp8 / bf16: bytes per token {NUM}x, extraction rate {NUM}x, validation loss "
+         rf"[+-]{NUM}%"], timeout=900, vllm=True),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"

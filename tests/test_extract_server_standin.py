@@ -22,7 +22,7 @@ from pipeline.run.proctree import environ, live_pids
 from pipeline.stages import extract
 from pipeline.vllm.server import SERVER_TOKEN_VAR
 from tests.fakes import installed_vllm
-from tests.helpers import finished, hs_files, prepared_once, run_body
+from tests.helpers import assert_forward_matches, finished, hs_files, prepared_once, run_body
 
 pytestmark = pytest.mark.integration
 STANDIN = Path(__file__).resolve().parent / "fakes" / "standin_vllm.py"
@@ -106,7 +106,7 @@ def test_server_route_writes_the_hf_numbers_and_stops_the_server(prepared, fake_
         assert got["hidden_states"].dtype == torch.bfloat16
         assert got["token_ids"].tolist() == ids
         want = ref.forward([ids])[0].to(torch.bfloat16)
-        torch.testing.assert_close(got["hidden_states"], want, atol=0, rtol=0)
+        assert_forward_matches(got["hidden_states"], want)
     kv = [e for e in evs if e["type"] == "kv_cache"]
     assert kv and kv[0]["source"] == "log" and kv[0]["tokens_capacity"] == 116_480
     assert kv[0]["total_bytes"] == int(12.5 * (1 << 30)) and kv[0]["max_concurrency"] > 0
@@ -215,7 +215,7 @@ def test_stock_connector_file_is_trimmed_converted_and_checked(tmp_path):
 
     from pipeline.extract.vllm_server import take_staged
     from pipeline.stage_error import StageError
-    job = SimpleNamespace(layer_ids=[1, 2], hidden=8, dtype=torch.bfloat16)
+    job = SimpleNamespace(layer_ids=[1, 2], hidden=8, dtype=torch.bfloat16, fp8=False)
     ids = [5, 6, 7]
     hs = torch.randn(4, 2, 8)
     src = tmp_path / "cmpl-1.safetensors"

@@ -224,6 +224,9 @@ workers = 1
 layer_ids = [1, 2, 3]
 batch_tokens = 192
 
+[stages.vocab]
+draft_vocab_size = 224
+
 [runtime]
 env = { EAGLE_PANEL_SIMULATE_GPUS = "2" }   # the node samplers' GPUs: SIMULATED (no GPU here)
 

@@ -140,6 +140,7 @@ def test_hybrid_fp8_reads_the_disk_asks_the_servers_keeps_and_resumes(tmp_path):
         pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
     env = dict(os.environ, RUN_OF=str(os.getpid()))
     base = merged(tomllib.loads(CONFIG.format(name="h", mode="offline")), {
+        "data": {"max_samples": 32},
         "stages": {"extract": {"hidden_states_dtype": "fp8", "max_inflight": 2},
                    "train": {"epochs": 2, "keep_generated_gb": 1.0}}})
     write(tmp_path / "config.toml", base)

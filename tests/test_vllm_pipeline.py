@@ -40,7 +40,7 @@ layer_ids = [1, 2, 3]
 [stages.vocab]
 draft_vocab_size = 256
 [stages.train]
-epochs = 3
+epochs = 2
 lr = 0.001
 total_seq_len = 1024
 [stages.evaluate]
@@ -104,7 +104,7 @@ def test_regenerate_resumed_from_its_chunks(run):
 def test_evaluate_measured_every_checkpoint_and_resumed(run):
     tmp, rd, seen = run
     results = json.loads((rd.out_dir("evaluate") / "results.json").read_text())
-    assert set(results["checkpoints"]) == {"0", "1", "2"}
+    assert set(results["checkpoints"]) == {"0", "1"}
     # The measurement saved before the kill was kept, not redone.
     assert json.loads(seen["first_measurement"]) == results["checkpoints"]["0"]
     for name, m in results["checkpoints"].items():
@@ -114,7 +114,7 @@ def test_evaluate_measured_every_checkpoint_and_resumed(run):
         assert f"checkpoints/{name}" in m["vllm_command"] and "eagle3" in m["vllm_command"]
     assert results["baseline"]["decode_tokens_per_s"] > 0 and results["speedup"] > 0
     s = stage_summary(rd, "evaluate")
-    last = results["checkpoints"]["2"]
+    last = results["checkpoints"]["1"]
     print(f"estimate {s['acceptance_estimate']:.3f} vs measured {s['acceptance_length']:.3f}, "
           f"per position {s['per_position']}, speedup {s['speedup']}")
     # train's estimate and vLLM's measurement of the same checkpoint agree
@@ -128,7 +128,8 @@ def test_evaluate_measured_every_checkpoint_and_resumed(run):
 def test_mt_bench_per_category_the_gate_and_provenance(run):
     """MT-bench's questions (two turns, the second after the target's own first
     answer) on the trained draft: each request's acceptance from the real
-    responses, aggregated per category; the gate failing, then passing."""
+    responses, aggregated per category; the gate failing (passing: the tiny-kimi
+    pipeline test, gated at 2.5); the server's command in the provenance."""
     import tomllib
 
     from tests.configs import merged, write
@@ -145,7 +146,7 @@ def test_mt_bench_per_category_the_gate_and_provenance(run):
     cats = results["per_category"]
     assert sorted(cats) == sorted(["writing", "roleplay", "reasoning", "math", "coding",
                                    "extraction", "stem", "humanities"])
-    m = results["checkpoints"]["2"]
+    m = results["checkpoints"]["1"]
     assert m["per_request"] == "response"
     reqs = m["requests_measured"]
     assert len(reqs) == 32 and {r["turn"] for r in reqs} == {0, 1}   # 16 prompts x 2 turns
@@ -156,12 +157,6 @@ def test_mt_bench_per_category_the_gate_and_provenance(run):
     assert results["worst_prompts"] and results["worst_prompts"][0]["text"]
     print("MT-bench per category:", {c: round(v["acceptance_length"], 2)
                                      for c, v in cats.items()})
-    # the gate passes
-    mt["stages"]["evaluate"]["min_acceptance"] = 1.0
-    write(tmp / "config.toml", merged(base, mt))
-    p = cli("run", "--stage", "evaluate", "--wait", cwd=tmp, timeout=900)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "acceptance" in p.stdout and "measured" in p.stdout
     # provenance: the server's exact command and the vLLM that ran it
     status = json.loads(cli("status", "--json", cwd=tmp, check=0).stdout)
     prov = status["provenance"]["evaluate"]

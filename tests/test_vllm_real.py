@@ -187,7 +187,8 @@ def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
     """A real start failure: a max length past what the model allows."""
     from pipeline.run.events import read_events
     tmp, rd = tmp_path, RunDir(tmp_path / "r")
-    bad = CONFIG + 'server_args = ["--max-model-len", "100000"]\n'
+    bad = CONFIG.replace("max_inflight = 2\n",
+                         'max_inflight = 2\nserver_args = ["--max-model-len", "100000"]\n')
     p = stage(tmp, "prepare", bad)
     assert p.wait(timeout=300) == 0
     p = stage(tmp, "extract", bad)

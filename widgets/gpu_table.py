@@ -34,6 +34,23 @@ def _cell(t, width: int, right: bool = False) -> Text:
     return t
 
 
+class GpuLine(QuietStatic):
+    """One line of the table. New text that stays one line (not empty, no
+    newline, no wider than the widget) changes no size: it is redrawn without
+    the layout pass of the whole screen that Static.update does by default
+    (measured: the GPU tab's rows every refresh, `g` from node to node)."""
+
+    def set(self, content) -> None:
+        old = getattr(self, "_last", None)
+        if old == content:
+            return
+        self._last = content
+        width = self.size.width
+        same_size = width > 0 and all(isinstance(t, Text) and 0 < t.cell_len <= width
+                                      and "\n" not in t.plain for t in (old, content))
+        self.update(content, layout=not same_size)
+
+
 class GpuTable(Vertical):
     # 1fr: the table knows the height it has (the pane's), to choose the layout.
     DEFAULT_CSS = """
@@ -51,14 +68,14 @@ class GpuTable(Vertical):
         self.forecast: dict | None = None
         self.running: frozenset[str] = frozenset()
         self.drill: int | None = None     # which node's GPUs are shown (None: all nodes)
-        self._rows: list[QuietStatic] = []
+        self._rows: list[GpuLine] = []
 
     def compose(self):
-        yield QuietStatic(id="gpu-banner")
-        yield QuietStatic(id="gpu-header")
+        yield GpuLine(id="gpu-banner")
+        yield GpuLine(id="gpu-header")
         yield Vertical(id="gpu-rows")
-        yield QuietStatic(id="gpu-note")
-        yield QuietStatic(id="gpu-host")
+        yield GpuLine(id="gpu-note")
+        yield GpuLine(id="gpu-host")
 
     def record(self, snap) -> None:
         """Take a sample into the history without drawing."""
@@ -118,22 +135,22 @@ class GpuTable(Vertical):
     def _show(self, banner_text, header: Text, lines: list[Text]) -> None:
         rows = self.query_one("#gpu-rows", Vertical)
         while len(self._rows) < len(lines):
-            line = QuietStatic()
+            line = GpuLine()
             self._rows.append(line)
             rows.mount(line)
-        banner = self.query_one("#gpu-banner", QuietStatic)
+        banner = self.query_one("#gpu-banner", GpuLine)
         banner.display = bool(banner_text)   # an empty line would still take a row
         banner.set(Text(banner_text or "", style="yellow"))
-        self.query_one("#gpu-header", QuietStatic).set(header)
+        self.query_one("#gpu-header", GpuLine).set(header)
         for row, text in zip(self._rows, lines, strict=False):   # spare rows stay hidden
             row.display = True
             row.set(text)
         for row in self._rows[len(lines):]:
             row.display = False   # rows of the other layout: they would still take height
-        self.query_one("#gpu-host", QuietStatic).set(self._host_line())
+        self.query_one("#gpu-host", GpuLine).set(self._host_line())
 
     def _set_note(self, text: str, style: str) -> None:
-        note = self.query_one("#gpu-note", QuietStatic)
+        note = self.query_one("#gpu-note", GpuLine)
         note.display = bool(text)
         note.set(Text(text, style=style))
 

@@ -81,11 +81,16 @@ class NodeReport:
 
 @dataclass
 class NodeWatch:
-    """Reads the nodes' files; remembers when each one's seq last moved."""
+    """Reads the nodes' files; remembers when each one's seq last moved.
+
+    A file whose stat (mtime, ctime, size, inode) is what it was at the last
+    look is not read again: its report, seq included, is the one parsed then
+    (a node that went quiet costs a stat, not a parse)."""
     run_dir: Path
     stale_after_s: float = STALE_S
     _seen: dict[str, tuple[int, float]] = field(default_factory=dict)
     _last: dict[str, NodeReport] = field(default_factory=dict)
+    _files: dict[Path, tuple] = field(default_factory=dict)   # path -> its stat at the last parse
 
     def read(self, now: float | None = None) -> list[NodeReport]:
         now = time.monotonic() if now is None else now
@@ -94,31 +99,49 @@ class NodeWatch:
             paths = sorted(d.glob("*.json"))
         except OSError:
             paths = []
+        files = {}
         for p in paths:
             try:
-                raw = json.loads(p.read_text())
+                st = p.stat()
+            except OSError:
+                continue   # replaced or removed between the listing and now
+            sig = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+            if self._files.get(p) == sig:
+                files[p] = sig
+                continue   # not rewritten since the last look: nothing new in it
+            try:
+                raw = json.loads(p.read_bytes())
             except (OSError, ValueError):
                 continue   # being replaced, or cut: the last good report stays
+            files[p] = sig
             host = raw.get("host") or p.stem
             seq = int(raw.get("seq", 0))
             old = self._seen.get(host)
             if old is None or old[0] != seq:
                 self._seen[host] = (seq, now)
-            gpus = [GpuSample(**{k: v for k, v in g.items() if k in _GPU_FIELDS})
-                    for g in raw.get("gpus", [])]
+            gpus = [_gpu(g) for g in raw.get("gpus", [])]
             hs = raw.get("host_stats")
             self._last[host] = NodeReport(
                 host, raw.get("stage", ""), raw.get("source", "none"), gpus,
                 HostSample(**hs) if hs else None, raw.get("banner"), job=raw.get("job"))
+        self._files = files
         out = []
         for host, rep in sorted(self._last.items()):
             age = now - self._seen[host][1]
-            rep.stale_s, rep.stale = age, age >= self.stale_after_s
-            out.append(rep)
+            # A new report each look (what was parsed is shared): a snapshot
+            # already handed to the screen keeps the staleness it was read with.
+            out.append(dataclasses.replace(rep, stale_s=age, stale=age >= self.stale_after_s))
         return out
 
 
 _GPU_FIELDS = {f.name for f in dataclasses.fields(GpuSample)}
+
+
+def _gpu(fields: dict) -> GpuSample:
+    try:
+        return GpuSample(**fields)
+    except TypeError:   # a field this version does not know (a newer sampler)
+        return GpuSample(**{k: v for k, v in fields.items() if k in _GPU_FIELDS})
 
 
 def main() -> None:
