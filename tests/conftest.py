@@ -15,6 +15,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+# Two test workers on 2 cores: OpenMP threads that wait by sleeping, not spinning (seen:
+# tiny-kimi built by two tests at once, beside a training, over 12 CPU-minutes each
+# instead of ~1.5; spinning pools sharing cores are the usual cause). OpenMP reads it
+# when it starts: in every process the tests start too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture
@@ -32,11 +37,23 @@ def pytest_collection_modifyitems(config, items):
         if not any(m in item.keywords for m in ("integration", "vllm", "gpu")):
             item.add_marker(pytest.mark.fast)
     # pytest-xdist hands out whole files (`--dist loadfile`: a module's fixtures, e.g. a
-    # whole pipeline run, are made once) in this order: the files with real-vLLM tests
-    # (minutes each) first, so that the short ones fill the end instead of one long file
-    # running alone. A stable sort: each file keeps its own order; identical on every worker.
+    # whole pipeline run, are made once) in this order (`--no-loadscope-reorder`): the
+    # longest first, then the other files with real-vLLM tests, so that short files fill
+    # the end instead of one long file running alone. A stable sort: each file keeps its
+    # own order; identical on every worker.
     heavy = {item.path for item in items if "vllm" in item.keywords}
-    items.sort(key=lambda item: item.path not in heavy)
+
+    def rank(item) -> tuple[int, int]:
+        name = item.path.name
+        return (0, LONGEST.index(name)) if name in LONGEST else (1 + (item.path not in heavy), 0)
+    items.sort(key=rank)
+
+
+# The longest files, longest first (serial seconds on 2 cores, 2026-12-01): the tiny-kimi
+# pipeline 667, every bench script 538, online training 440, the tiny-llama pipeline 323,
+# Slurm 274. Only the order depends on it: a stale list costs time, never a result.
+LONGEST = ["test_kimi_pipeline.py", "test_bench.py", "test_vllm_online.py",
+           "test_vllm_pipeline.py", "test_slurm.py"]
 
 
 def _has_gpu() -> bool:

@@ -80,6 +80,20 @@ async def test_l_cycles_through_the_servers_logs_and_status_shows_their_starts(t
             row = str(app.query_one("#row-extract").render())
             assert "servers 0/2 up" in row and "STALLED 6m" in row
             assert "stalled 6m00s in loading weights" in str(app.query_one("#detail").render())
+            # both stopped, a third starting (evaluate's servers come one after another):
+            # that one alone is counted, its time since the start counted on between reports
+            with EventWriter(rd.events_path("extract")) as ev:
+                for k in (0, 1):
+                    ev.emit("server", server=k, phase="stopped", elapsed_s=0.0, phase_s=0.0,
+                            last_line="", label="vLLM server")
+                ev.emit("server", server=2, phase="starting", elapsed_s=20.0, phase_s=20.0,
+                        last_line="", label="vLLM server")
+            await until(pilot, lambda: "starting" in str(app.query_one("#row-extract").render()),
+                        what="the third server's start on its own")
+            row = str(app.query_one("#row-extract").render())
+            assert "servers" not in row and "vLLM 2" in row, row
+            await until(pilot, lambda: "vLLM 22s" in str(app.query_one("#row-extract").render()),
+                        timeout=10, what="its time counted on between reports")
             log = app.query_one(LogView)
             for want in ("server 0 says hello", "server 1 says hello", "stagekit extract"):
                 await pilot.press("l")

@@ -107,16 +107,17 @@ class StageTable(Vertical, can_focus=True):
             st = row.state
             status = st.get("status", Status.PENDING)
             prog = row.progress if st.get("attempt") else None
-            starting = [e for e in row.servers if e.get("phase") != startup.READY] \
+            live = [e for e in row.servers if e.get("phase") != startup.STOPPED]
+            starting = [e for e in live if e.get("phase") != startup.READY] \
                 if status == Status.RUNNING else []
             styled = {
                 "Stage": s,
                 "Status": Text(status, style=STATUS_STYLE.get(status, "")),
                 "Att": str(st.get("attempt") or ""),
                 "Time": fmt.duration(fmt.stage_duration(st, now)) if st.get("started_at") else "",
-                "Progress": self._servers(starting, len(row.servers)) if starting
+                "Progress": self._servers(starting, len(live)) if starting
                 else self._progress(prog),
-                "Rate / ETA": self._server_state(starting) if starting
+                "Rate / ETA": self._server_state(starting, now) if starting
                 else self._rate(prog, status),
                 "Exit": Text(fmt.exit_text(st) if status in ENDED
                              else "", style="red" if status == Status.FAILED else ""),
@@ -147,14 +148,16 @@ class StageTable(Vertical, can_focus=True):
         return Text(ev.get("phase", ""), style="cyan")
 
     @staticmethod
-    def _server_state(starting: list[dict]) -> Text:
+    def _server_state(starting: list[dict], now: float) -> Text:
         stalled = [e for e in starting if e.get("stalled_s")]
         if stalled:
             return Text(f"STALLED {fmt.duration(stalled[0]['stalled_s'])}", style="bold red")
         ev = min(starting, key=lambda e: startup.ORDER.index(e.get("phase", startup.STARTING))
                  if e.get("phase") in startup.ORDER else 0)
         what = "loading" if ev.get("phase") == startup.LOADING else "vLLM"
-        return Text(f"{what} {fmt.duration(ev.get('elapsed_s'))}", style="cyan")
+        # the time since the start, counted on from the last report (every 10 s)
+        elapsed = (ev.get("elapsed_s") or 0) + max(0.0, now - ev.get("t", now))
+        return Text(f"{what} {fmt.duration(elapsed)}", style="cyan")
 
     @staticmethod
     def _rate(ev, status) -> str:

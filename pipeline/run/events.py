@@ -136,7 +136,7 @@ class _ServerExtra(TypedDict, total=False):
 class ServerEvent(_ServerExtra):   # a vLLM server's start, phase by phase
     server: int | str     # its number in the stage ("node/k" across nodes)
     phase: str            # starting | loading weights | loading the draft |
-                          # profiling / KV cache | warm-up | ready
+                          # profiling / KV cache | warm-up | ready; stopped
     elapsed_s: float
     phase_s: float
     last_line: str

@@ -30,7 +30,7 @@ from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
 from pipeline.vllm.kv import KvLogReader, cache_config, parse_metrics
-from pipeline.vllm.startup import StartupWatch
+from pipeline.vllm.startup import STOPPED, StartupWatch
 from pipeline.vllm.target_flags import target_flags
 
 SERVER_TOKEN_VAR = "EAGLE_PANEL_SERVER_TOKEN"
@@ -233,6 +233,10 @@ class VllmServer:
         """Stop the whole tree; returns pids that survived SIGKILL."""
         if self.proc is None:
             return []
+        if self.report is not None:
+            self.report("server", {"phase": STOPPED, "server": self.k, "label": self.what,
+                                   "elapsed_s": 0.0, "phase_s": 0.0, "last_line": "",
+                                   "log": str(self.log_path), "devices": self.devices})
         left = stop_tree(self.token, self.proc.pid, term_grace=grace, kill_grace=5.0,
                          var=SERVER_TOKEN_VAR)
         try:

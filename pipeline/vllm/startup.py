@@ -37,6 +37,9 @@ SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed 
 TOOK = re.compile(r"(Loading weights took|Model loading took|init engine \(profile, create kv "
                   r"cache, warmup model\) took)\s+([\d.]+)")
 ORDER = [STARTING, LOADING, DRAFT, PROFILING, WARMUP, READY]
+# After its start: the stage stopped it (a view counts the servers that are still up;
+# evaluate starts its servers one after another).
+STOPPED = "stopped"
 
 
 @dataclass
@@ -128,5 +131,7 @@ def describe(ev: dict) -> str:
         return f"stalled {duration(ev['stalled_s'])} in {phase}"
     if phase == READY:
         return f"ready in {duration(ev.get('elapsed_s'))}"
+    if phase == STOPPED:
+        return "stopped"
     shards = f" {ev['done']}/{ev['total']}" if ev.get("total") else ""
     return f"{phase}{shards} ({duration(ev.get('elapsed_s'))})"
