@@ -260,7 +260,19 @@ def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
     cli("run", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs" / "mn")
     hs = rd.out_dir("extract") / "hidden_states"
-    wait_for(lambda: _node_worker_pids("1") and hs.is_dir()
+    status = rd.stage_dir("extract") / "queue" / "status"
+
+    def working() -> int:   # node workers whose status counts a sample done
+        n = 0
+        for p in status.glob("*.json"):
+            try:
+                n += json.loads(p.read_text())["counters"][0] > 0
+            except (OSError, ValueError, KeyError, IndexError):
+                pass
+        return n
+    # both at work (on a loaded machine one node may still be loading when the other has
+    # written 30 files), then node 1 is lost
+    wait_for(lambda: _node_worker_pids("1") and hs.is_dir() and working() == 2
              and len(list(hs.glob("hs_*.safetensors"))) >= 30,
              timeout=300, poll=0.02, what="both node workers extracting")
     for pid in _node_worker_pids("1"):
@@ -291,8 +303,7 @@ def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
     wait_for(lambda: not [p for p in proctree.live_pids() if "pipeline.cluster.node_telemetry" in
                           proctree.cmdline(p) and str(rd.path) in proctree.cmdline(p)],
              timeout=60, what="the node samplers to end with their jobs")
-    statuses = [json.loads(p.read_text())
-                for p in (rd.stage_dir("extract") / "queue" / "status").glob("*.json")]
+    statuses = [json.loads(p.read_text()) for p in status.glob("*.json")]
     assert len(statuses) == 2 and all(s["counters"][0] > 0 for s in statuses), statuses
 
 
