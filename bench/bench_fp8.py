@@ -26,16 +26,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))   # its sibling bench_online
 
-from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
+# one stage in its own process, as the runner starts it; (seconds, its summary)
+from bench_online import stage  # noqa: E402
+
+from pipeline.paths import VLLM_VENV  # noqa: E402
 from tests.configs import merged, tiny_pipeline, write  # noqa: E402
 
 MODES = ("bf16", "fp8", "online", "hybrid", "hybrid-keep")
@@ -54,21 +56,6 @@ def tables(mode: str, a) -> dict:
             "train": {"epochs": a.epochs, "dataloader_workers": 2,
                       "keep_generated_gb": 1.0 if mode == "hybrid-keep" else 0.0},
             "evaluate": {"enabled": a.evaluate, "baseline": False, "max_prompts": 24}}})
-
-
-def stage(d: Path, name: str) -> tuple[float, dict]:
-    from pipeline.run.events import read_events
-    env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",
-                        str(d / "runs/bench"), "--config", str(d / "config.toml")],
-                       env=env, capture_output=True, text=True, check=False)
-    if p.returncode:
-        raise SystemExit(f"{d.name}: the {name} stage exited {p.returncode}:\n"
-                         f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    ev = [e for e in read_events(d / "runs/bench" / name / "events.jsonl")
-          if e["type"] == "stage_finished"][-1]
-    return time.perf_counter() - t0, ev["summary"]
 
 
 def run(tmp: Path, mode: str, a, fp8_files: Path | None, fp8_extract_s: float) -> dict:
