@@ -19,12 +19,20 @@ from pipeline.stage_graph import STAGE_NAMES
 
 
 class Series:
-    """(step, value) points, thinned to every other point when over `cap`."""
+    """(step, value) points, thinned to every other point when over `cap`.
 
-    def __init__(self, cap: int = 200_000):
+    The cap is what a terminal chart can use, not what a run produces: a chart
+    is a few hundred braille dots wide, and 20,000 points still give each of
+    them the mean of dozens. At 200,000 a run logging 50 metrics/s grew the
+    panel's RSS for over an hour (4 series: 11 MiB in the first 30 minutes,
+    bench/bench_panel.py); at 20,000 it stops growing after ~7 minutes."""
+
+    def __init__(self, cap: int = 20_000):
         self.x, self.y, self.cap, self.stride, self._skip = array("d"), array("d"), cap, 1, 0
+        self.added = 0   # points offered, kept or not: the next step of a step-less metric
 
     def add(self, x: float, y: float) -> None:
+        self.added += 1
         self._skip += 1
         if self._skip < self.stride:
             return
@@ -112,7 +120,8 @@ class RunView:
             split = ev.get("split", "train")
             step = ev.get("step")
             if step is None:
-                step = len(self.metrics.get((split, "loss"), ()))
+                loss = self.metrics.get((split, "loss"))
+                step = loss.added if loss is not None else 0
             for k, v in (ev.get("values") or {}).items():
                 if isinstance(v, (int, float)):
                     self.metrics.setdefault((split, k), Series()).add(step, float(v))

@@ -55,7 +55,8 @@ def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str
     vLLM measured it beside train's estimate, and the speedup."""
     lines = []
     if train.get("checkpoint"):
-        lines += ["", f"trained draft: {train['checkpoint']}"]
+        why = f" ({train['checkpoint_chosen_by']})" if train.get("checkpoint_chosen_by") else ""
+        lines += ["", f"trained draft{why}: {train['checkpoint']}"]
     est = train.get("acceptance_length")
     measured = evaluate.get("acceptance_length")
     if measured is not None:

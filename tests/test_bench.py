@@ -4,7 +4,7 @@ benchmark that crashes after an API change, or that stops printing what it
 measures, fails here, not on the next GPU server). The figures are not judged
 against their targets: on 2 shared CPU cores they are noise.
 
-bench_online.py, bench_vllm_extract.py and bench_fp8.py need the real vLLM
+bench_online.py, bench_vllm_extract.py, bench_fp8.py and vs_speculators.py need the real vLLM
 of this machine (`.venv-vllm`): marked `vllm` and skipped, with the reason,
 without a usable one. A helper module in bench/ (no `__main__`) is
 checked to be used by a script instead."""
@@ -108,6 +108,19 @@ CASES = {
          rf"^fp8\s+wall\s+{NUM} s .* {NUM} B/token\s+extract {NUM} tokens/s",
          rf"^fp8 / bf16: bytes per token {NUM}x, extraction rate {NUM}x, validation loss "
          rf"[+-]{NUM}%"], timeout=900, vllm=True),
+    "vs_speculators.py": Case(   # ~3.5 min: two chains, their acceptance, two probes
+        ["--samples", "16", "--epochs", "1", "--eval-prompts", "4", "--max-tokens", "16",
+         "--no-match-steps", "--json", "{tmp}/vs.json"],
+        [*(rf"^ours\s+{s}\s+{NUM} s\s+peak RSS\s+{NUM} MiB\s+disk\s+{NUM} B" for s in
+           ("prepare", "extract", "vocab", "train")),
+         *(rf"^theirs\s+{s}\s+{NUM} s\s+peak RSS\s+{NUM} MiB\s+disk\s+{NUM} B" for s in
+           ("vllm server start", "prepare-data", "generate-offline-data", "train")),
+         r"^(cannot run here|runs here after all): generate-offline-data with the stock ",
+         r"^(cannot run here|runs here after all): speculators train \(as shipped\)",
+         rf"^wall, prepare to trained draft.*: ours {NUM} s, theirs {NUM} s: {NUM}x",
+         rf"^disk.*: ours {NUM} B, theirs {NUM} B: {NUM}x",
+         rf"^acceptance length \(vLLM, 4 held-out prompts\): ours {NUM}, theirs {NUM}: "
+         rf"ours / theirs {NUM}"], timeout=900, vllm=True),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"

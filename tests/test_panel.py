@@ -354,9 +354,22 @@ def test_metric_series_stay_bounded():
     s = Series(cap=1000)
     for i in range(100_000):
         s.add(i, 1.0 / (i + 1))
-    assert 500 <= len(s) <= 1000
+    assert 500 <= len(s) <= 1000 and s.added == 100_000
     xs = list(s.x)
     assert xs == sorted(xs) and xs[0] == 0 and xs[-1] > 99_000  # whole span, thinned evenly
+
+
+def test_step_less_metrics_count_on_past_the_cap(tmp_path):
+    """A metric event without a step takes the next one, counted over every
+    point offered, not over the points a thinned series kept."""
+    from app.run_view import RunView, Series
+    from pipeline.run.rundir import RunDir
+    view = RunView(RunDir(tmp_path / "run"))
+    view.metrics[("train", "loss")] = Series(cap=100)
+    for _ in range(1000):
+        view._apply("train", {"type": "metric", "split": "train", "values": {"loss": 1.0}})
+    xs = list(view.metrics[("train", "loss")].x)
+    assert len(xs) <= 100 and xs[0] == 0 and xs[-1] >= 900 and xs == sorted(set(xs))
 
 
 async def test_doctor_screen_shows_the_report(tmp_path):

@@ -390,7 +390,10 @@ def summarize(ctx: StageContext, training: Training, save_path: Path, final: Pat
     accept = acceptance_length(val, ctx.section.ttt_steps)
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
-    summary = {"checkpoint": str(final), "acceptance_length": accept, "val_loss": val.get("loss"),
+    # latest_checkpoint's choice, said: evaluate's default ("last") may measure another one
+    chosen = "lowest validation loss" if (save_path / "checkpoint_best").exists() else "last"
+    summary = {"checkpoint": str(final), "checkpoint_chosen_by": chosen,
+               "acceptance_length": accept, "val_loss": val.get("loss"),
                "train_argv": "speculators train " + " ".join(training.argv),
                "draft_layer": choice.layer, "draft_layer_reason": choice.why}
     if choice.layer == "mla":
