@@ -23,9 +23,9 @@ class Series:
 
     The cap is what a terminal chart can use, not what a run produces: a chart
     is a few hundred braille dots wide, and 20,000 points still give each of
-    them the mean of dozens. At 200,000 a run logging 50 metrics/s grew the
-    panel's RSS for over an hour (4 series: 11 MiB in the first 30 minutes,
-    bench/bench_panel.py); at 20,000 it stops growing after ~7 minutes."""
+    them the mean of dozens. At 200,000 a stage logging 4 metrics 50 times a
+    second grew the panel's RSS for over an hour (56 -> 67 MiB in 30 minutes,
+    bench/bench_panel.py); at 20,000: 61 MiB from the 10th minute to the 30th."""
 
     def __init__(self, cap: int = 20_000):
         self.x, self.y, self.cap, self.stride, self._skip = array("d"), array("d"), cap, 1, 0

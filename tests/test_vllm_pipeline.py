@@ -113,6 +113,13 @@ def test_evaluate_measured_every_checkpoint_and_resumed(run):
         assert len(m["per_position"]) == 3 and "--speculative-config" in m["vllm_command"]
         assert f"checkpoints/{name}" in m["vllm_command"] and "eagle3" in m["vllm_command"]
     assert results["baseline"]["decode_tokens_per_s"] > 0 and results["speedup"] > 0
+    # the baseline's server started beside the first draft's (CPU only: BaselineAhead),
+    # and was up before that draft's prompts went out
+    events = [json.loads(x) for x in open(rd.events_path("evaluate"))]
+    servers = [e for e in events if e["type"] == "server"]
+    base = [e["t"] for e in servers if "no draft" in e["label"]]
+    ready = [e["t"] for e in servers if "checkpoint" in e["label"] and e["phase"] == "ready"]
+    assert base and ready and base[0] < ready[0], "the baseline's server was not started ahead"
     s = stage_summary(rd, "evaluate")
     last = results["checkpoints"]["1"]
     print(f"estimate {s['acceptance_estimate']:.3f} vs measured {s['acceptance_length']:.3f}, "

@@ -15,7 +15,8 @@ is missing or older than the checkpoint), the held-out prompts
 unless a temperature is set, `concurrency` at a time; /metrics read before and
 after (pipeline.vllm.metrics): acceptance length, the acceptance rate at each
 draft position, decode tokens/s. Then the same server flags without the draft,
-same prompts: the speedup. Each measurement is saved as it ends, so a killed
+same prompts: the speedup (on a CPU-only machine its server starts beside the
+first draft's, BaselineAhead). Each measurement is saved as it ends, so a killed
 evaluate redoes only what it had not finished; every server's process tree
 is stopped however the stage ends. Without a usable vLLM it is skipped and
 says why: the pipeline ends at train, with its estimate.
@@ -23,6 +24,7 @@ says why: the pipeline ends at train, with its estimate.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import shlex
@@ -187,6 +189,7 @@ class Generation:
 class Evaluation:
     def __init__(self, ctx: StageContext, env, prompts: list[Prompt], max_len: int):
         self.ctx, self.env, self.prompts, self.max_len = ctx, env, prompts, max_len
+        self.ahead: BaselineAhead | None = None
         self.sec = ctx.section
         self.target = ctx.cfg.target_path()
         self.devices = ctx.cfg.stage_devices("evaluate")
@@ -198,11 +201,11 @@ class Evaluation:
         # each request's acceptance in its response where the vLLM has it
         self.per_request = "response" if parser_has(env.source(), FLAG) else "metrics"
 
-    def measure(self, k: int, draft: Path | None, served: Path | None = None,
-                spec_extra: dict | None = None) -> dict:
-        """Server k (with the draft, or without), the prompts through it;
-        `served` is the folder vLLM loads the draft from (default: `draft`),
-        `spec_extra` more keys of the speculative config."""
+    def server(self, k: int, draft: Path | None, served: Path | None = None,
+               spec_extra: dict | None = None):
+        """Server k (with the draft, or without), not started; `served` is the
+        folder vLLM loads the draft from (default: `draft`), `spec_extra` more
+        keys of the speculative config."""
         sec = self.sec
         flags = list(sec.server_args)
         if draft is not None:
@@ -212,16 +215,28 @@ class Evaluation:
             if self.per_request == "response":
                 flags = [FLAG, "summary"] + flags
         name = draft.name if draft is not None else "baseline"
-        server = make_server(k, self.env, self.target, self.devices,
-                             server_log(self.ctx.run.stage_dir("evaluate"), k), self.dtype,
-                             self.max_len, self.ctx.cfg.model.trust_remote_code, flags,
-                             sec.serve_command, sec.concurrency * self.max_len, self.kv_per_token,
-                             what=f"vLLM server ({'checkpoint ' + name if draft else 'no draft'})",
-                             report=lambda kind, f: self.ctx.events.emit(kind, **f),
-                             stall_after_s=sec.stall_after_s)
+        return make_server(k, self.env, self.target, self.devices,
+                           server_log(self.ctx.run.stage_dir("evaluate"), k), self.dtype,
+                           self.max_len, self.ctx.cfg.model.trust_remote_code, flags,
+                           sec.serve_command, sec.concurrency * self.max_len, self.kv_per_token,
+                           what=f"vLLM server ({'checkpoint ' + name if draft else 'no draft'})",
+                           report=lambda kind, f: self.ctx.events.emit(kind, **f),
+                           stall_after_s=sec.stall_after_s)
+
+    def measure(self, k: int, draft: Path | None, served: Path | None = None,
+                spec_extra: dict | None = None, server=None) -> dict:
+        """The prompts through server k (with the draft, or without): `server`
+        when one was started ahead (BaselineAhead), else a new one."""
+        sec = self.sec
+        if server is None:
+            server = self.server(k, draft, served, spec_extra)
         command = shlex.join(server.argv)
+        ahead = self.ahead if draft is not None else None
         with serving(server, sec.startup_timeout_s, lambda: self.ctx.stop_requested,
-                     self.ctx.cfg.runtime.term_grace_s):
+                     self.ctx.cfg.runtime.term_grace_s,
+                     poll=ahead.watch if ahead is not None else None):
+            if ahead is not None:
+                ahead.wait()   # up before this one's prompts: it must not share their cores
             self.ctx.check_stop()
             before = spec_counters(server.metrics_text() or "")
             run = generate(server, str(self.target), self.prompts, sec,
@@ -304,15 +319,22 @@ def choose_prompts(ctx: StageContext) -> tuple[list[Prompt], int]:
     return prompts, max_len
 
 
+def measured(ctx: StageContext, ckpt: Path) -> dict | None:
+    """Checkpoint `ckpt`'s saved measurement, when it is of these contents."""
+    path = ctx.out / "checkpoints" / f"{ckpt.name}.json"
+    old = json.loads(path.read_text()) if path.exists() else None
+    return old if old and old.get("checkpoint") == checkpoint_id(ckpt) else None
+
+
 def measure_checkpoint(ctx: StageContext, ev: Evaluation, n: int, ckpt: Path) -> dict:
     """Checkpoint `ckpt`'s measurement: the saved one when it is of these
     contents, else a new one (server n), saved as it ends."""
-    ident = checkpoint_id(ckpt)
-    path = ctx.out / "checkpoints" / f"{ckpt.name}.json"
-    old = json.loads(path.read_text()) if path.exists() else None
-    if old and old.get("checkpoint") == ident:
+    old = measured(ctx, ckpt)
+    if old is not None:
         print(f"evaluate: checkpoint {ckpt.name} already measured", flush=True)
         return old
+    ident = checkpoint_id(ckpt)
+    path = ctx.out / "checkpoints" / f"{ckpt.name}.json"
     served = served_draft(ctx, ckpt, ev.env)
     if served != ckpt:
         print(f"evaluate: checkpoint {ckpt.name} is an MLA draft: serving its vLLM "
@@ -337,13 +359,71 @@ def emit_measurement(ctx: StageContext, ckpt: Path, m: dict) -> None:
                         **{f"accept_rate_{k}": r for k, r in enumerate(m["per_position"])}})
 
 
-def measure_baseline(ctx: StageContext, ev: Evaluation, k: int) -> dict:
-    """The same prompts without a draft (server k), unless already measured."""
+class BaselineAhead:
+    """The baseline's server, started beside the first draft's.
+
+    Most of a server's start is one core's work (imports, engine set-up:
+    ~40 s of the demo's ~45 s on 2 cores), so on a CPU-only machine two
+    starting side by side take little longer than one: the demo's evaluate
+    saves about one server start. Only on the CPU build without GPUs (a GPU
+    server's servers each need the GPUs), and only with room in memory for a
+    second copy of the target. It must be up before the draft's prompts
+    start, or its start would share their cores and skew the decode speed
+    the speedup is measured from. One that fails to start is stopped and
+    left to the baseline's own measurement, which starts it again and
+    reports whatever stops it there."""
+
+    def __init__(self, ev: Evaluation, k: int):
+        self.ev, self.server = ev, ev.server(k, None)
+        self.failed = False
+        self.server.start()
+
+    def watch(self) -> None:
+        """Its start's phases reported while the draft's server starts."""
+        self.server.read_log()
+        self.server.report_startup()
+
+    def wait(self) -> None:
+        sec = self.ev.sec
+        try:
+            self.server.wait_ready(sec.startup_timeout_s, lambda: self.ev.ctx.stop_requested)
+        except StageError as e:
+            print(f"evaluate: the baseline's server, started ahead, did not come up ({e}); "
+                  "it starts again for its own measurement", flush=True)
+            self.stop()
+            self.failed = True
+        self.ev.ahead = None   # waited for once
+
+    def stop(self) -> None:
+        self.server.stop(grace=self.ev.ctx.cfg.runtime.term_grace_s)
+
+    @staticmethod
+    def worth_it(ev: Evaluation) -> bool:
+        """A CPU-only evaluate with memory for two servers of this target."""
+        if not ev.env.cpu_build or ev.devices:
+            return False
+        import psutil
+        weights = sum(f.stat().st_size for f in Path(ev.target).glob("*.safetensors"))
+        kv = ev.sec.concurrency * ev.max_len * ev.kv_per_token
+        return psutil.virtual_memory().available > 2 * (weights + kv) + (4 << 30)
+
+
+def baseline_measured(ctx: StageContext, ev: Evaluation) -> dict | None:
     path = ctx.out / "baseline.json"
     baseline = json.loads(path.read_text()) if path.exists() else None
-    if baseline is None or baseline.get("prompts") != len(ev.prompts):
-        baseline = ev.measure(k, None)
-        ctx.write_json(path, baseline)
+    return baseline if baseline and baseline.get("prompts") == len(ev.prompts) else None
+
+
+def measure_baseline(ctx: StageContext, ev: Evaluation, k: int,
+                     ahead: BaselineAhead | None = None) -> dict:
+    """The same prompts without a draft (server k, or the one started ahead),
+    unless already measured."""
+    baseline = baseline_measured(ctx, ev)
+    if baseline is None:
+        alive = ahead is not None and not ahead.failed and ahead.server.died() is None
+        server = ahead.server if alive else None   # (one that died meanwhile: a new one)
+        baseline = ev.measure(k, None, server=server)
+        ctx.write_json(ctx.out / "baseline.json", baseline)
     return baseline
 
 
@@ -362,14 +442,20 @@ def body(ctx: StageContext) -> dict:
     ev = Evaluation(ctx, env, prompts, max_len)
     total = len(chosen) + int(sec.baseline)
     results = {}
-    for n, ckpt in enumerate(chosen):
-        results[ckpt.name] = measure_checkpoint(ctx, ev, n, ckpt)
-        emit_measurement(ctx, ckpt, results[ckpt.name])
-        ctx.progress(n + 1, total, "measurements")
-    baseline = None
-    if sec.baseline:
-        baseline = measure_baseline(ctx, ev, len(chosen))
-        ctx.progress(total, total, "measurements")
+    ahead = None
+    with contextlib.ExitStack() as stack:
+        if sec.baseline and baseline_measured(ctx, ev) is None \
+                and not all(measured(ctx, c) for c in chosen) and BaselineAhead.worth_it(ev):
+            ahead = ev.ahead = BaselineAhead(ev, len(chosen))
+            stack.callback(ahead.stop)   # however the stage ends
+        for n, ckpt in enumerate(chosen):
+            results[ckpt.name] = measure_checkpoint(ctx, ev, n, ckpt)
+            emit_measurement(ctx, ckpt, results[ckpt.name])
+            ctx.progress(n + 1, total, "measurements")
+        baseline = None
+        if sec.baseline:
+            baseline = measure_baseline(ctx, ev, len(chosen), ahead)
+            ctx.progress(total, total, "measurements")
     summary = report(ctx, results, chosen[-1].name, baseline, len(prompts))
     gate(sec.min_acceptance, summary)
     return summary

@@ -81,6 +81,8 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{port}"
         self.token = secrets.token_hex(8)
         self.proc: subprocess.Popen | None = None
+        self.ready = False    # answered /health once (wait_ready)
+        self.stopped = False
         self.kv = KvLogReader()
         self.kv_reported = False
         self.startup = StartupWatch(stall_after_s)
@@ -97,6 +99,7 @@ class VllmServer:
     def start(self) -> None:
         self.startup = StartupWatch(self.startup.stall_after_s)   # a restart starts over
         self._reported = None
+        self.ready = self.stopped = False
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_pos = log.tell()
@@ -207,6 +210,7 @@ class VllmServer:
         self.read_log()
         self.startup.ready()
         self.report_startup(force=True)
+        self.ready = True
 
     def post(self, path: str, body: dict, timeout: float) -> dict:
         req = urllib.request.Request(
@@ -230,9 +234,10 @@ class VllmServer:
         return {**parsed, "server": self.k} if parsed else None
 
     def stop(self, grace: float = 10.0) -> list[int]:
-        """Stop the whole tree; returns pids that survived SIGKILL."""
-        if self.proc is None:
+        """Stop the whole tree (once); returns pids that survived SIGKILL."""
+        if self.proc is None or self.stopped:
             return []
+        self.stopped = True
         if self.report is not None:
             self.report("server", {"phase": STOPPED, "server": self.k, "label": self.what,
                                    "elapsed_s": 0.0, "phase_s": 0.0, "last_line": "",
@@ -293,11 +298,13 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
 @contextmanager
 def serving(server: VllmServer, startup_timeout: float, should_stop, term_grace: float = 10.0,
             poll=None):
-    """Start the server, wait until it answers, yield it; its whole process
-    tree is stopped however the block ends."""
-    server.start()
+    """Start the server (unless it was started ahead), wait until it answers,
+    yield it; its whole process tree is stopped however the block ends."""
+    if server.proc is None:
+        server.start()
     try:
-        server.wait_ready(startup_timeout, should_stop, poll)
+        if not server.ready:
+            server.wait_ready(startup_timeout, should_stop, poll)
         kv = server.kv_report()   # what it allocated, as the stage's kv_cache event
         if kv is not None and server.report is not None:
             server.report("kv_cache", kv)
