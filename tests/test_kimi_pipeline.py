@@ -43,7 +43,7 @@ def kimi_run(tmp_path_factory):
     write(tmp / "config.toml", merged(tomllib.loads(text), {
         "run": {"name": "kimi", "runs_dir": str(tmp / "runs")},
         "model": {"target": "builtin:tiny-kimi", "trust_remote_code": True},
-        "stages": {"train": {"epochs": 4},
+        "stages": {"train": {"epochs": 4, "total_seq_len": 1024},   # (the figures above)
                    "evaluate": {"max_prompts": 12, "baseline": False,
                                 "min_acceptance": 2.5}}}))
     env = dict(os.environ, RUN_OF=str(os.getpid()))

@@ -54,6 +54,13 @@ def fit(model, tokenizer, train: dict, seed: int, **forward) -> float:
     return float(loss.detach())
 
 
+def no_progress_bars() -> None:
+    """A build says one line (stderr); transformers' "Writing model shards"
+    bar would follow it in install.sh's output."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
 @contextmanager
 def deterministic(threads: int, fill_uninitialized: bool = True):
     """The same bytes on every build on a machine: one thread count (the

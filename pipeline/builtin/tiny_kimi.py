@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 from pipeline.builtin import build
-from pipeline.builtin.build import deterministic, fit
+from pipeline.builtin.build import deterministic, fit, no_progress_bars
 from pipeline.paths import cache_dir as project_cache
 
 VERSION = 2   # 2: rms_norm_eps 1e-6 (transformers and vLLM then agree on the MLA latent norms)
@@ -265,6 +265,7 @@ def _build_model(out: Path, tokenizer) -> None:
         print(f"built-in target tiny-kimi: trained {TRAIN['steps']} steps on the bundled "
               f"conversations, final loss {loss:.3f}", file=sys.stderr, flush=True)
         staging = out / ".hf"
+        no_progress_bars()
         model.save_pretrained(staging, safe_serialization=True)
         tensors = {kimi_key(k): v for k, v in sorted(load_file(staging / "model.safetensors").items())}
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pipeline.builtin import build
-from pipeline.builtin.build import deterministic, fit
+from pipeline.builtin.build import deterministic, fit, no_progress_bars
 from pipeline.paths import cache_dir as project_cache
 
 VERSION = 4
@@ -104,6 +104,7 @@ def _build_model(out: Path, tokenizer) -> None:
         loss = fit(model, tokenizer, TRAIN, SEED)
         print(f"built-in target: trained {TRAIN['steps']} steps on the bundled conversations, "
               f"final loss {loss:.3f}", file=sys.stderr, flush=True)   # stdout may be --json
+        no_progress_bars()
         model.save_pretrained(out, safe_serialization=True)
 
 
