@@ -123,7 +123,7 @@ def test_all_stages_succeeded_with_resumes(run):
     # train: SIGKILLed, cancelled, finished
     assert st["extract"]["attempt"] == 2 and st["train"]["attempt"] == 3
     # which checkpoint, and why: evaluate's default ("last") may measure another one
-    assert re.search(r"trained draft \((lowest validation loss|last)\): \S+/checkpoints/\d+",
+    assert re.search(r"trained draft \((lowest validation loss|last epoch)\): \S+/checkpoints/\d+",
                      log["final_output"]), log["final_output"]
     assert "estimated acceptance length" in log["final_output"]
 

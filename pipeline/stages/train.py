@@ -391,7 +391,7 @@ def summarize(ctx: StageContext, training: Training, save_path: Path, final: Pat
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
     # latest_checkpoint's choice, said: evaluate's default ("last") may measure another one
-    chosen = "lowest validation loss" if (save_path / "checkpoint_best").exists() else "last"
+    chosen = "lowest validation loss" if (save_path / "checkpoint_best").exists() else "last epoch"
     summary = {"checkpoint": str(final), "checkpoint_chosen_by": chosen,
                "acceptance_length": accept, "val_loss": val.get("loss"),
                "train_argv": "speculators train " + " ".join(training.argv),
