@@ -231,7 +231,8 @@ class Evaluation:
         if server is None:
             server = self.server(k, draft, served, spec_extra)
         command = shlex.join(server.argv)
-        ahead = self.ahead if draft is not None else None
+        ahead = self.ahead if draft is not None and self.ahead and not self.ahead.waited \
+            else None
         with serving(server, sec.startup_timeout_s, lambda: self.ctx.stop_requested,
                      self.ctx.cfg.runtime.term_grace_s,
                      poll=ahead.watch if ahead is not None else None):
@@ -375,7 +376,7 @@ class BaselineAhead:
 
     def __init__(self, ev: Evaluation, k: int):
         self.ev, self.server = ev, ev.server(k, None)
-        self.failed = False
+        self.failed = self.waited = False
         self.server.start()
 
     def watch(self) -> None:
@@ -392,7 +393,7 @@ class BaselineAhead:
                   "it starts again for its own measurement", flush=True)
             self.stop()
             self.failed = True
-        self.ev.ahead = None   # waited for once
+        self.waited = True   # once: the next drafts' servers start alone
 
     def stop(self) -> None:
         self.server.stop(grace=self.ev.ctx.cfg.runtime.term_grace_s)
@@ -414,12 +415,12 @@ def baseline_measured(ctx: StageContext, ev: Evaluation) -> dict | None:
     return baseline if baseline and baseline.get("prompts") == len(ev.prompts) else None
 
 
-def measure_baseline(ctx: StageContext, ev: Evaluation, k: int,
-                     ahead: BaselineAhead | None = None) -> dict:
+def measure_baseline(ctx: StageContext, ev: Evaluation, k: int) -> dict:
     """The same prompts without a draft (server k, or the one started ahead),
     unless already measured."""
     baseline = baseline_measured(ctx, ev)
     if baseline is None:
+        ahead = ev.ahead
         alive = ahead is not None and not ahead.failed and ahead.server.died() is None
         server = ahead.server if alive else None   # (one that died meanwhile: a new one)
         baseline = ev.measure(k, None, server=server)
@@ -442,19 +443,18 @@ def body(ctx: StageContext) -> dict:
     ev = Evaluation(ctx, env, prompts, max_len)
     total = len(chosen) + int(sec.baseline)
     results = {}
-    ahead = None
     with contextlib.ExitStack() as stack:
         if sec.baseline and baseline_measured(ctx, ev) is None \
                 and not all(measured(ctx, c) for c in chosen) and BaselineAhead.worth_it(ev):
-            ahead = ev.ahead = BaselineAhead(ev, len(chosen))
-            stack.callback(ahead.stop)   # however the stage ends
+            ev.ahead = BaselineAhead(ev, len(chosen))
+            stack.callback(ev.ahead.stop)   # however the stage ends
         for n, ckpt in enumerate(chosen):
             results[ckpt.name] = measure_checkpoint(ctx, ev, n, ckpt)
             emit_measurement(ctx, ckpt, results[ckpt.name])
             ctx.progress(n + 1, total, "measurements")
         baseline = None
         if sec.baseline:
-            baseline = measure_baseline(ctx, ev, len(chosen), ahead)
+            baseline = measure_baseline(ctx, ev, len(chosen))
             ctx.progress(total, total, "measurements")
     summary = report(ctx, results, chosen[-1].name, baseline, len(prompts))
     gate(sec.min_acceptance, summary)

@@ -37,8 +37,8 @@ SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed 
 TOOK = re.compile(r"(Loading weights took|Model loading took|init engine \(profile, create kv "
                   r"cache, warmup model\) took)\s+([\d.]+)")
 ORDER = [STARTING, LOADING, DRAFT, PROFILING, WARMUP, READY]
-# After its start: the stage stopped it (a view counts the servers that are still up;
-# evaluate starts its servers one after another).
+# After its start: the stage stopped it (a view counts the servers that are still up:
+# evaluate's come and go within one stage).
 STOPPED = "stopped"
 
 
