@@ -1,5 +1,6 @@
-"""The `vllm-engine` extract backend: vLLM 0.11-0.16's v1 engine driven
-in-process (what older speculators did), through pipeline.vllm.compat.
+"""The `vllm-engine` extract backend: vLLM's v1 engine driven in-process
+(what older speculators did; run on 0.16, its contract read on 0.11-0.33),
+through pipeline.vllm.compat.
 
     executor   MultiprocExecutor: one worker process per GPU of the group
                (tensor parallel), each with pipeline.extract.vllm_capture mixed in
@@ -33,7 +34,7 @@ from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.kv import kv_cache_event
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = compat.ENGINE_BLOCK_SIZE
 # How long a request vLLM has finished may wait for its file before the
 # stage calls it lost (the copy thread and writers normally take < 1 s).
 STUCK_S = 120.0
@@ -43,11 +44,11 @@ def build_engine(api, target: Path, dtype_name: str, tp: int, max_model_len: int
                  trust: bool):
     """(vllm_config, executor) with the capture extension loaded in the workers."""
     c = compat
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":
-        # The opt-in V2 runner (0.12+) keeps no input_batch to read the layout from.
-        c.fired("v2_model_runner", "VLLM_USE_V2_MODEL_RUNNER is set: the engine route uses "
-                                   "the V1 model runner (set to 0 for its workers)")
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # Model Runner V2 (opt-in in 0.12-0.16, vLLM's default on GPU builds from
+    # 0.32) keeps no input_batch to read the layout from: the V1 runner, set
+    # before the executor spawns the workers (they inherit the environment).
+    src = c.installed_source()
+    c.force_v1_runner(os.environ, c.v2_runner_default(src) if src is not None else "opt-in")
     model_config = api.ModelConfig(model=str(target), tokenizer=str(target),
                                    trust_remote_code=trust, dtype=dtype_name,
                                    max_model_len=max_model_len, enforce_eager=True, seed=0)
@@ -82,9 +83,7 @@ def worker_failure(job: ExtractJob, e: Exception) -> StageError:
 def start_scheduler(api, vllm_config, executor):
     """Size the KV cache the way EngineCore does (profile, then vLLM's own
     per-worker configs), allocate it, and make the scheduler."""
-    specs = executor.get_kv_cache_specs()
-    memory = executor.determine_available_memory()
-    configs = api.get_kv_cache_configs(vllm_config, specs, memory)
+    configs = compat.size_kv_cache(api, executor, vllm_config)
     kv_config = api.generate_scheduler_kv_cache_config(configs)
     vllm_config.cache_config.num_gpu_blocks = kv_config.num_blocks
     executor.initialize_from_config(configs)

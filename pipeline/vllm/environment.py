@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.paths import PROJECT_ROOT, pythonpath_with_project
+from pipeline.vllm import contract
 
 GIB = 1 << 30
 
@@ -98,17 +99,20 @@ def process_env(env: VllmEnv, devices: list[int], kv_space_gib: int | None,
     out["PYTHONPATH"] = pythonpath_with_project(out.get("PYTHONPATH"))
     out["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     if env.cpu_build:
-        out["VLLM_TARGET_DEVICE"] = "cpu"
-        if kv_space_gib and not out.get("VLLM_CPU_KVCACHE_SPACE"):
-            out["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
+        out[contract.ENV_TARGET_DEVICE] = "cpu"
+        if kv_space_gib and not out.get(contract.ENV_CPU_KV_SPACE):
+            out[contract.ENV_CPU_KV_SPACE] = str(kv_space_gib)
     return out
 
 
-def choose_backend(configured: str, env: VllmEnv | None, gpus: list[int]) -> tuple[str, str]:
+def choose_backend(configured: str, env: VllmEnv | None, gpus: list[int],
+                   model=None) -> tuple[str, str]:
     """(backend, why) for `[stages.extract] backend`: "auto" takes vLLM's
-    own route (vllm-server) where a usable vLLM is installed and its source
-    has a hidden-state connector this machine can run, else hf and the
-    reason; a named backend is kept (its problems are errors then)."""
+    own route (vllm-server) where a usable vLLM is installed, its source
+    has a hidden-state connector this machine can run, and (the CPU build)
+    a kernel for the target's linear attention; else hf and the reason. A
+    named backend is kept (its problems are errors then). `model`: the
+    target's ModelInfo, where known."""
     from pipeline.vllm import compat
     from pipeline.vllm.source import VllmSource
     if configured != "auto":
@@ -120,6 +124,10 @@ def choose_backend(configured: str, env: VllmEnv | None, gpus: list[int]) -> tup
     if not src.has_module(compat.CONNECTOR_MODULE):
         return "hf", (f"vLLM {env.version} has no hidden-state connector (vLLM >= "
                       f"{compat.SERVER_ROUTE_SINCE}): the hf backend extracts instead")
+    linear = (getattr(model, "linear", None) or {}).get("kind")
+    if env.cpu_build and linear and (linear == "KDA" or not src.has_module(compat.CPU_GDN_MODULE)):
+        return "hf", (f"vLLM {env.version}'s CPU build has no {linear} kernel (its CPU linear "
+                      "attention is the gated delta net's): the hf backend extracts instead")
     missing = compat.own_connector_missing(src)
     if env.cpu_build and missing:
         return "hf", (f"vLLM {env.version}'s CPU build lacks {missing[0]}, which eagle-panel's "

@@ -65,6 +65,21 @@ class VllmSource:
     def has_module(self, module: str) -> bool:
         return self.text(module) is not None
 
+    def is_package(self, module: str) -> bool:
+        """Whether a module is a package (its relative imports start one level lower)."""
+        return self.text(module) is not None and \
+            self._read(module.replace(".", "/") + ".py") is None
+
+    def absolute(self, module: str, node: ast.ImportFrom) -> str | None:
+        """The module (under vllm.) an import in `module` names; None outside vllm."""
+        if node.level == 0:
+            name = node.module or ""
+            return name.removeprefix("vllm.") if name.startswith("vllm.") else None
+        parts = module.split(".")
+        keep = len(parts) - node.level + (1 if self.is_package(module) else 0)
+        base = parts[:max(keep, 0)]
+        return ".".join(base + ([node.module] if node.module else []))
+
     def _node(self, module: str, qualname: str):
         tree = self.tree(module)
         if tree is None:
@@ -79,6 +94,20 @@ class VllmSource:
         return node
 
     # -- questions the compatibility layer asks ------------------------------
+    def signature(self, module: str, qualname: str) -> dict | None:
+        """{"params": [(name, required)], "var_kw": bool} of a function or
+        method, `self`/`cls` left out; None where it is not defined there."""
+        fn = self._node(module, qualname)
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return None
+        a = fn.args
+        pos = a.posonlyargs + a.args
+        first_default = len(pos) - len(a.defaults)
+        params = [(x.arg, i < first_default) for i, x in enumerate(pos)]
+        params += [(x.arg, d is None) for x, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)]
+        return {"params": [p for p in params if p[0] not in ("self", "cls")],
+                "var_kw": a.kwarg is not None}
+
     def function_params(self, module: str, qualname: str) -> list[str] | None:
         """Parameter names of a function or method (`Class.__init__`), in order."""
         fn = self._node(module, qualname)
@@ -163,21 +192,62 @@ class VllmSource:
             return None
         return [ast.unparse(b).split(".")[-1].split("[")[0] for b in node.bases]
 
+    def imported_names(self, module: str) -> dict[str, list[tuple[str, str]]]:
+        """{name bound in `module`: [(module it comes from, its name there)]}
+        for each `from X import Y [as Z]` at module level, inside if/else and
+        try branches too (the packages that pick a platform's implementation
+        in their __init__), in source order."""
+        tree = self.tree(module)
+        out: dict[str, list[tuple[str, str]]] = {}
+
+        def walk(body):
+            for st in body:
+                if isinstance(st, ast.ImportFrom):
+                    src = self.absolute(module, st)
+                    for a in st.names if src is not None else []:
+                        out.setdefault(a.asname or a.name, []).append((src, a.name))
+                elif isinstance(st, (ast.If, ast.Try)):
+                    walk(st.body)
+                    walk(st.orelse)
+                    for h in getattr(st, "handlers", []):
+                        walk(h.body)
+        walk(tree.body if tree is not None else [])
+        return out
+
+    def definitions(self, module: str, cls: str, _depth: int = 0) -> list[tuple[str, str]]:
+        """Where the class (or function) `module` binds as `cls` is defined: there, or
+        through its re-exports (each platform's branch, in source order)."""
+        if isinstance(self._node(module, cls), (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            return [(module, cls)]
+        out: list[tuple[str, str]] = []
+        for src, name in self.imported_names(module).get(cls, []) if _depth < 6 else []:
+            out += [d for d in self.definitions(src, name, _depth + 1) if d not in out]
+        return out
+
     def implements(self, module: str, cls: str, interface: str, _depth: int = 0) -> bool | None:
-        """Whether `cls` (following its bases inside the same module) lists
-        `interface` among its bases. None if the class is not there."""
-        bases = self.class_bases(module, cls)
-        if bases is None:
+        """Whether `cls` lists `interface` among its bases, following the
+        bases (and re-exports) into the modules they come from. None if the
+        class is not there."""
+        defs = self.definitions(module, cls)
+        if not defs:
             return None
+        return any(self.class_implements(m, c, interface, _depth) for m, c in defs)
+
+    def class_implements(self, module: str, cls: str, interface: str, _depth: int = 0) -> bool:
+        """One definition's answer (its bases followed across modules)."""
+        bases = self.class_bases(module, cls) or []
         if interface in bases:
             return True
         if _depth > 8:
             return False
-        return any(self.implements(module, b, interface, _depth + 1) for b in bases
-                   if b != cls and self._node(module, b) is not None)
+        return any(self.class_implements(m, c, interface, _depth + 1)
+                   for b in bases
+                   for m, c in self.definitions(module, b) if (m, c) != (module, cls))
 
     def model_class(self, arch: str) -> tuple[str, str] | None:
-        """(module, class) the model registry maps an architecture name to."""
+        """(module, class) the model registry maps an architecture name to:
+        relative to model_executor.models, or absolute (`vllm.models.kimi_k3`,
+        0.33's platform-split packages)."""
         tree = self.tree("model_executor.models.registry")
         if tree is None:
             return None
@@ -186,7 +256,9 @@ class VllmSource:
                 for k, v in zip(node.keys, node.values, strict=True):
                     if (isinstance(k, ast.Constant) and k.value == arch and isinstance(v, ast.Tuple)
                             and len(v.elts) == 2 and all(isinstance(e, ast.Constant) for e in v.elts)):
-                        return (f"model_executor.models.{v.elts[0].value}", v.elts[1].value)
+                        path = v.elts[0].value
+                        return (path.removeprefix("vllm.") if path.startswith("vllm.")
+                                else f"model_executor.models.{path}", v.elts[1].value)
         return None
 
     def string_constants(self, module: str, needle: str) -> list[str]:

@@ -36,20 +36,17 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
+from pipeline.vllm import contract
 from tests.fakes import vllm_doubles as d
 
-# Config fields the backend passes; test_vllm_sources checks each exists in
-# 0.11, 0.12 and 0.16.
-MODEL_CONFIG_FIELDS = ("model", "tokenizer", "trust_remote_code", "dtype", "max_model_len",
-                       "enforce_eager", "seed")
-CACHE_CONFIG_FIELDS = ("block_size", "gpu_memory_utilization", "enable_prefix_caching",
-                       "num_gpu_blocks")
-PARALLEL_CONFIG_FIELDS = ("tensor_parallel_size", "worker_extension_cls",
-                          "distributed_executor_backend")
-VLLM_CONFIG_FIELDS = ("model_config", "cache_config", "parallel_config", "scheduler_config",
-                      "device_config", "load_config", "compilation_config")
-SCHEDULER_CONFIG_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                           "async_scheduling")
+# Config fields the backend passes: the contract's (pipeline/vllm/contract.py,
+# checked against every release test_vllm_sources reads).
+_F = contract.ENGINE_CONFIG_FIELDS
+MODEL_CONFIG_FIELDS = _F["ModelConfig"][1]
+CACHE_CONFIG_FIELDS = _F["CacheConfig"][1]
+PARALLEL_CONFIG_FIELDS = _F["ParallelConfig"][1]
+VLLM_CONFIG_FIELDS = _F["VllmConfig"][1]
+SCHEDULER_CONFIG_FIELDS = _F["SchedulerConfig"][1]
 
 
 def _config(name, fields):

@@ -146,3 +146,54 @@ class KVCacheConfig:
     num_blocks: int
     kv_cache_tensors: list
     kv_cache_groups: list
+
+
+# -- 0.32 / 0.33: the KV layout and the planning split --------------------------------
+CALLS: list = []   # what the 0.33 doubles were called with, in order
+
+
+def get_kv_cache_configs_0_16(vllm_config, kv_cache_specs, available_memory):
+    """vLLM 0.11 .. 0.32 vllm/v1/core/kv_cache_utils.py"""
+    CALLS.append(("get_kv_cache_configs", 3))
+    return ["config"]
+
+
+def get_kv_cache_configs_0_33(vllm_config, kv_cache_specs, available_memory,
+                              global_kv_cache_groups):
+    """vLLM 0.33 vllm/v1/core/kv_cache_planning.py: a new required argument"""
+    CALLS.append(("get_kv_cache_configs", global_kv_cache_groups))
+    return ["config"]
+
+
+def get_global_kv_cache_groups_0_33(vllm_config, kv_cache_specs):
+    """vLLM 0.33 vllm/v1/core/kv_cache_planning.py"""
+    CALLS.append(("get_global_kv_cache_groups",))
+    return ["groups"]
+
+
+def resolve_kv_cache_layout_0_32(vllm_config, supported_layouts, kv_cache_specs=None):
+    """vLLM 0.32 / 0.33 vllm/v1/attention/backends/utils.py"""
+    CALLS.append(("resolve_kv_cache_layout", supported_layouts))
+    return type("KVCacheLayout", (), {"name": "NHD"})()
+
+
+class Executor_0_33:
+    """What EngineCore calls on vLLM 0.33's executor before sizing the KV cache."""
+
+    def get_kv_cache_specs(self):
+        return [{"layer.0": "spec"}]
+
+    def get_supported_kv_cache_layouts(self):
+        return [["NHD", "HND"]]
+
+    def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size):
+        CALLS.append(("set_kv_cache_layout", layout_name, cp_kv_cache_interleave_size))
+
+    def determine_available_memory(self):
+        CALLS.append(("determine_available_memory",))
+        return [1 << 30]
+
+
+class Executor_0_32(Executor_0_33):
+    def set_kv_cache_layout(self, layout_name):   # vLLM 0.32: no CP interleave size
+        CALLS.append(("set_kv_cache_layout", layout_name))

@@ -1,5 +1,11 @@
 """vLLM source releases for the tests, fetched once and cached (never
-installed; read with ast through pipeline.vllm_source).
+installed; read with ast through pipeline.vllm.source).
+
+Cache: per release, a zip of only the parts eagle-panel reads (KEEP: the
+modules pipeline/vllm/contract.py declares, the model registry and model
+code) — about a sixth of the sdist, and a zip reads any member at once where
+a .tar.gz re-decompresses from its start (measured: 21 s for one release's
+plan read from the tarball). The tarball is deleted once the zip is made.
 
 `pip download --no-deps --no-binary :all: vllm==X` cannot fetch them here:
 pip then builds the sdist's metadata, which needs vLLM's CUDA build
@@ -16,7 +22,9 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import urllib.request
+import zipfile
 from pathlib import Path
 
 from pipeline.paths import cache_dir
@@ -93,6 +101,70 @@ def sdist(version: str) -> Path:
     return path
 
 
+# What the zip keeps, under vllm/ (tests/test_vllm_contract.py checks that
+# every declared module is inside).
+KEEP = ("v1/", "config", "model_executor/models/", "models/", "engine/arg_utils.py", "envs.py",
+        "compilation/decorators.py", "distributed/kv_transfer/kv_connector/v1/",
+        "entrypoints/cli/main.py", "sampling_params.py", "worker/worker_base.py", "platforms/",
+        "model_executor/layers/mamba/ops/cpu/")
+
+
+def kept(version: str) -> Path:
+    """The release's zip of KEEP (made once from its sdist, which is then
+    deleted; named by KEEP's digest: a zip of another KEEP is replaced)."""
+    digest = hashlib.sha256(repr(KEEP).encode()).hexdigest()[:8]
+    path = CACHE / f"vllm-{version}.{digest}.zip"
+    if path.exists():
+        return path
+    tarball = sdist(version)
+    prefix = f"vllm-{version}/vllm/"
+    tmp = path.with_suffix(".zip.part")
+    with tarfile.open(tarball) as tf, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+        for member in tf:   # one sequential pass
+            rel = member.name[len(prefix):] if member.name.startswith(prefix) else None
+            if member.isfile() and rel and rel.endswith(".py") and rel.startswith(KEEP):
+                zf.writestr(rel, tf.extractfile(member).read())
+    os.replace(tmp, path)
+    tarball.unlink()
+    for stale in CACHE.glob(f"vllm-{version}.*.zip"):
+        if stale != path:
+            stale.unlink()
+    return path
+
+
+def from_zip(path: Path, version: str):
+    from pipeline.vllm.source import VllmSource
+    zf = zipfile.ZipFile(path)
+    names = set(zf.namelist())
+
+    def read(rel: str):
+        return zf.read(rel).decode("utf-8", errors="replace") if rel in names else None
+    return VllmSource(version, read)
+
+
+def versions(project: str) -> list[str]:
+    """Every version of `project` on the index (any file kind), oldest first."""
+    from packaging.utils import parse_sdist_filename, parse_wheel_filename
+    req = urllib.request.Request(f"{index_url()}/{project}/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            data = json.load(r)
+    except OSError as e:
+        raise Unreachable(f"the package index cannot be reached ({e})") from None
+    out = set()
+    for f in data["files"]:
+        name = f["filename"]
+        try:
+            v = parse_wheel_filename(name)[1] if name.endswith(".whl") else \
+                parse_sdist_filename(name)[1]
+        except ValueError:
+            continue
+        if not v.is_prerelease and not f.get("yanked"):
+            out.add(v)
+    return [str(v) for v in sorted(out)]
+
+
 _sources: dict = {}
 
 
@@ -102,10 +174,9 @@ def source(version: str):
     calling test is skipped, with the reason, when it cannot be fetched."""
     import pytest
 
-    from pipeline.vllm.source import VllmSource
     if version not in _sources:
         try:
-            _sources[version] = VllmSource.from_sdist(sdist(version))
+            _sources[version] = from_zip(kept(version), version)
         except Unreachable as e:
             pytest.skip(f"vLLM source release {version} unavailable: {e}")
     return _sources[version]
