@@ -19,6 +19,11 @@ theirs, as a user runs speculators 0.9 (the `speculators` console script):
 ours: `eagle-panel run --wait` (regenerate off; prepare, extract through vLLM, vocab,
 train, evaluate).
 
+Both sides at defaults: ours trains as the bundled config.toml says, by default the
+budget rule (pipeline.train.budget: epochs and total_seq_len from the data, a plateau
+stop); theirs gets the flags ours' train stage used, so the epochs and total_seq_len ours
+chose (`--epochs E` fixes ours' epochs instead).
+
 Then (unless --no-match-steps) ours again from train on, with total_seq_len scaled so
 that it takes as many optimizer steps as theirs, and the whole chain's wall time with it:
 their prepare-data makes a row per assistant turn holding the conversation so far, so at
@@ -215,8 +220,10 @@ class Bench:
         self.s = {"seq_length": demo["prepare"]["seq_length"],
                   "layer_ids": demo["extract"]["layer_ids"],
                   "draft_vocab_size": demo["vocab"]["draft_vocab_size"],
-                  "epochs": a.epochs or st["epochs"], "lr": st["lr"],
-                  "total_seq_len": st["total_seq_len"], "ttt_steps": st["ttt_steps"],
+                  "epochs": a.epochs or st.get("epochs", 0), "lr": st["lr"],
+                  "total_seq_len": st.get("total_seq_len", 0), "ttt_steps": st["ttt_steps"],
+                  "rule": {k: st[k] for k in ("target_steps", "min_steps", "max_epochs",
+                                              "patience", "min_delta") if k in st},
                   "num_layers": st["num_layers"], "train_ratio": st["train_ratio"],
                   "seed": st["seed"], "num_speculative_tokens": ev["num_speculative_tokens"],
                   "max_tokens": a.max_tokens or ev["max_tokens"]}
@@ -272,7 +279,7 @@ ttt_steps = {s['ttt_steps']}
 num_layers = {s['num_layers']}
 train_ratio = {s['train_ratio']}
 seed = {s['seed']}
-[stages.evaluate]
+{"".join(f"{k} = {v}{chr(10)}" for k, v in s['rule'].items())}[stages.evaluate]
 enabled = true
 prompts = "{self.work / 'prompts.jsonl'}"
 max_prompts = {self.a.eval_prompts}
@@ -318,6 +325,9 @@ baseline = false
         ckpt = last_checkpoint(rd / "train/out/checkpoints")
         m = json.loads((rd / "evaluate/out/results.json").read_text())["checkpoints"][ckpt.name]
         return {"val_loss": summary.get("val_loss"), "estimate": summary.get("acceptance_length"),
+                "epochs": summary.get("epochs_trained"), "stopped": summary.get("stopped"),
+                "total_seq_len": summary.get("total_seq_len") or self.s["total_seq_len"],
+                "budget": summary.get("budget"),
                 "optimizer_steps": optimizer_steps(ckpt), "checkpoint": str(ckpt),
                 "evaluate_s": ev["ended_at"] - ev["started_at"],
                 "acceptance": m["acceptance_length"], "per_position": m["per_position"],
@@ -329,9 +339,11 @@ baseline = false
         steps per epoch as theirs: theirs has one row per assistant turn, ours one per
         conversation, so at the same tokens per step theirs takes more, smaller steps."""
         d = self.ours_rd.parent.parent
-        seq = round(self.s["total_seq_len"] * ours["optimizer_steps"] / theirs_steps)
-        text = (d / "config.toml").read_text().replace(
-            f"total_seq_len = {self.s['total_seq_len']}", f"total_seq_len = {seq}")
+        seq = round(ours["total_seq_len"] * ours["optimizer_steps"] / theirs_steps)
+        # the epochs ours trained, fixed: the budget rule would re-plan them for the new size
+        text = re.sub(r"(?m)^total_seq_len = .*$", f"total_seq_len = {seq}",
+                      (d / "config.toml").read_text())
+        text = re.sub(r"(?m)^epochs = .*$", f"epochs = {ours['epochs'] or self.s['epochs']}", text)
         (d / "config.toml").write_text(text)
         rc, _ = run([sys.executable, "-m", "app.cli", "run", "--wait"], d / "run.log", d,
                     self.a.timeout)
@@ -456,13 +468,15 @@ baseline = false
                 "train_argv": self.sp_argv}
 
     # -- untimed: acceptance of theirs, the probes of what cannot run ---------------------
-    def their_acceptance(self) -> tuple[dict | None, str | None]:
-        d = self.work / "theirs-eval"
-        rd = d / "runs" / "theirs"
-        dest = rd / "train" / "out" / "checkpoints" / self.theirs_ckpt.name
+    def their_acceptance(self, ckpt: Path | None = None,
+                         name: str = "theirs") -> tuple[dict | None, str | None]:
+        ckpt = ckpt or self.theirs_ckpt
+        d = self.work / f"{name}-eval"
+        rd = d / "runs" / name
+        dest = rd / "train" / "out" / "checkpoints" / ckpt.name
         dest.parent.mkdir(parents=True)
-        shutil.copytree(self.theirs_ckpt, dest, copy_function=os.link)
-        (d / "config.toml").write_text(self.config_text("theirs"))
+        shutil.copytree(ckpt, dest, copy_function=os.link)
+        (d / "config.toml").write_text(self.config_text(name))
         rc, _ = run([sys.executable, "-m", "pipeline.stages.evaluate", "--run-dir", rd,
                      "--config", d / "config.toml"], d / "evaluate.log", d, self.a.timeout)
         res = rd / "evaluate/out/results.json"
@@ -472,8 +486,32 @@ baseline = false
             errs = [e["message"] for e in events if e["type"] == "error"]
             return None, (errs[-1] if errs else f"evaluate exited {rc}: "
                           f"{tail(d / 'evaluate.log', 5)}")
-        m = json.loads(res.read_text())["checkpoints"][self.theirs_ckpt.name]
+        m = json.loads(res.read_text())["checkpoints"][ckpt.name]
         return m, None
+
+    def theirs_default_epochs(self) -> dict:
+        """Their train again at their own default epochs (speculators' 20:
+        --epochs left out), on the same rows and hidden states; its draft's
+        acceptance measured by the same evaluate."""
+        sp, argv = self.sp, list(self.sp_argv)
+        i = argv.index("--epochs")
+        del argv[i:i + 2]
+        argv[argv.index("--save-path") + 1] = str(sp / "ckpt-default")
+        argv[argv.index("--log-dir") + 1] = str(sp / "logs-default")
+        env = project_env(HF_DATASETS_CACHE=str(sp / "hf_datasets_cache"),
+                          VS_VAL_LOG=str(sp / "val-default.jsonl"))
+        rc, wall = run([sys.executable, "-c", PATCHED_TRAIN, *argv], sp / "train-default.log",
+                       sp, self.a.timeout, env)
+        if rc:
+            raise SystemExit(f"theirs (default epochs): train exited {rc}:\n"
+                             f"{tail(sp / 'train-default.log')}")
+        ckpt = last_checkpoint(sp / "ckpt-default")
+        vals = [json.loads(x) for x in (sp / "val-default.jsonl").read_text().splitlines() if x]
+        val = {k.removesuffix("_epoch"): v for k, v in vals[-1].items()}
+        m, why = self.their_acceptance(ckpt, "theirs-default")
+        return {"epochs": len(vals), "train_wall_s": wall, "optimizer_steps": optimizer_steps(ckpt),
+                "val_loss": val.get("loss"), "estimate": estimate(val, self.s["ttt_steps"]),
+                "acceptance": m["acceptance_length"] if m else None, "why": why}
 
     def probe_stock_connector(self) -> dict:
         """generate-offline-data against launch_vllm.py's own `file` backend."""
@@ -601,7 +639,8 @@ def main() -> None:
                     help="builtin:tiny-llama | builtin:tiny-kimi | a local model folder")
     ap.add_argument("--samples", type=int, default=0,
                     help="train on the first N bundled conversations (0: all but the held-out)")
-    ap.add_argument("--epochs", type=int, default=0, help="0: the demo's (config.toml)")
+    ap.add_argument("--epochs", type=int, default=0,
+                    help="0: the demo's (config.toml: by default the budget rule)")
     ap.add_argument("--eval-prompts", type=int, default=40,
                     help="bundled conversations held out from both: their first turns are "
                          "the prompts vLLM measures acceptance on")
@@ -612,6 +651,9 @@ def main() -> None:
     ap.add_argument("--no-match-steps", dest="match_steps", action="store_false",
                     help="leave out ours again from train on with as many optimizer steps as "
                          "theirs (total_seq_len scaled; after everything else)")
+    ap.add_argument("--their-default-epochs", action="store_true",
+                    help="also train theirs at speculators' own default epochs (20), its "
+                         "acceptance measured (minutes more on a CPU)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--keep", type=Path, help="work in this folder and keep it")
     a = ap.parse_args()
@@ -632,6 +674,9 @@ def main() -> None:
             print(line("ours", name, st), flush=True)
         print(line("ours", "all (run --wait)", ours["total"]) + f"  (+ evaluate "
               f"{ours['evaluate_s']:.1f} s)", flush=True)
+        print(f"ours: {ours['epochs']} epochs at total_seq_len {ours['total_seq_len']}, "
+              f"{ours['optimizer_steps']} optimizer steps; stopped: {ours['stopped']} "
+              f"(budget: {ours['budget']})", flush=True)
         theirs = b.theirs(ours["train_argv"])
         for name, st in theirs["steps"].items():
             print(line("theirs", name, st), flush=True)
@@ -730,6 +775,20 @@ def main() -> None:
             matched.update(wall_s=mw, wall_ratio=mw / both["wall_s"]["theirs"])
             print(f"wall, prepare to trained draft, steps matched: ours {mw:.1f} s, theirs "
                   f"{both['wall_s']['theirs']:.1f} s: {matched['wall_ratio']:.2f}x", flush=True)
+        if a.their_default_epochs:
+            td = b.theirs_default_epochs()
+            td["wall_s"] = both["wall_s"]["theirs"] - theirs["steps"]["train"]["wall_s"] \
+                + td["train_wall_s"]
+            print(f"theirs at their default epochs ({td['epochs']}): {td['optimizer_steps']} "
+                  f"optimizer steps, train {td['train_wall_s']:.1f} s, val loss "
+                  f"{fmt(td['val_loss'], '.4f')}, estimate {fmt(td['estimate'])}, acceptance "
+                  f"length {fmt(td['acceptance'])}"
+                  + (f": ours / theirs {acc_o / td['acceptance']:.3f}" if td["acceptance"] else
+                     f" ({td['why']})")
+                  + f"; wall, prepare to trained draft: ours {both['wall_s']['ours']:.1f} s, "
+                  f"theirs {td['wall_s']:.1f} s: {both['wall_s']['ours'] / td['wall_s']:.2f}x",
+                  flush=True)
+            b.out["theirs_default_epochs"] = td
         b.out.update(
             ours=ours, theirs=theirs, wall_ratio=wall_ratio, disk_ratio=disk_ratio,
             compared_steps=[o for o, t in pairs if (o, t) not in skipped], both=both,

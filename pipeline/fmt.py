@@ -54,9 +54,18 @@ def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str
     """What a finished pipeline made: the draft, its acceptance length as
     vLLM measured it beside train's estimate, and the speedup."""
     lines = []
-    if train.get("checkpoint"):
-        why = f" ({train['checkpoint_chosen_by']})" if train.get("checkpoint_chosen_by") else ""
-        lines += ["", f"trained draft{why}: {train['checkpoint']}"]
+    # Where vLLM measured, the draft named is the one it measured (the best of
+    # several, or the one `checkpoints` chose), so the acceptance printed below
+    # is that draft's; else train's pick.
+    named = evaluate if evaluate.get("checkpoint_path") and \
+        evaluate.get("acceptance_length") is not None else None
+    if named or train.get("checkpoint"):
+        src = named or train
+        why = f" ({src['checkpoint_chosen_by']})" if src.get("checkpoint_chosen_by") else ""
+        lines += ["", f"trained draft{why}: {src.get('checkpoint_path') or src['checkpoint']}"]
+    if train.get("stopped"):
+        lines.append(f"training stopped: {train['stopped']} ({train.get('epochs_trained')} "
+                     f"epochs, total_seq_len {train.get('total_seq_len')})")
     est = train.get("acceptance_length")
     measured = evaluate.get("acceptance_length")
     if measured is not None:
@@ -122,6 +131,8 @@ def summary_text(stage: str, s: dict) -> str:
         if s.get("draft_layer"):
             parts.append(f"{s['draft_layer']} draft")
         parts.append(f"checkpoint {str(s['checkpoint']).rstrip('/').rsplit('/', 1)[-1]}")
+        if s.get("stopped"):
+            parts.append(f"stopped: {s['stopped']}")
     elif stage == "extract" and s.get("samples") is not None:
         parts.append(f"{s['samples']:,} samples ({s.get('reused', 0):,} kept from before)")
         if s.get("tokens"):

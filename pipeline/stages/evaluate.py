@@ -5,7 +5,8 @@ trained draft — the number users judge a draft by (train only estimates it).
     evaluate/out/baseline.json            the same prompts without a draft
     evaluate/out/results.json             all of it, with the exact vLLM commands (last)
 
-For each checkpoint ([stages.evaluate] checkpoints = last | best | all): a
+For each checkpoint ([stages.evaluate] checkpoints = last | best | all |
+best-K, the K that train's estimates rank highest): a
 `vllm serve <target>` with `--speculative-config {"method": "eagle3",
 "model": <checkpoint>, "num_speculative_tokens": k}` (an MLA draft: its vLLM
 export, train/out/vllm/<epoch>/, which vLLM loads as
@@ -20,6 +21,11 @@ first draft's, BaselineAhead). Each measurement is saved as it ends, so a killed
 evaluate redoes only what it had not finished; every server's process tree
 is stopped however the stage ends. Without a usable vLLM it is skipped and
 says why: the pipeline ends at train, with its estimate.
+
+With more than one checkpoint measured, the trained draft the summary names
+is the one vLLM measured the longest acceptance for (`best_measured`), not
+the last: the number users judge a draft by picks it, train's estimate
+only where nothing measures.
 """
 
 from __future__ import annotations
@@ -62,10 +68,29 @@ def checkpoints(save_path: Path, which: str) -> list[Path]:
         return []
     if which == "all":
         return epochs
+    if which.startswith("best-"):
+        return top_estimated(epochs, save_path.parent / "plateau.json", int(which[5:]))
     best = save_path / "checkpoint_best"
     if which == "best" and best.exists():
         return [best.resolve()]
     return [epochs[-1]]
+
+
+def top_estimated(epochs: list[Path], history: Path, k: int) -> list[Path]:
+    """The k of `epochs` with the highest estimates in train's history
+    (train/out/plateau.json), oldest first; without it, the last k."""
+    try:
+        est = {str(e): v for e, v in json.loads(history.read_text())["history"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        est = {}
+    ranked = sorted(epochs, key=lambda d: (est.get(d.name, float("-inf")), int(d.name)))
+    return sorted(ranked[-k:], key=lambda d: int(d.name))
+
+
+def best_measured(results: dict) -> str:
+    """The measured checkpoint with the longest acceptance (the later on a tie)."""
+    names = list(results)
+    return max(reversed(names), key=lambda n: results[n]["acceptance_length"] or 0.0)
 
 
 def checkpoint_id(folder: Path) -> dict:
@@ -456,7 +481,11 @@ def body(ctx: StageContext) -> dict:
         if sec.baseline:
             baseline = measure_baseline(ctx, ev, len(chosen))
             ctx.progress(total, total, "measurements")
-    summary = report(ctx, results, chosen[-1].name, baseline, len(prompts))
+    named = best_measured(results) if len(results) > 1 else chosen[-1].name
+    summary = report(ctx, results, named, baseline, len(prompts))
+    summary["checkpoint_path"] = str(next(c for c in chosen if c.name == named))
+    summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(results)}"
+                                       if len(results) > 1 else f"{sec.checkpoints} checkpoint")
     gate(sec.min_acceptance, summary)
     return summary
 

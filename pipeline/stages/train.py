@@ -2,6 +2,8 @@
 
     train/out/checkpoints/<epoch>/   speculators checkpoint folders
     train/out/checkpoints/checkpoint_best -> best epoch by validation loss
+    train/out/plateau.json           train's estimate after each epoch, and a plateau
+                                     stop once decided (pipeline.train.budget)
     train/out/draft_config.json      an MLA draft's decoder config (--draft-config)
     train/out/vllm/<epoch>/          an MLA draft's checkpoint as vLLM serves it
                                      (pipeline.train.mla_draft)
@@ -16,6 +18,10 @@ from the same flags as `speculators train`), with its metrics logger turned
 into `metric` events, adjusted by pipeline/train/ (trainer.py, checkpoints.py,
 and cpu_patches.py on the CPU, where it runs in this process); with several
 GPUs this stage re-launches itself under torchrun, one process per GPU.
+
+How long it trains ([stages.train] epochs / total_seq_len = 0, the default)
+is pipeline.train.budget's rule, from the prepared data's lengths: the plan
+and why are printed, and the summary says why training stopped.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from pipeline.model import fp8
 from pipeline.run import provenance
 from pipeline.run.events import EventType
 from pipeline.stages.common import Interrupted, StageContext, StageError, main_for
-from pipeline.train.checkpoints import latest_checkpoint, set_aside_incomplete
+from pipeline.train.budget import Budget, PlateauWatch, packed_steps, plan
+from pipeline.train.checkpoints import complete_checkpoint, latest_checkpoint, set_aside_incomplete
 from pipeline.train.mla_draft import (
     DraftChoice,
     choose_draft_layer,
@@ -79,8 +86,10 @@ def choose_attention(requested: str, device_type: str) -> str:
     return requested
 
 
-def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str) -> list[str]:
-    """The `speculators train` flags for this run: a user can replay them."""
+def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
+                 budget: Budget) -> list[str]:
+    """The `speculators train` flags for this run: a user can replay them
+    (the budget's epochs and total_seq_len written out)."""
     sec = ctx.section
     n = ctx.cfg.stages.vocab.draft_vocab_size
     vocab = ctx.out_of("vocab")
@@ -92,8 +101,8 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str) -> list[st
         "--draft-vocab-size", str(n),
         "--target-layer-ids", *map(str, meta["aux_layer_ids"]),
         "--save-path", str(ctx.out / "checkpoints"), "--log-dir", str(ctx.out / "logs"),
-        "--logger", "", "--epochs", str(sec.epochs), "--lr", str(sec.lr),
-        "--num-layers", str(sec.num_layers), "--total-seq-len", str(sec.total_seq_len),
+        "--logger", "", "--epochs", str(budget.epochs), "--lr", str(sec.lr),
+        "--num-layers", str(sec.num_layers), "--total-seq-len", str(budget.total_seq_len),
         "--ttt-steps", str(sec.ttt_steps), "--train-data-ratio", str(sec.train_ratio),
         "--checkpoint-freq", str(sec.checkpoint_freq), "--log-freq", str(sec.log_freq),
         "--hidden-states-dtype", meta["dtype"], "--seed", str(sec.seed),
@@ -140,6 +149,44 @@ def wrapper_mask_token(ctx: StageContext) -> int | None:
         if token_id is not None:
             return int(token_id)
     return None
+
+
+def train_lengths(ctx: StageContext) -> list[int]:
+    """The token lengths of the rows speculators trains on: the first
+    int(n x train_ratio) of the prepared data (its split)."""
+    from datasets import load_from_disk
+    lengths = list(load_from_disk(str(ctx.out_of("prepare") / "data"))
+                   .with_format(None)["seq_len"])
+    n = int(len(lengths) * ctx.section.train_ratio) if ctx.section.train_ratio < 1 else len(lengths)
+    if n == 0:
+        raise StageError(f"{len(lengths)} prepared rows leave none to train on at train_ratio "
+                         f"{ctx.section.train_ratio}",
+                         hint="add conversations ([data] path) or raise [stages.train] train_ratio")
+    return lengths[:n]
+
+
+def plan_budget(ctx: StageContext) -> Budget:
+    """How long to train ([stages.train] epochs, total_seq_len; 0 = the
+    rule's choice), counted by speculators' packer over as many data
+    parallel ranks as will train."""
+    sec = ctx.section
+    lengths = train_lengths(ctx)
+    ranks = len(ctx.devices) * max(1, ctx.cfg.cluster.nodes) if ctx.devices != ["cpu"] else 1
+    budget = plan(lengths, epochs=sec.epochs, total_seq_len=sec.total_seq_len,
+                  target_steps=sec.target_steps, min_steps=sec.min_steps,
+                  max_epochs=sec.max_epochs,
+                  count=lambda n: packed_steps(lengths, n, ranks, sec.seed))
+    print(f"train: budget: {budget.why} ({len(lengths):,} rows, {sum(lengths):,} tokens)",
+          flush=True)
+    return budget
+
+
+def plateau_watch(ctx: StageContext) -> PlateauWatch:
+    """Each epoch's estimate, on disk; the plateau stop only for epochs the
+    rule chose (an explicit `epochs` is trained in full: patience 0)."""
+    sec = ctx.section
+    return PlateauWatch(ctx.out / "plateau.json", 0 if sec.epochs else sec.patience,
+                        sec.min_delta, writer=int(os.environ.get("RANK", "0")) == 0)
 
 
 def dataloader_workers(ctx: StageContext) -> int:
@@ -226,9 +273,27 @@ def acceptance_length(val: dict, ttt_steps: int) -> float | None:
 
 
 class Hooks:
-    def __init__(self, ctx: StageContext, metrics: MetricEvents):
-        self.ctx, self.metrics = ctx, metrics
+    def __init__(self, ctx: StageContext, metrics: MetricEvents,
+                 plateau: PlateauWatch | None = None):
+        self.ctx, self.metrics, self.plateau = ctx, metrics, plateau
         self.interrupted_at = None
+
+    def on_validation(self, epoch: int, val: dict | None) -> bool:
+        """After epoch `epoch`'s validation: stop here (a plateau)?"""
+        if self.plateau is None or not val:
+            return False
+        clean = {(k[:-6] if k.endswith("_epoch") else k): v for k, v in val.items()}
+        reason = self.plateau.update(epoch, acceptance_length(clean, self.ctx.section.ttt_steps))
+        if reason:
+            print(f"train: {reason}: stopping (checkpoint {epoch} is complete)", flush=True)
+        return reason is not None
+
+    def stopped_before(self, epoch: int) -> bool:
+        if self.plateau is not None and self.plateau.stopped_before(epoch):
+            print(f"train: {self.plateau.stopped['reason']} (decided before this resume)",
+                  flush=True)
+            return True
+        return False
 
     def on_total_steps(self, n: int, per_epoch: int) -> None:
         self.metrics.total_steps, self.metrics.steps_per_epoch = n, per_epoch
@@ -290,6 +355,7 @@ class Training:
     argv: list[str]
     choice: DraftChoice
     device_type: str
+    budget: Budget | None = None
     servers: object | None = None   # OnlineServers, in online mode
     metrics: MetricEvents | None = None
 
@@ -312,7 +378,8 @@ def plan_training(ctx: StageContext, meta: dict, torch_version: str) -> Training
     if why:
         ctx.events.warning(why, hint='set [stages.train] loss = "eager" to silence this')
     attn = choose_attention(ctx.section.attention, device_type)
-    argv = trainer_argv(ctx, meta, loss, attn)
+    budget = plan_budget(ctx)
+    argv = trainer_argv(ctx, meta, loss, attn, budget)
     choice = resolve_draft_layer(ctx)
     print(f"train: draft layer {choice.layer} ({choice.why})", flush=True)
     if choice.layer == "mla":
@@ -324,7 +391,7 @@ def plan_training(ctx: StageContext, meta: dict, torch_version: str) -> Training
               "pipeline.train.mla_layer.register() in the process); vLLM serves "
               f"{ctx.out / 'vllm'}/<epoch>/", flush=True)
         argv = mla_argv(argv, draft_cfg)
-    return Training(argv, choice, device_type)
+    return Training(argv, choice, device_type, budget)
 
 
 def start_online(ctx: StageContext, meta: dict, training: Training) -> None:
@@ -372,14 +439,59 @@ def body(ctx: StageContext) -> dict:
     if moved:
         ctx.events.warning(f"set aside incomplete checkpoint(s) {moved} (cut short by a kill); "
                            "resuming from the last complete one")
+    if latest_checkpoint(save_path) is None:
+        (ctx.out / "plateau.json").unlink(missing_ok=True)   # a fresh start: no history
     if ctx.cfg.online:
         start_online(ctx, meta, training)
     run_trainer(ctx, training)
-    final = latest_checkpoint(save_path)
+    final, chosen = choose_checkpoint(save_path, plateau_watch(ctx))
     if final is None:
         raise StageError(f"training ended without a checkpoint in {save_path}",
                          hint=f"see {ctx.run.log_path('train')}")
-    return summarize(ctx, training, save_path, final)
+    summary = summarize(ctx, training, save_path, final)
+    summary["checkpoint_chosen_by"] = chosen
+    if chosen.startswith("highest"):   # that epoch's estimate, not the last one's
+        summary["acceptance_length"] = max(v for _, v in plateau_watch(ctx).history)
+    summary.update(budget_summary(ctx, training.budget, save_path))
+    print(f"train: stopped: {summary['stopped']}", flush=True)
+    return summary
+
+
+def choose_checkpoint(save_path: Path, watch: PlateauWatch) -> tuple[Path | None, str]:
+    """The trained draft when nothing measures it: the epoch with the
+    highest estimate (evaluate, when it runs, names the one vLLM measured
+    best among those it serves); without estimates, latest_checkpoint's."""
+    best = watch.best_epoch()
+    folder = save_path / str(best) if best is not None else None
+    if folder is not None and complete_checkpoint(folder):
+        return folder, f"highest acceptance estimate, epoch {best + 1}"
+    final = latest_checkpoint(save_path)
+    return final, ("lowest validation loss" if (save_path / "checkpoint_best").exists()
+                   else "last epoch")
+
+
+def budget_summary(ctx: StageContext, budget: Budget | None, save_path: Path) -> dict:
+    """What the budget planned and why training stopped, in words."""
+    if budget is None:
+        return {}
+    watch = plateau_watch(ctx)
+    done = [int(d.name) for d in save_path.iterdir() if d.name.isdigit()
+            and complete_checkpoint(d)] if save_path.is_dir() else []
+    epochs = max(done) + 1 if done else 0
+    if watch.stopped:
+        stopped = watch.stopped["reason"]
+    elif ctx.section.max_steps and ctx.section.max_steps < budget.steps:
+        stopped = f"max_steps {ctx.section.max_steps} reached"
+    elif not budget.auto:
+        stopped = f"epochs = {budget.epochs} done"
+    elif "max_epochs" in budget.why:
+        stopped = f"max_epochs reached ({budget.epochs})"
+    else:
+        stopped = f"the planned {budget.epochs} epochs done, still improving"
+    return {"stopped": stopped, "epochs_trained": epochs, "epochs_planned": budget.epochs,
+            "total_seq_len": budget.total_seq_len, "steps_planned": budget.steps,
+            "budget": budget.why,
+            "estimates": [round(v, 4) for _, v in watch.history]}
 
 
 def summarize(ctx: StageContext, training: Training, save_path: Path, final: Path) -> dict:
@@ -390,9 +502,7 @@ def summarize(ctx: StageContext, training: Training, save_path: Path, final: Pat
     accept = acceptance_length(val, ctx.section.ttt_steps)
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
-    # latest_checkpoint's choice, said: evaluate's default ("last") may measure another one
-    chosen = "lowest validation loss" if (save_path / "checkpoint_best").exists() else "last epoch"
-    summary = {"checkpoint": str(final), "checkpoint_chosen_by": chosen,
+    summary = {"checkpoint": str(final),
                "acceptance_length": accept, "val_loss": val.get("loss"),
                "train_argv": "speculators train " + " ".join(training.argv),
                "draft_layer": choice.layer, "draft_layer_reason": choice.why}
@@ -458,7 +568,7 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
 
         from pipeline.train.online import keyed_dataset_class
         dl_mod.ArrowDataset = keyed_dataset_class()   # our key, our servers
-    hooks = Hooks(ctx, metrics)
+    hooks = Hooks(ctx, metrics, plateau_watch(ctx))
     panel_trainer.install(cpu=device_type == "cpu", hooks=hooks)
     if draft_config_path(argv) is not None:
         # the MLA draft: its layer in speculators' registry, for this

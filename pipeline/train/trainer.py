@@ -1,8 +1,12 @@
 """speculators 0.9's Trainer as the train stage runs it: progress from the
 real number of steps (the packed batches change every epoch), a stop
-request honoured between steps, and SIGINT saving a mid-epoch checkpoint
+request honoured between steps, SIGINT saving a mid-epoch checkpoint
 under the epoch's number with its step (speculators' own `interrupted`
-folder is not resumable), so resume continues at the same global step.
+folder is not resumable), so resume continues at the same global step,
+and the plateau stop (pipeline.train.budget): after an epoch's checkpoint
+and validation, the hooks may end training there (speculators has no early
+stop; its epoch loop is left by an exception caught around it, so the
+last checkpoint is that complete epoch's).
 
 `install` puts it, the safe checkpointer and (on the CPU) the CPU patches
 into speculators' module namespaces for this process — never by editing
@@ -14,10 +18,18 @@ from __future__ import annotations
 from pipeline.train.checkpoints import safe_checkpointer
 
 
+class PlateauStop(Exception):
+    """Leaves speculators' epoch loop after a validation the hooks stop at."""
+
+
 def panel_trainer(base, hooks):
     """A subclass of speculators' Trainer `base` reporting to `hooks`: an
     object with `on_total_steps(n, per_epoch)`, `should_stop()` and
-    `on_interrupted(epoch, local_step, global_step)`."""
+    `on_interrupted(epoch, local_step, global_step)`, and optionally
+    `on_validation(epoch, val_metrics) -> bool` (True: stop after this
+    epoch) and `stopped_before(epoch) -> bool` (a stop already decided)."""
+    on_validation = getattr(hooks, "on_validation", None)
+    stopped_before = getattr(hooks, "stopped_before", None)
 
     class PanelTrainer(base):
         def __init__(self, *args, **kwargs):
@@ -50,7 +62,19 @@ def panel_trainer(base, hooks):
             if hooks.should_stop():
                 hooks.on_interrupted(self._epoch, 0, self.global_step)
                 return None
-            return super().run_training()
+            if stopped_before is not None and stopped_before(self.current_epoch):
+                return None   # resumed after the plateau stop was decided
+            try:
+                return super().run_training()
+            except PlateauStop:
+                return None
+
+        def maybe_update_best(self, epoch, val_metrics):
+            super().maybe_update_best(epoch, val_metrics)
+            # every rank sees the same all-reduced metrics: all stop together
+            if on_validation is not None and isinstance(epoch, int) \
+                    and on_validation(epoch, val_metrics):
+                raise PlateauStop()
 
         def maybe_save_checkpoint(self, epoch, local_step=0):
             if epoch != "interrupted":
