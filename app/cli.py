@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from pipeline import __version__, control, fmt
 from pipeline.cluster import slurm
@@ -23,7 +24,7 @@ from pipeline.config import ConfigError
 from pipeline.run import driver, provenance
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
 from pipeline.run.events import EventTail, EventType, last_event, tail_events, tail_lines
-from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
+from pipeline.run.rundir import RunDir, RunDirError, Status, check_runs_dir, list_runs
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
 
@@ -42,6 +43,11 @@ def resolve_run(args, name: str | None) -> RunDir:
 
 def cmd_run(args) -> int:
     cfg = control.load_config(args.config)
+    if args.runs_dir is not None:   # a first run may make it; a file there is refused
+        if not args.runs_dir:
+            raise RunDirError("--runs-dir '': not a folder. Name the folder the runs go in.")
+        where = Path(args.runs_dir)
+        cfg.run.runs_dir = str(check_runs_dir(where, "--runs-dir").resolve())
     return _start(lambda: control.launch(cfg, args.run, args.stage, args.force,
                                          skip_checks=args.skip_checks), args.wait)
 
@@ -228,12 +234,14 @@ def server_starts(rd: RunDir, stage: str) -> list[dict]:
 
 def cmd_status(args) -> int:
     rd = resolve_run(args, args.run)
+    rd.check_readable()   # a damaged file is named before anything is printed
     state, rows = status_rows(rd)
     launcher = state.get("driver") or {}
     if args.json:
         json.dump({"run_id": rd.id, "path": str(rd.path),
                    "driver_pid": launcher.get("pid") if driver.driver_alive(state) else None,
-                   "stages": rows, "provenance": provenance.read_run(rd.path, STAGE_NAMES)},
+                   "stages": rows, "provenance": provenance.read_run(rd.path, STAGE_NAMES),
+                   "survivors": _survivors(state)},
                   sys.stdout, indent=1, default=str)
         print()
         return 0
@@ -254,10 +262,22 @@ def cmd_status(args) -> int:
     for line in fmt.outcome_lines(stage_summary(rd, "train"), stage_summary(rd, "evaluate"),
                                   state["stages"]["evaluate"]):
         print(line)
+    from pipeline.run.leftovers import survivor_lines
+    for line in survivor_lines(state, driver.stage_alive):   # (nothing is stopped here)
+        print(f"warning: {line}")
     return 0
 
 
+def _survivors(state: dict) -> list[dict]:
+    from pipeline.run.leftovers import survivors
+    return survivors(state, driver.stage_alive)
+
+
 def cmd_cancel(args) -> int:
+    if args.grace is not None and not 0 <= args.grace < 1e9:   # (nan fails both)
+        print(f"eagle-panel: cancel --grace {args.grace}: give the seconds to wait after "
+              "SIGINT, 0 or more.", file=sys.stderr)
+        return EXIT_BAD_INPUT
     rd = resolve_run(args, args.run)
     results = control.cancel(rd, args.stage, args.grace)
     if not any(r.was_running for r in results):
@@ -287,6 +307,15 @@ def cmd_logs(args) -> int:
                      " (it has started no vLLM server)"), file=sys.stderr)
             return EXIT_BAD_INPUT
         path = logs[args.server]
+    # only a plain file inside the run: never a link to another user's file
+    if rd.readable(path, "the log") is None:
+        st = rd.read_state()["stages"][args.stage]
+        print(f"eagle-panel: {path}: no log" + (" yet: " if args.follow else ": ")
+              + (f"{args.stage} has not run in {rd.id}" if not st["attempt"] else
+                 "it was removed") + (" (waiting for it)" if args.follow else "."),
+              file=sys.stderr)
+        if not args.follow:
+            return EXIT_BAD_INPUT
     lines, size = tail_lines(path, args.lines)
     out = sys.stdout.buffer
     for line in lines:
@@ -294,10 +323,16 @@ def cmd_logs(args) -> int:
     out.flush()
     if not args.follow:
         return 0
-    offset = size
+    return _follow(rd, path, size, out)
+
+
+def _follow(rd: RunDir, path, offset: int, out) -> int:
+    """`logs -f`: what is appended, checked again on every read (the file
+    may be replaced by a link meanwhile)."""
     try:
         while True:
             try:
+                rd.readable(path, "the log")
                 with open(path, "rb") as f:
                     f.seek(offset)
                     data = f.read(1 << 20)
@@ -318,21 +353,31 @@ def cmd_runs(args) -> int:
     if not runs:
         print(f"no runs in {_runs_dir(args)}")
         return 0
+    code = 0
     for rd in runs:
         try:
             state = rd.read_state()
             summary = " ".join(f"{s}:{state['stages'][s]['status']}" for s in STAGE_NAMES)
             created = time.strftime("%Y-%m-%d %H:%M", time.localtime(state.get("created_at", 0)))
-        except RunDirError as e:
-            summary, created = f"(unreadable: {e})", "?"
+        except (RunDirError, OverflowError, OSError, ValueError) as e:
+            # listed with the others (they are fine), named, and exit 2
+            summary, created, code = f"(unreadable: {e})", "?", EXIT_BAD_INPUT
         print(f"{rd.id:24} {created}  {summary}")
-    return 0
+    return code
 
 
 def cmd_doctor(args) -> int:
     from pipeline import doctor
     # GPU presence is one of doctor's findings, not a reason to refuse the config.
-    cfg = control.load_config(args.config, gpu_check=False)
+    try:
+        cfg = control.load_config(args.config, gpu_check=False)
+    except ConfigError as e:
+        if not args.json:
+            raise
+        # --json is read by programs: the bad config is a finding, still JSON
+        print(doctor.as_json([doctor.Finding("config", doctor.BLOCK, str(e),
+                                             "fix the config, then run doctor again")]))
+        return EXIT_BAD_INPUT
     findings = doctor.diagnose(cfg)
     print(doctor.as_json(findings) if args.json else doctor.as_text(findings))
     return EXIT_FAILED if doctor.blocking(findings) else 0
@@ -376,6 +421,17 @@ SKIP_CHECKS = ("launch even when doctor's launch checks block (said in the run's
                "for experts who know better")
 DEFAULTS = {"config": None, "runs_dir": None, "simulate_gpus": 0, "interval": 1.0,
             "refresh": 2.0, "run": None}
+
+
+def _count(text: str) -> int:
+    """A line count for -n: a whole number, 0 or more (argparse names the option)."""
+    n = int(text)
+    if n < 0:
+        raise ValueError(text)
+    return n
+
+
+_count.__name__ = "line count"   # argparse's "invalid line count value: '-5'"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -423,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
     p.add_argument("stage", choices=STAGE_NAMES)
     p.add_argument("-f", "--follow", action="store_true")
-    p.add_argument("-n", "--lines", type=int, default=50)
+    p.add_argument("-n", "--lines", type=_count, default=50)
     p.add_argument("--server", metavar="K", help="the log of the stage's vLLM server K "
                    "(0, 1, ...; NODE/K on several nodes) instead of the stage's own")
 

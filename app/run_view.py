@@ -75,12 +75,15 @@ class RunView:
         self.poll_bytes = poll_bytes
         self._state_sig = None
         self._polls = 0
+        self._unsafe: set[str] = set()   # stages whose events file is damaged or a link out
         self.version = 0  # bumps on every change; widgets redraw on change only
 
     def poll(self) -> bool:
         """Read what changed; True if anything did."""
         changed = self._read_state()
         for s, tail in self.tails.items():
+            if s in self._unsafe:
+                continue
             events = tail.poll(self.poll_bytes)
             for ev in events:
                 self._apply(s, ev)
@@ -107,9 +110,21 @@ class RunView:
             self.state_error = None
         except RunDirError as e:
             self.state_error = str(e)
+        self._check_events()
         for s, info in self.stages.items():
             info.state = self.state.get("stages", {}).get(s, {})
         return True
+
+    def _check_events(self) -> None:
+        """An events file that is a folder, or a link out of the run (on a
+        shared run: another user's file), is not read; the panel says why."""
+        self._unsafe.clear()
+        for s in STAGE_NAMES:
+            try:
+                self.run.readable(self.run.events_path(s), "an events file")
+            except RunDirError as e:
+                self._unsafe.add(s)
+                self.state_error = self.state_error or str(e)
 
     def _apply(self, stage: str, ev: dict) -> None:
         info = self.stages[stage]

@@ -30,8 +30,10 @@ printed). Counted: kills
 made / survived (after each kill the run directory is checked: state.json
 parses, every hidden-state file present is whole, no checkpoint without its
 marker is trusted), corrupt files found by the stages on resume, files left
-over (temporaries, set-aside checkpoints), processes left over, train steps
-redone. `--seed` replays the same choices of victims and delays (process
+over (temporaries, set-aside checkpoints), processes left over (by the
+run's path and tokens, by every attempt's supervisor session, and by vLLM's
+process names VLLM::EngineCore / VLLM::Worker: any one fails the run), train
+steps redone. `--seed` replays the same choices of victims and delays (process
 timing is the machine's).
 """
 
@@ -54,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.run.driver import DONE  # noqa: E402
 from pipeline.run.events import read_events  # noqa: E402
+from pipeline.run.leftovers import attempt_processes, vllm_processes  # noqa: E402
 from pipeline.run.proctree import TOKEN_VAR, cmdline, environ, live_pids, proc_name  # noqa: E402
 from pipeline.run.rundir import RunDir, proc_alive  # noqa: E402
 
@@ -116,6 +119,33 @@ def run_processes(rd: RunDir) -> list[int]:
     token = f"{TOKEN_VAR}={rd.id}/".encode()
     return [pid for pid in live_pids()
             if str(rd.path) in cmdline(pid) or any(e.startswith(token) for e in environ(pid))]
+
+
+def note_attempts(rd: RunDir, seen: dict) -> None:
+    """Remember every stage attempt's identity (token, supervisor): state.json
+    keeps only the latest attempt's, and an earlier one's orphans must be found."""
+    try:
+        stages = rd.read_state()["stages"]
+    except Exception:  # noqa: BLE001 - a state being replaced: next time
+        return
+    for st in stages.values():
+        if st.get("token") and st.get("supervisor_pid"):
+            seen[st["token"]] = {k: st.get(k) for k in
+                                 ("token", "supervisor_pid", "supervisor_create_time")}
+
+
+def leftover_processes(rd: RunDir, seen: dict, vllm_before: set[int]) -> list[int]:
+    """What is still alive once the run has ended: by the run's path or token
+    (run_processes), by each attempt's identity (its supervisor's session:
+    vLLM's renamed EngineCore and workers carry no readable token), and by
+    vLLM's process names (VLLM::...) working in this run's directory (their
+    cwd: another test's servers beside this bench are not counted) that were
+    not there when the bench began."""
+    left = set(run_processes(rd))
+    for st in seen.values():
+        left.update(attempt_processes(st))
+    left.update(p for p in vllm_processes(under=rd.path.resolve()) if p not in vllm_before)
+    return sorted(left)
 
 
 def victims(rd: RunDir, sessions: list, panels: list) -> dict[str, list]:
@@ -278,8 +308,10 @@ def compare(ref: RunDir, got: RunDir) -> dict:
 
 # -- the run -----------------------------------------------------------------
 
-def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout: float) -> dict:
+def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout: float,
+          vllm_before: set[int] = frozenset()) -> dict:
     rng = random.Random(seed)
+    seen: dict = {}
     rd = RunDir(work / "runs" / name)
     sessions = [cli(work, "run", "--wait", session=True, wait=False)]
     panels: list[str] = []
@@ -290,6 +322,7 @@ def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout:
     start_panel(work, rd, panels)
     streak, last_running = 0, None
     while time.time() < deadline:
+        note_attempts(rd, seen)
         state = rd.read_state()
         d = state.get("driver") or {}
         driving = proc_alive(d.get("pid"), d.get("create_time"))
@@ -331,13 +364,18 @@ def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout:
         streak += kind in ("stage", "vllm")
     else:
         raise TimeoutError(f"chaos run did not end within {timeout:.0f} s")
+    return {"kills_made": len(made), "kills_survived": survived, "integrity_problems": problems,
+            "resumes": resumes, "kills": made, "wall_s": round(time.time() - t0, 1),
+            "leftover_processes": _after(rd, panels, seen, vllm_before)}
+
+
+def _after(rd: RunDir, panels: list[str], seen: dict, vllm_before: set[int]) -> list[str]:
+    """Close the panels; the processes left over, each as "pid NAME"."""
     for name in panels:
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True, check=False)
     time.sleep(2.0)
-    left = run_processes(rd)
-    return {"kills_made": len(made), "kills_survived": survived, "integrity_problems": problems,
-            "resumes": resumes, "kills": made, "wall_s": round(time.time() - t0, 1),
-            "leftover_processes": [proc_name(p) for p in left]}
+    note_attempts(rd, seen)
+    return [f"{p} {proc_name(p)}" for p in leftover_processes(rd, seen, vllm_before)]
 
 
 def corrupt_found_on_resume(rd: RunDir) -> int:
@@ -435,6 +473,7 @@ def main(argv=None) -> int:
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="chaos-"))
     (work / "ref").mkdir(parents=True, exist_ok=True)
     write_config(work / "ref", "ref", a)
+    vllm_before = set(vllm_processes())   # (another user's servers are not ours to count)
     t = time.time()
     r = cli(work / "ref", "run", "--wait")
     if r.returncode:
@@ -450,7 +489,7 @@ def main(argv=None) -> int:
         name = f"chaos-{os.getpid()}-{len(rounds)}"
         write_config(work / "chaos", name, a)
         rnd = chaos(work / "chaos", name, a.kills - made, a.seed + 1000 * len(rounds),
-                    a.max_gap, a.timeout)
+                    a.max_gap, a.timeout, vllm_before)
         rnd.update(check_round(ref, RunDir(work / "chaos" / "runs" / name)))
         rnd["ok"] = rnd["ok"] and rnd["kills_survived"] == rnd["kills_made"] \
             and not rnd["leftover_processes"]

@@ -134,6 +134,9 @@ class ServerCommon(StageCommon):
     """What a stage that starts its own vLLM server takes."""
     serve_command: str = ""
     server_args: list[str] = field(default_factory=list)
+    # server_args may not set what eagle-panel owns (--host, --port,
+    # --api-key, --uds) unless this is true: then doctor warns about it
+    override_server_flags: bool = False
     startup_timeout_s: float = 1200.0
     # a starting server with no new log line and no GPU memory change for
     # this long is called stalled (the panel, status and run --wait say so)
@@ -174,6 +177,9 @@ class ExtractSection(StageCommon):
     # vllm-server backend
     serve_command: str = ""
     server_args: list[str] = field(default_factory=list)
+    # server_args may not set what eagle-panel owns (--host, --port,
+    # --api-key, --uds) unless this is true: then doctor warns about it
+    override_server_flags: bool = False
     startup_timeout_s: float = 1200.0
     # a starting server with no new log line and no GPU memory change for
     # this long is called stalled (the panel, status and run --wait say so)
@@ -190,12 +196,27 @@ class VocabSection(StageCommon):
     draft_vocab_size: int = 32000
 
 
+# [stages.train] keys that only the training budget rule reads (epochs = 0 or
+# total_seq_len = 0: pipeline/train/budget.py).
+BUDGET_KEYS = ("target_steps", "min_steps", "max_epochs", "patience", "min_delta")
+
+
 @dataclass
 class TrainSection(StageCommon):
-    epochs: int = 3
+    # 0 = the budget rule chooses from the data (pipeline.train.budget):
+    # epochs to reach target_steps (at most max_epochs, never under
+    # min_steps), a plateau stop after `patience` epochs whose estimate
+    # gained less than min_delta; total_seq_len so small data gets its steps.
+    # N = exactly N (no plateau stop for an explicit epochs).
+    epochs: int = 0
     lr: float = 1e-4
     num_layers: int = 1
-    total_seq_len: int = 8192
+    total_seq_len: int = 0
+    target_steps: int = 600
+    min_steps: int = 300
+    max_epochs: int = 20
+    patience: int = 2
+    min_delta: float = 0.005
     ttt_steps: int = 3
     train_ratio: float = 0.9
     checkpoint_freq: float = 1.0
@@ -223,7 +244,7 @@ class TrainSection(StageCommon):
 @dataclass
 class EvaluateSection(ServerCommon):
     enabled: bool = True
-    checkpoints: str = "last"   # last | best | all
+    checkpoints: str = "last"   # last | best | all | best-K (K: a count)
     num_speculative_tokens: int = 3
     prompts: str = ""           # "" = the validation split's prompts; or a JSONL file
     max_prompts: int = 64
@@ -346,7 +367,13 @@ class Config:
         return "bfloat16" if on_gpu else "float32"
 
     def section_dict(self, name: str) -> dict:
-        return dataclasses.asdict(self.stage(name))
+        d = dataclasses.asdict(self.stage(name))
+        if not d.get("override_server_flags", True):
+            del d["override_server_flags"]   # decides no output: a run's fingerprints stay
+        if name == "train" and d.get("epochs") and d.get("total_seq_len"):
+            for key in BUDGET_KEYS:   # the budget rule is off: they decide nothing, and a
+                d.pop(key, None)      # run made before they existed stays up to date
+        return d
 
     def fingerprint(self, name: str, upstream: dict[str, str]) -> str:
         """Hash of what decides the stage's output: its section, the shared
@@ -479,12 +506,15 @@ def _choice(value: str, allowed, where: str, src: str):
 def _semantic_checks(cfg: Config, src: str, gpu_count):
     """What types alone cannot say: names, choices, ranges, paths, GPUs."""
     name = cfg.run.name
+    # (the same rule as a --run id's: pipeline.run.rundir.check_run_id)
     if not name or "/" in name or "\\" in name or name.startswith(".") or \
-            any(ord(c) < 32 for c in name):
+            any(ord(c) < 32 for c in name) or len(name.encode(errors="surrogateescape")) > 255:
         raise ConfigError(f"{src}: `run.name` = {name!r} must be a plain folder name (no "
-                          "slashes, not starting with a dot). Fix `run.name`.")
+                          "slashes, not starting with a dot, at most 255 bytes). Fix `run.name`.")
     _check_choices(cfg, src)
     _check_ranges(cfg, src)
+    _check_meanings(cfg, src)
+    _check_server_args(cfg, src)
     _check_paths(cfg, src)
     _check_gpus(cfg, src, gpu_count)
 
@@ -512,8 +542,10 @@ def _check_choices(cfg: Config, src: str) -> None:
         raise ConfigError(f'{src}: `cluster.nodes` = {cfg.cluster.nodes} needs `cluster.scheduler '
                           '= "slurm"` (the nodes come from the scheduler\'s allocation). Set '
                           "`cluster.nodes = 1`, or scheduler = \"slurm\".")
-    _choice(cfg.stages.evaluate.checkpoints, ("last", "best", "all"),
-            "stages.evaluate.checkpoints", src)
+    which = cfg.stages.evaluate.checkpoints
+    if not (which.startswith("best-") and which[5:].isdigit() and int(which[5:]) > 0):
+        # best-K: the K checkpoints train estimates best, the draft named by vLLM's measure
+        _choice(which, ("last", "best", "all", "best-3"), "stages.evaluate.checkpoints", src)
 
 
 def _check_ranges(cfg: Config, src: str) -> None:
@@ -522,9 +554,9 @@ def _check_ranges(cfg: Config, src: str) -> None:
         ("stages.prepare.seq_length", cfg.stages.prepare.seq_length),
         ("stages.extract.batch_tokens", cfg.stages.extract.batch_tokens),
         ("stages.vocab.draft_vocab_size", cfg.stages.vocab.draft_vocab_size),
-        ("stages.train.epochs", cfg.stages.train.epochs),
         ("stages.train.num_layers", cfg.stages.train.num_layers),
-        ("stages.train.total_seq_len", cfg.stages.train.total_seq_len),
+        ("stages.train.target_steps", cfg.stages.train.target_steps),
+        ("stages.train.max_epochs", cfg.stages.train.max_epochs),
         ("stages.train.ttt_steps", cfg.stages.train.ttt_steps),
         ("stages.train.log_freq", cfg.stages.train.log_freq),
         ("stages.extract.tensor_parallel", cfg.stages.extract.tensor_parallel),
@@ -566,6 +598,97 @@ def _check_ranges(cfg: Config, src: str) -> None:
                           f"memory in GB, got {cfg.gpus.memory_gb}.")
     if any(i < 0 for i in cfg.stages.extract.layer_ids):
         raise ConfigError(f"{src}: `stages.extract.layer_ids` must be layer numbers >= 0.")
+
+
+SERVER_SECTIONS = ("regenerate", "extract", "evaluate")
+
+
+def _check_meanings(cfg: Config, src: str) -> None:
+    """Numbers whose zero means nothing (a timeout, a rate, a frequency), and
+    numbers that must agree with each other."""
+    st = cfg.stages
+    positive = [("stages.train.lr", st.train.lr),
+                ("stages.train.checkpoint_freq", st.train.checkpoint_freq),
+                ("stages.train.online_max_inflight", st.train.online_max_inflight),
+                ("stages.prepare.render_timeout_s", st.prepare.render_timeout_s)]
+    for name in SERVER_SECTIONS:
+        for key in ("startup_timeout_s", "request_timeout_s"):
+            positive.append((f"stages.{name}.{key}", getattr(getattr(st, name), key)))
+    for where, value in positive:
+        if value <= 0:
+            raise ConfigError(f"{src}: `{where}` must be above 0 (a time, a rate or a "
+                              f"frequency: 0 would never happen or never end), got {value}. "
+                              f"Set `{where}` to a positive value, or remove it for the "
+                              "default.")
+    k, gate = st.evaluate.num_speculative_tokens, st.evaluate.min_acceptance
+    if gate > k + 1:
+        raise ConfigError(
+            f"{src}: `stages.evaluate.min_acceptance` = {gate} can never be met: with "
+            f"`stages.evaluate.num_speculative_tokens` = {k} a step accepts at most {k + 1} "
+            f"tokens (the {k} drafted and the target's own). Set `min_acceptance` to at "
+            f"most {k + 1}, or 0 for no gate.")
+    if 0 < st.train.total_seq_len < st.prepare.seq_length:   # (0: the budget chooses)
+        raise ConfigError(
+            f"{src}: `stages.train.total_seq_len` = {st.train.total_seq_len} is shorter than "
+            f"`stages.prepare.seq_length` = {st.prepare.seq_length}: a training step packs "
+            "whole samples, and one sample would not fit. Raise `total_seq_len` (or lower "
+            "`seq_length`).")
+    # (extract's batch_tokens may be below seq_length: the hf backend then
+    # runs one sample per batch, the vllm-engine one prefills in chunks)
+
+
+# vLLM flags eagle-panel sets itself: loopback only, its own port and key.
+OWNED_SERVER_FLAGS = ("--host", "--port", "--api-key", "--uds")
+# environment variables that open vLLM's development endpoints (/collective_rpc, /sleep, ...)
+OWNED_SERVER_ENV = ("VLLM_SERVER_DEV_MODE",)
+
+
+def owned_flag(arg: str) -> str | None:
+    """The owned flag `arg` sets (also as --flag=value, with underscores, or
+    abbreviated as argparse allows), or None."""
+    if not arg.startswith("--"):
+        return None
+    name = "--" + arg[2:].split("=", 1)[0].replace("_", "-").lower()
+    if len(name) < 4:
+        return None
+    return next((f for f in OWNED_SERVER_FLAGS if f.startswith(name)), None)
+
+
+def _check_server_args(cfg: Config, src: str) -> None:
+    """server_args and env must not undo what keeps a server private."""
+    for name in SERVER_SECTIONS:
+        sec = cfg.stage(name)
+        if sec.override_server_flags:
+            continue
+        for arg in sec.server_args:
+            flag = owned_flag(arg)
+            if flag:
+                raise ConfigError(
+                    f"{src}: `stages.{name}.server_args` sets {arg!r}, which eagle-panel owns "
+                    f"({flag}: every server listens on 127.0.0.1 on a free port with a "
+                    "random API key). Remove it; if you mean it, also set "
+                    f"`stages.{name}.override_server_flags = true` (doctor will warn).")
+        for where, env in (("runtime.env", cfg.runtime.env), (f"stages.{name}.env", sec.env)):
+            bad = [v for v in OWNED_SERVER_ENV if env.get(v, "0") not in ("", "0")]
+            if bad:
+                raise ConfigError(
+                    f"{src}: `{where}` sets {bad[0]}, which opens vLLM's development "
+                    "endpoints (they run any call in the server) on the servers of "
+                    f"`stages.{name}`. Remove it; if you mean it, also set "
+                    f"`stages.{name}.override_server_flags = true` (doctor will warn).")
+
+
+def overridden_server_flags(cfg: Config) -> list[str]:
+    """For doctor's warning: the owned flags and variables a config sets on purpose."""
+    out = []
+    for name in SERVER_SECTIONS:
+        sec = cfg.stage(name)
+        if sec.override_server_flags:
+            env = {**cfg.runtime.env, **sec.env}
+            out += [f"stages.{name}: {a}" for a in sec.server_args if owned_flag(a)]
+            out += [f"stages.{name}: {v}={env[v]}" for v in OWNED_SERVER_ENV
+                    if env.get(v, "0") not in ("", "0")]
+    return out
 
 
 def _check_paths(cfg: Config, src: str) -> None:
@@ -688,7 +811,14 @@ def load(path: str | os.PathLike, gpu_count=_nvml_gpu_count,
     """Load a config file; `base_dir` overrides the folder relative paths are
     resolved from (a run's frozen copy keeps its original folder's meaning).
     `gpu_count=None` skips the GPU-presence check (stages already launched)."""
+    if not str(path).strip():
+        raise ConfigError("--config is empty: name a config file (or leave --config out for "
+                          "./config.toml).")
     p = Path(path)
+    if p.exists() and not p.is_file():
+        # a folder, /dev/zero, a FIFO: never read (one would never end)
+        kind = "a folder" if p.is_dir() else "not a regular file"
+        raise ConfigError(f"{p}: not a config file ({kind}). Pass --config PATH/config.toml.")
     try:
         raw = p.read_bytes()
     except FileNotFoundError:

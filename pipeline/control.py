@@ -16,7 +16,7 @@ from pipeline.cluster import slurm
 from pipeline.config import Config, ConfigError
 from pipeline.run import driver
 from pipeline.run.driver import CancelResult, Step
-from pipeline.run.rundir import RunDir, RunDirError, list_runs
+from pipeline.run.rundir import RunDir, RunDirError, check_run_id, check_runs_dir, list_runs
 
 # Grace times when a run's config cannot be read (config.py's defaults).
 DEFAULT_GRACE = (config_mod.RuntimeSection.cancel_grace_s, config_mod.RuntimeSection.term_grace_s)
@@ -60,17 +60,27 @@ class Started:
 def runs_dir(config_path: str | None, override: str | None) -> Path:
     """Where runs live: --runs-dir, else the config's [run] runs_dir, else
     ./runs beside the project (an unreadable config must not hide the runs)."""
-    if override:
+    if override is not None:
+        # named on the command line: it must be a folder that is there
+        if not override or not Path(override).is_dir():
+            raise RunDirError(f"--runs-dir {override!r}: not a folder"
+                              + ("" if not override or Path(override).exists() else
+                                 " (it does not exist)") + ". Name the folder the runs are in.")
         return Path(override)
     try:
-        return load_config(config_path, gpu_check=False).runs_dir()
+        return check_runs_dir(load_config(config_path, gpu_check=False).runs_dir())
     except ConfigError:
+        if config_path is not None and not Path(config_path).is_file():
+            raise   # a config named on purpose that is not there: never another one's runs
         return config_mod.PROJECT_ROOT / "runs"
 
 
 def load_config(path: str | None, gpu_check: bool = True) -> Config:
+    """The config at `path`; None: ./config.toml, else the bundled one. A
+    named path is that file or an error, never a fallback (`--config ""`
+    must not act on the bundled config's runs)."""
     kwargs = {} if gpu_check else {"gpu_count": None}
-    return config_mod.load(path or config_mod.default_config_path(), **kwargs)
+    return config_mod.load(config_mod.default_config_path() if path is None else path, **kwargs)
 
 
 def resolve_run(folder: Path, name: str | None) -> RunDir:
@@ -79,8 +89,11 @@ def resolve_run(folder: Path, name: str | None) -> RunDir:
     if name:
         p = Path(name)
         if p.is_dir() and (p / "state.json").exists():
-            return RunDir(p)
-        return RunDir(folder / name).require()
+            return RunDir(p).require()
+        if "/" in name or name.startswith("."):
+            raise RunDirError(f"{name}: no such run directory (a path must be a run's folder, "
+                              "an id a plain name). `eagle-panel runs` lists the runs.")
+        return RunDir(folder / check_run_id(name, "RUN")).require()
     runs = list_runs(folder)
     if not runs:
         raise RunDirError(f"no runs in {folder}; start one with `eagle-panel run`.")
@@ -112,7 +125,9 @@ def launch(cfg: Config, run_id: str | None = None, only: str | None = None,
     """`run`: check the config, then create (or reuse) the run directory with
     the config frozen into it, then start. A check that refuses (the
     scheduler's, doctor's) creates and changes nothing."""
-    rid = run_id or cfg.run.name
+    # before anything is created: `--run ../../x` must not make a folder
+    rid = check_run_id(run_id, "--run") if run_id is not None else cfg.run.name
+    check_runs_dir(cfg.runs_dir())
     check_scheduler(cfg, rid, cfg.runs_dir())
     skipped = check_launch(cfg, rid, skip_checks)
     return _start(driver.prepare_run(cfg, run_id), cfg, only, force, busy_wait, skipped)
@@ -123,6 +138,7 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
     """Plan and start the run's driver with its frozen config (not started
     when everything is up to date). Raises Busy, Refused, or Blocked when
     `only` needs an unfinished stage."""
+    rd.check_readable()   # damage is named here, not met by the detached driver
     cfg = driver.load_run_config(rd)
     check_scheduler(cfg, rd.id, rd.path.parent)
     skipped = check_launch(cfg, rd.id, skip_checks)
@@ -134,7 +150,10 @@ def _start(rd: RunDir, cfg: Config, only: str | None, force: bool, busy_wait: fl
     holder = driver.busy_launcher(rd, wait=busy_wait)
     if holder is not None:
         raise Busy(rd, holder)
-    steps = driver.plan(cfg, driver.reconcile(rd), only, force)
+    state = driver.reconcile(rd)
+    from pipeline.run.leftovers import stop_survivors
+    stop_survivors(state, driver.stage_alive)   # what ended attempts left running: stopped
+    steps = driver.plan(cfg, state, only, force)
     blocked = [s for s in steps if s.action == "blocked"]
     if blocked:
         raise Blocked(f"{rd.id}: cannot run {only}: {blocked[0].why}. Run the pipeline "

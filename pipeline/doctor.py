@@ -27,15 +27,17 @@ from pipeline.data.prompt_sets import MT_BENCH, MT_BENCH_PACKAGE
 from pipeline.model import fp8
 from pipeline.model.info import (
     ModelInfo,
+    describe_layers,
     hs_bytes_per_token,
     kv_bytes_per_token,
     model_info,
     read_model,
+    recurrent_bytes_per_seq,
     validate_layer_ids,
 )
 from pipeline.paths import PROJECT_ROOT
 from pipeline.run.rundir import RunDir
-from pipeline.vllm import compat
+from pipeline.vllm import compat, contract
 from pipeline.vllm.environment import VllmEnv, choose_backend, cpu_kv_space_gib
 from pipeline.vllm.environment import probe as probe_vllm
 from pipeline.vllm.target_flags import has_cpu_mla
@@ -127,7 +129,7 @@ def vllm_env_from(env: dict) -> VllmEnv | None:
 def _server_util(cfg: Config) -> float:
     args = list(cfg.stages.extract.server_args)
     for i, a in enumerate(args):
-        if a.startswith("--gpu-memory-utilization"):
+        if a.startswith(contract.FLAG_GPU_UTIL):
             val = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
             try:
                 return float(val)
@@ -215,20 +217,43 @@ def check_backends(x: Inputs) -> list[Finding]:
         return out + [Finding("backends", BLOCK, f"[stages.extract] backend = {sec.backend!r}: "
                               f"{problem}", 'or set backend = "hf" (or "auto")')]
     if sec.backend == "vllm-engine":
-        lo, hi = compat.ENGINE_RANGE
-        if not compat.version_at_least(v.version, lo):
-            out.append(Finding("backends", BLOCK, f"vLLM {v.version} is older than the "
-                               f"vllm-engine backend supports ({lo})", f"upgrade vLLM to >= {lo}"))
-        elif compat.version_at_least(v.version, hi):
-            out.append(Finding("backends", WARN, f"vLLM {v.version} is newer than the releases "
-                               "the vllm-engine backend was checked against (0.11-0.16); its "
-                               "internals may have moved",
-                               f'prefer backend = "vllm-server" (vLLM >= '
-                               f'{compat.SERVER_ROUTE_SINCE}), the official route'))
+        out += engine_backend_findings(x, v)
     if sec.backend == "vllm-server" and "vllm-server" not in usable and x.source is not None:
         out.append(Finding("backends", BLOCK, f"vLLM {v.version} has no extract_hidden_states / "
                            f"ExampleHiddenStatesConnector (added in {compat.SERVER_ROUTE_SINCE})",
                            f"upgrade vLLM to >= {compat.SERVER_ROUTE_SINCE}"))
+    return out
+
+
+def engine_backend_findings(x: Inputs, v: VllmEnv) -> list[Finding]:
+    """The vllm-engine backend against this vLLM: the releases its contract
+    was read on and run on, and (the CPU build) its KV block size."""
+    out: list[Finding] = []
+    lo, hi = compat.ENGINE_RANGE
+    base = v.version.split("+")[0]
+    if not compat.version_at_least(base, lo):
+        return [Finding("backends", BLOCK, f"vLLM {v.version} is older than the vllm-engine "
+                        f"backend supports ({lo})", f"upgrade vLLM to >= {lo}")]
+    prefer = (f'prefer backend = "vllm-server" (vLLM >= {compat.SERVER_ROUTE_SINCE}), the '
+              "official route")
+    if compat.version_at_least(base, hi):
+        out.append(Finding("backends", WARN, f"vLLM {v.version} is newer than the releases the "
+                           f"vllm-engine backend's contract was read on ({lo[:4]}-{hi[:4]}); its "
+                           "internals may have moved", prefer))
+    elif not compat.version_at_least(compat.ENGINE_RUN_ON, base):
+        out.append(Finding("backends", WARN, f"the vllm-engine backend was run on vLLM "
+                           f"{compat.ENGINE_RUN_ON} (its CPU build); on {v.version} its contract "
+                           "was read from the source (the compat lines below), not run", prefer))
+    if v.cpu_build and x.source is not None and x.model is not None:
+        kind = "mla" if x.model.mla else "attn"
+        sizes = compat.cpu_attention(x.source, kind)[1]
+        if sizes and not compat.common_block_size([compat.ENGINE_BLOCK_SIZE], sizes):
+            out.append(Finding("backends", BLOCK, f"the vllm-engine backend uses "
+                               f"{compat.ENGINE_BLOCK_SIZE}-token KV blocks; vLLM {v.version}'s "
+                               f"CPU {kind.upper()} backend takes {_sizes(sizes)} (read from its "
+                               "source; a real 0.32 CPU build stops in initialize_from_config: "
+                               f'"No common block size for {compat.ENGINE_BLOCK_SIZE}")',
+                               'use backend = "vllm-server" (or "auto") or "hf"'))
     return out
 
 
@@ -274,6 +299,8 @@ def check_model(x: Inputs) -> list[Finding]:
                               "Face id (ORG/NAME) in the cache")]
     m = x.model
     kind = "MLA" if m.mla else ("GQA" if m.kv_heads < m.heads else "MHA")
+    if m.hybrid or set(m.kinds) - {"mla", "attn"}:
+        kind = f"hybrid/sparse ({describe_layers(m)})"
     out += [Finding("model", OK, f"{m.architecture} ({m.model_type}): {m.layers} layers, hidden "
                    f"{m.hidden}, {m.heads} heads / {m.kv_heads} KV heads, {kind} attention, "
                    f"{m.dtype}" + (", decoder under text_config (multimodal wrapper)"
@@ -302,6 +329,40 @@ def check_layers(x: Inputs) -> list[Finding]:
                             else ""))]
     return [Finding("layers", OK, f"aux layer ids {x.layer_ids[:-1]} + last {x.layer_ids[-1]} "
                     "(vLLM convention) are valid for {} layers".format(m.layers))]
+
+
+def check_hybrid(x: Inputs) -> list[Finding]:
+    """Hybrid and sparse targets (Kimi-K3/Kimi-Linear: KDA + MLA, Qwen3-Next:
+    gated delta net + attention, DeepSeek-V3.2/GLM-MoE-DSA, DeepSeek-V4):
+    which layers the aux hidden states come from, and what the vLLM routes
+    can do with them."""
+    m = x.model
+    if m is None or x.layer_ids is None or not (m.hybrid or set(m.kinds) - {"mla", "attn"}):
+        return []
+    names = {"linear": (m.linear or {}).get("kind", "linear"), "mla": "MLA", "attn": "attention",
+             "dsa": "DSA"}
+    which = ", ".join(f"{k} ({names.get(m.kinds[k - 1], m.kinds[k - 1])})" if k else "0 (embeddings)"
+                      for k in x.layer_ids[:-1])
+    out = [Finding("layers", OK, f"{describe_layers(m)}: aux ids {which} - every decoder "
+                   "layer's output is the residual stream whatever its attention, so each can "
+                   "give EAGLE-3 aux hidden states (vLLM takes any layer id)")]
+    if serves_vllm(x) and x.vllm is not None and x.vllm.cpu_build and "linear" in m.kinds:
+        gdn = x.source is not None and x.source.has_module(compat.CPU_GDN_MODULE)
+        if m.linear and m.linear["kind"] == "KDA" or not gdn:
+            stages = [s for s in ("regenerate", "evaluate") if x.cfg.enabled(s)]
+            out.append(Finding("layers", WARN, f"vLLM {x.vllm.version}'s CPU build has no "
+                               f"{m.linear['kind'] if m.linear else 'linear-attention'} kernel "
+                               "(its CPU path is the gated delta net's, "
+                               f"vllm.{compat.CPU_GDN_MODULE}): vLLM cannot serve this target "
+                               "here" + (f" ({', '.join(stages)} would fail)" if stages else ""),
+                               'extract with backend = "hf" or "auto" (it picks hf here); '
+                               "disable regenerate / evaluate, or run them on a GPU build"))
+    if x.backend == "vllm-engine" and x.source is not None:
+        bad = compat.decoder_layer_mismatch(x.source, m.architecture)
+        if bad:
+            out.append(Finding("layers", BLOCK, bad, 'use backend = "vllm-server" (vLLM\'s own '
+                               'aux hidden states) or "hf"'))
+    return out
 
 
 def vllm_servers(cfg: Config) -> list[tuple[str, int]]:
@@ -398,9 +459,28 @@ def check_adaptations(x: Inputs) -> list[Finding]:
     for a in expected_adaptations(x.source, route, x.vllm):
         if a.key == "kv_config_missing":
             found.append(Finding("compat", BLOCK, a.detail, "upgrade vLLM", a.key))
+        elif a.blocking:
+            other = "vllm-server" if route == "engine" else "vllm-engine"
+            found.append(Finding("compat", BLOCK, a.detail, f'use backend = "hf" (or "{other}" '
+                                 "where doctor passes it), or a vLLM release eagle-panel has "
+                                 "read; report this release", a.key))
         else:
             found.append(Finding("compat", OK, f"adapts: {a.detail}", key=a.key))
-    return found
+    return found + unread_release(x)
+
+
+def unread_release(x: Inputs) -> list[Finding]:
+    """A vLLM newer than every release eagle-panel's tests read: the
+    contract was checked against its source here, nothing more."""
+    version = (x.vllm.version if x.vllm else None) or ""
+    newest = compat.READ_RELEASES[-1]
+    if not version or compat.version_at_least(newest, version.split("+")[0]) or \
+            version.split("+")[0] in compat.READ_RELEASES:
+        return []
+    return [Finding("compat", WARN, f"vLLM {version} is newer than every release eagle-panel's "
+                    f"tests read (the newest: {newest}): the lines above come from its source, "
+                    "no test has met it", "report it; the hf backend is unaffected",
+                    "unread_release")]
 
 
 def expected_adaptations(src, route: str, env: VllmEnv | None) -> list[compat.Adaptation]:
@@ -454,7 +534,7 @@ def check_cpu_attention(x: Inputs) -> list[Finding]:
     kind, size = ("mla", int(m.kv_lora_rank) + int(m.qk_rope_head_dim or 0)) if m.mla \
         else ("attn", m.head_dim)
     if m.mla and not has_cpu_mla(x.source):
-        disabled = x.cfg.runtime.env.get("VLLM_MLA_DISABLE") == "1"
+        disabled = x.cfg.runtime.env.get(contract.ENV_MLA_DISABLE) == "1"
         return [Finding("attention", WARN if disabled else BLOCK,
                         f"vLLM {x.vllm.version}'s CPU build has no MLA attention (\"MLA is not "
                         "supported on CPU\")" + ("; VLLM_MLA_DISABLE=1 runs it as plain "
@@ -628,6 +708,20 @@ def check_privacy(x: Inputs) -> list[Finding]:
                     + (" and your group" if mode & stat.S_IRGRP else " only"))]
 
 
+def check_survivors(x: Inputs) -> list[Finding]:
+    """Processes the config's run's ended stages left running (a vLLM server
+    whose EngineCore kept its GPU memory): each with its pid."""
+    from pipeline.run.driver import stage_alive
+    from pipeline.run.leftovers import survivor_lines
+    rd = RunDir(x.cfg.runs_dir() / x.cfg.run.name)
+    try:
+        state = rd.read_state() if rd.is_run() else None
+    except Exception:  # noqa: BLE001 - a damaged run is the readers' to name, not doctor's
+        state = None
+    lines = survivor_lines(state, stage_alive) if state else []
+    return [Finding("processes", WARN, f"{rd.id}: {lines[0]}", lines[1])] if lines else []
+
+
 def check_cluster(x: Inputs) -> list[Finding]:
     """[cluster] scheduler = "slurm": the scheduler reachable, the partition
     there and up, GPUs per node against [gpus], the run directory shared."""
@@ -677,15 +771,53 @@ def per_node_plan(x: Inputs) -> Finding:
     return Finding("cluster", OK, msg)
 
 
+def interpreter_fails(python: str) -> str | None:
+    """Why `python` cannot run the stages (it must start and be 3.10+), or None."""
+    try:
+        r = subprocess.run([python, "-c", "import sys; print(sys.version_info >= (3, 10))"],
+                           capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot be run: {e}"
+    if r.returncode or r.stdout.strip() != "True":
+        said = (r.stderr or r.stdout).strip()[-200:]
+        return f"is not a working Python 3.10+ (exit {r.returncode}{': ' + said if said else ''})"
+    return None
+
+
+def check_interpreters(x: Inputs) -> list[Finding]:
+    """The interpreters the config names start at all (a launch check: one
+    `python -c`, no package probe; check_environment probes the packages)."""
+    out = []
+    for key, level in (("python", BLOCK), ("vllm_python", WARN)):
+        py = getattr(x.cfg.runtime, key)
+        why = interpreter_fails(py) if py else None
+        if why:
+            out.append(Finding("environment", level, f"[runtime] {key} = {py!r} {why}",
+                               f"point [runtime] {key} at a Python 3.10+ interpreter (e.g. "
+                               "/opt/venv/bin/python), or leave it empty for the default"))
+    return out
+
+
+def check_server_overrides(x: Inputs) -> list[Finding]:
+    """server_args that take over what eagle-panel owns, set on purpose."""
+    from pipeline.config import overridden_server_flags
+    return [Finding("privacy", WARN, f"{what} overrides eagle-panel's own server setting "
+                    "(loopback only, a free port, a random API key, no development endpoints)",
+                    "remove it and override_server_flags unless the server must be reached "
+                    "that way") for what in overridden_server_flags(x.cfg)]
+
+
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
-          check_layers, check_shapes, check_eagle3, check_adaptations, check_target_flags,
+          check_layers, check_hybrid, check_shapes, check_eagle3, check_adaptations, check_target_flags,
           check_cpu_attention, check_startup, check_kv_cache, check_disk, check_versions,
-          check_privacy, check_cluster)
+          check_privacy, check_server_overrides, check_survivors, check_cluster)
 # What `run`, `resume` and the panel's `r` check before anything is created or
-# started: the checks that need no probe of an environment, no vLLM source and
-# no network — from the config and the target's config.json, in well under a
-# second. (The stages still check the rest themselves, with the same words.)
-LAUNCH_CHECKS = (check_gpus, check_model, check_layers, check_shapes)
+# started: the checks that need no probe of an environment (but one `python -c`
+# of an interpreter the config names), no vLLM source and no network — from the
+# config and the target's config.json, in well under a second. (The stages
+# still check the rest themselves, with the same words.)
+LAUNCH_CHECKS = (check_interpreters, check_gpus, check_model, check_layers, check_shapes,
+                 check_server_overrides)
 
 
 def target_info(cfg: Config) -> ModelInfo:
@@ -735,13 +867,6 @@ def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool 
     elif vllm_env is not None and vllm_env.vllm_dir:
         from pipeline.vllm.source import VllmSource
         x.source = VllmSource.from_dir(Path(vllm_env.vllm_dir), vllm_env.version or "?")
-    sec = cfg.stages.extract
-    if cfg.online:
-        x.backend, x.backend_why = "vllm-server", "online mode: train asks vLLM servers"
-    elif sec.backend == "auto":
-        x.backend, x.backend_why = choose_backend("auto", vllm_env, cfg.stage_devices("extract"))
-    else:
-        x.backend = sec.backend
     from pipeline.config import ConfigError
     from pipeline.model import hub
     try:
@@ -751,6 +876,14 @@ def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool 
             x.model = read_model(cfg.target_path())
     except (OSError, ValueError, KeyError, ConfigError) as e:   # a hub snapshot that is gone
         x.extra["model_error"] = str(e)
+    sec = cfg.stages.extract
+    if cfg.online:
+        x.backend, x.backend_why = "vllm-server", "online mode: train asks vLLM servers"
+    elif sec.backend == "auto":
+        x.backend, x.backend_why = choose_backend("auto", vllm_env, cfg.stage_devices("extract"),
+                                                  x.model)
+    else:
+        x.backend = sec.backend
     return x
 
 
@@ -804,11 +937,23 @@ def _mem_available() -> int | None:
     return None
 
 
+def kv_kind(m: ModelInfo, tp: int) -> str:
+    """How the per-token (and, for hybrid targets, per-sequence) KV figure is made."""
+    if m.hybrid or set(m.kinds) - {"mla", "attn"}:
+        per_seq = recurrent_bytes_per_seq(m, tp)
+        state = (f"; + {_size(per_seq)} per sequence of fixed state ({m.kinds.count('linear')} "
+                 f"{(m.linear or {}).get('kind', 'linear')} layers: conv + recurrent state; "
+                 "x2 where vLLM keeps it in float32)" if per_seq else "")
+        return f"{describe_layers(m)}: only the attention layers keep KV per token{state}"
+    return ("MLA: layers x (kv_lora_rank + qk_rope_head_dim) x 2 B, replicated per rank"
+            if m.mla else "2 (K,V) x layers x KV heads per rank x head_dim x 2 B")
+
+
 def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -> list[Finding]:
     per_tok = kv_bytes_per_token(m, tp)
+    per_seq = recurrent_bytes_per_seq(m, tp)
     max_len = cfg.stages.prepare.seq_length + 8
-    kind = ("MLA: layers x (kv_lora_rank + qk_rope_head_dim) x 2 B, replicated per rank"
-            if m.mla else "2 (K,V) x layers x KV heads per rank x head_dim x 2 B")
+    kind = kv_kind(m, tp)
     devices = [g for g in gpus if g["index"] in (cfg.stage_devices("extract") or [])]
     if not devices:
         return [Finding("kv_cache", OK, f"KV cache: {per_tok:,} B/token per GPU at TP={tp} "
@@ -822,13 +967,15 @@ def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -
         return [Finding("kv_cache", BLOCK, f"weights {weights / GIB:.1f} GiB per GPU at TP={tp} "
                         f"exceed {util:.0%} of {mem / GIB:.0f} GiB",
                         f"use [stages.extract] tensor_parallel >= {need}")]
-    tokens = int(free // per_tok)
+    # A sequence of max_len tokens holds its KV and (hybrid targets) its fixed state.
+    seqs = free / (max_len * per_tok + per_seq)
+    tokens = int(free // per_tok) if not per_seq else int(seqs * max_len)
     note = "" if m.weights_bytes else " (weights size unknown: not subtracted)"
     return [Finding("kv_cache", OK if tokens >= max_len else BLOCK,
                     f"KV cache per GPU at TP={tp}: {per_tok:,} B/token ({kind}); "
                     f"{util:.0%} of {mem / GIB:.0f} GiB - weights {weights / GIB:.1f} GiB = "
                     f"{free / GIB:.1f} GiB -> ~{tokens:,} tokens, max concurrency "
-                    f"~{tokens / max_len:.1f} at {max_len} tokens{note}",
+                    f"~{seqs:.1f} at {max_len} tokens{note}",
                     "" if tokens >= max_len else "raise tensor_parallel or lower seq_length")]
 
 
@@ -880,6 +1027,11 @@ def _prepared_tokens(cfg: Config) -> tuple[int | None, bool]:
         return None, False
     rows = count_rows(path, cfg.data.max_samples)
     return (rows * cfg.stages.prepare.seq_length if rows else None), False
+
+
+def _sizes(sizes: list) -> str:
+    """[("multiple", 32), 16] -> "multiples of 32, 16"."""
+    return ", ".join(f"multiples of {x[1]}" if isinstance(x, tuple) else str(x) for x in sizes)
 
 
 def _size(n: float) -> str:

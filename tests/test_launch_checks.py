@@ -33,6 +33,9 @@ REFUSED = {
     "evaluate's answers past the positions": (
         "[stages.prepare]\nseq_length = 1900\n[stages.evaluate]\nmax_tokens = 400\n",
         ["seq_length + [stages.evaluate] max_tokens (+8) = 2,308"]),
+    "a stage interpreter that does not run": (
+        '[runtime]\npython = "/bin/false"\n',
+        ["[runtime] python = '/bin/false' is not a working Python 3.10+ (exit 1)"]),
     "a draft vocabulary larger than the target's": (
         "[stages.vocab]\ndraft_vocab_size = 32000\n",
         ["draft_vocab_size 32,000 is larger than the target's vocabulary (1,024 tokens)"]),
@@ -106,3 +109,22 @@ async def test_the_panels_r_shows_the_blocking_lines(tmp_path, stagekit):
         assert "tensor-parallel size 3 does not fit" in report and "BLOCK" in report
         await pilot.press("escape")
         assert not (tmp_path / "runs").exists()
+
+
+def test_owned_server_flags_only_on_purpose_and_then_doctor_warns(tmp_path, stagekit):
+    """`--host 0.0.0.0` in server_args is refused (the config names the key
+    and the way to mean it); with override_server_flags = true it launches,
+    and doctor's launch checks warn about it."""
+    from pipeline import config as config_mod
+    from pipeline import doctor
+    args = '[stages.evaluate]\nserver_args = ["--host", "0.0.0.0", "--port=8000"]\n'
+    stagekit(extra=args)
+    p = cli("run", cwd=tmp_path, check=2)
+    assert "stages.evaluate.server_args" in p.stderr and "override_server_flags" in p.stderr
+    assert not (tmp_path / "runs").exists()
+    cfg_path = stagekit(extra=args + "override_server_flags = true\n")
+    cfg = config_mod.load(cfg_path, gpu_count=None)
+    warned = [f for f in doctor.launch_findings(cfg) if f.area == "privacy"]
+    assert [f.level for f in warned] == [doctor.WARN, doctor.WARN], warned
+    assert "--host" in warned[0].message and "--port=8000" in warned[1].message
+

@@ -6,7 +6,7 @@ import pytest
 
 from app.panel import PanelApp
 from pipeline.run.events import EventWriter
-from pipeline.run.rundir import RunDir, proc_alive
+from pipeline.run.rundir import RunDir, pid_running
 from pipeline.telemetry import Telemetry
 from tests.helpers import cli, kv_tab_text, screen_text, until, wait_for
 from widgets.gpu_table import GpuTable
@@ -77,7 +77,7 @@ async def test_cancel_from_the_panel_stops_the_tree(tmp_path, stagekit):
         await pilot.press("y")
         await until(pilot, lambda: cell(app, "prepare", "Status") == "cancelled", timeout=40,
                     what="cancelled")
-    assert not proc_alive(int(marker.read_text()), None)
+    assert not pid_running(int(marker.read_text()))
 
 
 async def test_force_rerun_of_the_selected_stage(tmp_path, stagekit):
@@ -105,7 +105,7 @@ async def test_panel_closed_and_reopened_sees_the_same_live_run(tmp_path, stagek
         await until(pilot, lambda: "/" in cell(app, "prepare", "Progress"), what="progress")
         first = cell(app, "prepare", "Progress")
     pid = rd.read_state()["stages"]["prepare"]["pid"]
-    assert proc_alive(pid, None)  # closing the panel stopped nothing
+    assert pid_running(pid)  # closing the panel stopped nothing
     async with make_app(rd, tmp_path).run_test(size=(80, 24)) as pilot:
         app = pilot.app
         assert cell(app, "prepare", "Status") == "running"

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from app.panel import PanelApp
-from pipeline.run.rundir import RunDir, proc_alive
+from pipeline.run.rundir import RunDir, pid_running
 from pipeline.telemetry import Telemetry
 from tests.helpers import cli, wait_for
 
@@ -68,7 +68,7 @@ async def test_status_logs_and_the_panel_leave_the_run_untouched(tmp_path, stage
     pids = [state["driver"]["pid"], st["supervisor_pid"], st["pid"]]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not any(proc_alive(p, None) for p in pids), what="all three gone")
+    wait_for(lambda: not any(pid_running(p) for p in pids), what="all three gone")
     before = tree(rd.path)
     said = await look(tmp_path, rd)
     assert tree(rd.path) == before, "a reader changed the run directory"

@@ -6,6 +6,7 @@ are missing or the daemons cannot run; CI installs them."""
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -248,6 +249,23 @@ def _node_worker_pids(task: str) -> list[int]:
             and f"SLURM_PROCID={task}".encode() in proctree.environ(pid)]
 
 
+def _freeze_holding_a_chunk(queue, task: str) -> bool:
+    """SIGSTOP node `task`'s workers; True if, frozen, one holds a chunk not
+    done yet (else they are let go again: SIGCONT)."""
+    from pipeline.cluster.workqueue import WorkQueue
+    pids = _node_worker_pids(task)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    q = WorkQueue(queue, "test-observer")
+    done = q.done()
+    holds = any(w.endswith(f"-{task}") or f"-{task}." in w
+                for k, (_, w) in q.owners().items() if k not in done)
+    if not holds or not pids:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    return bool(pids) and holds
+
+
 def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
     """Extract as data parallel over the tasks of one allocation (srun), one
     shared queue; the worker of task 1 is SIGKILLed mid-run (its node lost):
@@ -275,6 +293,11 @@ def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
     wait_for(lambda: _node_worker_pids("1") and hs.is_dir() and working() == 2
              and len(list(hs.glob("hs_*.safetensors"))) >= 30,
              timeout=300, poll=0.02, what="both node workers extracting")
+    # The point this test controls: node 1 is frozen (SIGSTOP) and killed only
+    # while it holds a chunk it has not finished, so there is a chunk to take
+    # over however fast it worked (between chunks it is let go on a moment).
+    wait_for(lambda: _freeze_holding_a_chunk(rd.stage_dir("extract") / "queue", "1"),
+             timeout=120, poll=0.05, what="node 1 frozen while holding an unfinished chunk")
     for pid in _node_worker_pids("1"):
         os.kill(pid, 9)
     wait_for(lambda: rd.read_state()["stages"]["extract"]["status"] != "running",

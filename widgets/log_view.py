@@ -50,7 +50,7 @@ class LogTail:
         """(complete new lines, the current unfinished line)."""
         try:
             f = open(self.path, "rb")
-        except FileNotFoundError:
+        except OSError:   # not there yet, or damaged (a folder): nothing to show
             return [], ""
         with f:
             st = os.fstat(f.fileno())

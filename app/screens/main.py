@@ -253,7 +253,17 @@ class MainScreen(Screen):
         if self.app.rundir is None or stage == self._log_stage:
             return
         self._log_stage, self._log_server = stage, None
-        self.query_one(LogView).watch_file(self.app.rundir.log_path(stage))
+        self._watch_log(self.app.rundir, self.app.rundir.log_path(stage))
+
+    def _watch_log(self, rd, path) -> None:
+        """Only a plain file inside the run: never a link to another user's file."""
+        from pipeline.run.rundir import RunDirError
+        try:
+            rd.readable(path, "the log")
+        except RunDirError as e:
+            self.notify(str(e), severity="error", timeout=8)
+            return
+        self.query_one(LogView).watch_file(path)
 
     def action_next_log(self) -> None:
         """l: the selected stage's log -> its vLLM server 0's -> server 1's ... -> back."""
@@ -269,7 +279,7 @@ class MainScreen(Screen):
         nxt = names[(names.index(now) + 1) % len(names)] if now in names else names[1]
         self._log_stage, self._log_server = stage, nxt
         path = rd.log_path(stage) if nxt is None else dict(rd.server_logs(stage))[nxt]
-        self.query_one(LogView).watch_file(path)
+        self._watch_log(rd, path)
         self.query_one(TabbedContent).active = "logs"
         self.notify(f"log: {stage}" + (f", vLLM server {nxt} ({path.name})" if nxt else ""),
                     timeout=3)

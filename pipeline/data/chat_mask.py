@@ -54,10 +54,11 @@ def normalize(obj, fmt: str = "auto"):
             raise RowError("input_ids and loss_mask must be lists of the same length")
         if not ids:
             raise RowError("empty input_ids")
-        try:
-            return "tokenized", [int(x) for x in ids], [1 if x else 0 for x in mask]
-        except (TypeError, ValueError):
-            raise RowError("input_ids must be integers") from None
+        # a token id is a whole number >= 0 (1.0 from a float column is one; 1.5, "7", true are not)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+                   and float(x).is_integer() for x in ids):
+            raise RowError("input_ids must be integers >= 0")
+        return "tokenized", [int(x) for x in ids], [1 if x else 0 for x in mask]
     if fmt in ("auto", "messages") and "messages" in obj:
         turns, role_key, text_key = obj["messages"], "role", "content"
     elif fmt in ("auto", "sharegpt") and "conversations" in obj:
@@ -85,7 +86,10 @@ def _turn(i: int, turn, role_key: str, text_key: str) -> dict:
         raise RowError(f"turn {i} has unknown role {turn[role_key]!r}")
     content = turn.get(text_key)
     if isinstance(content, list):  # OpenAI content parts: keep the text
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        if not all(isinstance(t, str) for t in texts):   # {"text": 42}: a bad row, not a crash
+            raise RowError(f"turn {i} has a content part whose `text` is not a string")
+        content = "".join(texts)
     calls = _json_field(turn.get("tool_calls"), f"turn {i} tool_calls", list) \
         if role == "assistant" else None
     if content is None and (calls or role == "tool"):

@@ -33,8 +33,16 @@ from pipeline.config import GPU_STAGES, Config
 from pipeline.paths import pythonpath_with_project
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
 from pipeline.run.events import EventType, EventWriter, last_event
-from pipeline.run.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, stop_tree, wait_gone
-from pipeline.run.rundir import RunDir, Status, proc_alive, proc_start_ticks
+from pipeline.run.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, wait_gone
+from pipeline.run.rundir import (
+    SHARED_UMASK,
+    RunDir,
+    Status,
+    check_run_id,
+    check_runs_dir,
+    proc_alive,
+    proc_start_ticks,
+)
 from pipeline.stage_graph import STAGE_INPUTS, STAGE_NAMES
 
 POLL_S = 0.2
@@ -42,14 +50,44 @@ POLL_S = 0.2
 
 # -- liveness ---------------------------------------------------------------
 
-def stage_alive(st: dict) -> bool:
+ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
+
+
+def liveness(st: dict, slurm_run: bool = True) -> str:
+    """ALIVE when the stage's supervisor or the stage itself still runs, as
+    recorded (pid and start time: the supervisor's is recorded first, so a
+    stage that has just started is anchored on it); GONE when neither does;
+    UNKNOWN when a pid was recorded without its start time (it cannot be
+    told from an unrelated process that got the pid) or a Slurm job is
+    recorded on a run that does not use Slurm."""
     if st.get("slurm_job"):
+        if not slurm_run:
+            return UNKNOWN
         # its processes are on a compute node: the scheduler knows; when it
         # cannot be asked, the stage is taken to be alive (never failed for that)
         job = slurm.job_state(st["slurm_job"])
-        return job is None or job.active
-    return proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")) or proc_alive(
-        st.get("pid"), st.get("create_time"))
+        return ALIVE if job is None or job.active else GONE
+    pairs = ((st.get("supervisor_pid"), st.get("supervisor_create_time")),
+             (st.get("pid"), st.get("create_time")))
+    if any(proc_alive(pid, ticks) for pid, ticks in pairs):
+        return ALIVE
+    return UNKNOWN if any(pid and ticks is None for pid, ticks in pairs) else GONE
+
+
+def stage_alive(st: dict, slurm_run: bool = True) -> bool:
+    return liveness(st, slurm_run) == ALIVE
+
+
+def unverifiable(st: dict) -> str:
+    """Why a running row's identity cannot be verified, in words."""
+    if st.get("slurm_job"):
+        return f"Slurm job {st['slurm_job']} is recorded, but this run does not use Slurm"
+    for who, pid, ticks in (("supervisor", st.get("supervisor_pid"),
+                             st.get("supervisor_create_time")),
+                            ("stage", st.get("pid"), st.get("create_time"))):
+        if pid and ticks is None:
+            return f"its {who}'s pid {pid} is recorded without a start time"
+    return "its processes are not recorded"
 
 
 def _being_launched(st: dict, launching: bool) -> bool:
@@ -62,27 +100,64 @@ def driver_alive(state: dict) -> bool:
     return proc_alive(d.get("pid"), d.get("create_time"))
 
 
-def _gone(state: dict) -> list[str]:
-    """Stages marked running whose processes are all gone. A stage whose
-    supervisor pid is not written yet is being launched right now, as long
-    as the launcher doing it is alive."""
+def _not_alive(state: dict, slurm_run: bool = True) -> dict[str, str]:
+    """Stages marked running that are not (verifiably) alive: stage -> GONE
+    or UNKNOWN. A stage whose supervisor pid is not written yet is being
+    launched right now, as long as the launcher doing it is alive."""
     launching = driver_alive(state)
-    return [s for s, st in state["stages"].items()
-            if st["status"] == Status.RUNNING and not stage_alive(st)
-            and not _being_launched(st, launching)]
+    out = {}
+    for s, st in state["stages"].items():
+        if st["status"] == Status.RUNNING and not _being_launched(st, launching):
+            how = liveness(st, slurm_run)
+            if how != ALIVE:
+                out[s] = how
+    return out
+
+
+def _gone(state: dict, slurm_run: bool = True) -> list[str]:
+    """What a launcher records as ended: the gone stages and the unknown ones
+    (nothing of theirs can be verified to run; their token's processes are
+    stopped, nothing else)."""
+    return list(_not_alive(state, slurm_run))
+
+
+def _slurm_run(rd: RunDir) -> bool:
+    return rd.scheduler() == "slurm"
 
 
 def observe(rd: RunDir) -> dict:
     """The run's state as it is, for readers (the panel, `status`, watchers):
     a stage marked running whose processes are all gone (the machine
     rebooted, someone killed the supervisor) is shown as what `reconcile`
-    will record. Nothing is written and nothing is stopped: any number of
-    panels and users may look at a run without changing it."""
+    will record; one whose identity cannot be verified as "unknown", with
+    the command that clears it; a succeeded stage whose outputs are gone as
+    "outputs missing". Nothing is written and nothing is stopped: any
+    number of panels and users may look at a run without changing it."""
     state = rd.read_state()
-    dead = _gone(state)
+    slurm_run = _slurm_run(rd)
+    found = _not_alive(state, slurm_run)
+    dead = [s for s, how in found.items() if how == GONE]
     if dead:
-        _mark_gone(rd, state, dead)
+        _mark_gone(rd, state, dead, slurm_run=slurm_run)
+    for s in (s for s, how in found.items() if how == UNKNOWN):
+        st = state["stages"][s]
+        st.update(status=Status.UNKNOWN, reason=f"{unverifiable(st)}: it cannot be told from "
+                  "an unrelated process, so nothing of it is signalled. `eagle-panel resume "
+                  f"{rd.id}` (or `eagle-panel cancel {rd.id} --stage {s}`) records it as "
+                  "ended and stops only what carries its token.")
+    mark_missing(rd, state)
     return state
+
+
+def mark_missing(rd: RunDir, state: dict) -> None:
+    """A succeeded stage whose out/ folder is gone is shown (and planned) as
+    "outputs missing", in memory only: `resume` re-runs it."""
+    for s, st in state["stages"].items():
+        why = rd.outputs_missing(s) if st["status"] == Status.SUCCEEDED and s in STAGE_NAMES \
+            else None
+        if why:
+            st.update(status=Status.MISSING, reason=f"succeeded (attempt {st['attempt']}), but "
+                      f"its outputs are gone ({why}); `eagle-panel resume {rd.id}` re-runs it")
 
 
 def reconcile(rd: RunDir) -> dict:
@@ -90,25 +165,35 @@ def reconcile(rd: RunDir) -> dict:
     left running stopped. Only launchers call it (control before it plans,
     the driver while it waits): they hold, or are about to take, the run."""
     state = rd.read_state()
-    dead = _gone(state)
+    slurm_run = _slurm_run(rd)
+    dead = _gone(state, slurm_run)
     if not dead:
+        mark_missing(rd, state)
         return state
     try:
         with rd.mutate_state() as state:
-            dead = _gone(state)   # again, under the state lock
-            _mark_gone(rd, state, dead)
+            dead = _gone(state, slurm_run)   # again, under the state lock
+            _mark_gone(rd, state, dead, slurm_run=slurm_run)
     except DiskFull:
         # Nothing can be recorded on a full disk: show it as it is, unsaved.
         state = rd.read_state()
-        _mark_gone(rd, state, dead, why="the run directory's disk is full")
-    _stop_orphans([state["stages"][s].get("token") for s in dead
+        _mark_gone(rd, state, dead, why="the run directory's disk is full", slurm_run=slurm_run)
+    _stop_orphans([state["stages"][s] for s in dead
                    if not state["stages"][s].get("slurm_job")])
+    mark_missing(rd, state)
     return state
 
 
-def _mark_gone(rd: RunDir, state: dict, dead: list[str], why: str = "") -> None:
+def _mark_gone(rd: RunDir, state: dict, dead: list[str], why: str = "",
+               slurm_run: bool = True) -> None:
     for s in dead:
         st = state["stages"][s]
+        if liveness(st, slurm_run) == UNKNOWN:
+            st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
+                      ended_at=st.get("ended_at") or time.time(),
+                      reason=f"recorded as ended: {unverifiable(st)}, so it could not be "
+                             "verified to run (only processes carrying its token were stopped)")
+            continue
         said = _last_word(rd, s)
         if said in (Status.SUCCEEDED, Status.SKIPPED):
             # Its supervisor was killed, the stage went on and finished:
@@ -117,7 +202,7 @@ def _mark_gone(rd: RunDir, state: dict, dead: list[str], why: str = "") -> None:
                       reason="recorded from the stage's own last event (its supervisor "
                              "was gone)")
             continue
-        job = slurm.job_state(st["slurm_job"]) if st.get("slurm_job") else None
+        job = slurm.job_state(st["slurm_job"]) if st.get("slurm_job") and slurm_run else None
         how = why or (job.describe(st["slurm_job"]) if job else "") or \
             "machine restart or supervisor killed"
         st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
@@ -131,13 +216,15 @@ def _last_word(rd: RunDir, stage: str) -> str | None:
     return ev.get("status") if ev and ev.get("type") == EventType.STAGE_FINISHED else None
 
 
-def _stop_orphans(tokens: list[str | None]) -> None:
-    """What a stage gone without its supervisor left running (a vLLM server
-    in a session of its own, workers): found by the attempt's token (never
-    by a process group, which may have been reused), stopped."""
-    for token in tokens:
-        if token:
-            stop_tree(token, None, term_grace=2.0, kill_grace=2.0)
+def _stop_orphans(stages: list[dict]) -> None:
+    """What a stage gone without its supervisor left running (a vLLM server,
+    its renamed EngineCore and workers): found by the attempt's token and
+    its supervisor's session (never by a process group, which may have been
+    reused; pipeline.run.leftovers), stopped."""
+    from pipeline.run.leftovers import stop_attempt
+    for st in stages:
+        if st.get("token"):
+            stop_attempt(st, term_grace=2.0, kill_grace=2.0)
 
 
 # -- planning ---------------------------------------------------------------
@@ -188,11 +275,15 @@ def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False)
                               f"skipped before: {st.get('reason') or 'see its log'} "
                               "(--force, or run --stage, tries again)"))
             continue
+        elif st["status"] in DONE and st.get("fingerprint") == fps[s]:
+            steps.append(Step(s, "run", f"it reads {', '.join(upstream_stale)}, which runs again"))
         elif st["status"] in DONE:
             steps.append(Step(s, "run", "config changed (fingerprint "
                                         f"{st.get('fingerprint')} -> {fps[s]})"))
         elif st["status"] in (Status.FAILED, Status.CANCELLED):
             steps.append(Step(s, "run", f"resume after {st['status']} attempt {st['attempt']}"))
+        elif st["status"] == Status.MISSING:
+            steps.append(Step(s, "run", st.get("reason") or "its outputs are gone"))
         elif st["status"] == Status.RUNNING:
             steps.append(Step(s, "run", "already running: wait for it"))
         else:
@@ -243,6 +334,8 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
         raise RuntimeError(f"{stage} is already running (pid {st['pid']})")
     if force or st.get("out_fingerprint") != fingerprint:
         _reset_outputs(rd, stage)
+    # (a stage folder deleted behind the run's back: its log and outputs go here again)
+    rd.out_dir(stage).mkdir(parents=True, exist_ok=True)
     attempt = st["attempt"] + 1
     token = f"{rd.id}/{stage}/{attempt}/{secrets.token_hex(4)}"
     argv = [cfg.python(), "-m", cfg.stage_entry(stage), "--run-dir", str(rd.path),
@@ -253,7 +346,7 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
                     devices=cfg.held_devices(stage), token=token, cancel_requested=False,
                     reason=None, slurm_job=None, supervisor_pid=None,
                     supervisor_create_time=None)
-    log = open(rd.log_path(stage), "ab")
+    log = append_log(rd.log_path(stage))
     log.write(f"\n===== eagle-panel: {stage} attempt {attempt} at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
     log.flush()
@@ -303,6 +396,9 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         return 3
     state = rd.read_state()
     cfg = load_run_config(rd, state)
+    if cfg.run.shared:
+        # what the stages write: group-readable, never group-writable
+        os.umask(SHARED_UMASK)
     with rd.mutate_state() as state:
         state["driver"] = {"pid": os.getpid(), "create_time": proc_start_ticks(os.getpid()),
                            "started_at": time.time(), "only": only, "force": force}
@@ -376,8 +472,14 @@ def _say(line: str) -> None:
 
 def say_in_log(rd: RunDir, line: str) -> None:
     """A line in the run's driver.log, from whoever launches it."""
-    with contextlib.suppress(OSError), open(rd.path / "driver.log", "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+    with contextlib.suppress(OSError), append_log(rd.path / "driver.log") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n".encode())
+
+
+def append_log(path: Path):
+    """A log opened for appending, made 0644 at most whatever the umask: a
+    shared run's group reads its logs, never writes them."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab")
 
 
 def load_run_config(rd: RunDir, state: dict | None = None) -> Config:
@@ -385,6 +487,7 @@ def load_run_config(rd: RunDir, state: dict | None = None) -> Config:
     next to the original config file."""
     from pipeline.model import hub
     state = state or rd.read_state()
+    rd.readable(rd.config_path, "the frozen config")   # never through a link out of the run
     base = state.get("base_dir")
     # a hub target: the snapshot the run froze (state.json `target`), not what
     # its revision names in the cache now
@@ -400,12 +503,16 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
     state.json's `target`: resumes use that commit whatever the cache's
     revision becomes. `cfg` is given the same snapshot."""
     from pipeline.model import hub
-    rid = run_id or cfg.run.name
+    rid = check_run_id(run_id, "--run") if run_id is not None else cfg.run.name
+    check_runs_dir(cfg.runs_dir())
     try:   # before anything is created: a refusal leaves nothing
         target = hub.freeze(cfg)
     except hub.HubError as e:
         raise config_mod.ConfigError(str(e)) from None
     rd = RunDir(cfg.runs_dir() / rid)
+    if rd.is_run():   # damage refused before even the create-lock is made (again below)
+        rd.read_state()
+        rd.check_readable()
     rd.path.parent.mkdir(parents=True, exist_ok=True)
     # Two launchers creating the same run at once: one creates, the other
     # must not mistake the half-made folder for a foreign one.
@@ -419,6 +526,7 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
         fresh = True
         if rd.is_run():
             rd.read_state()  # a corrupt state is reported, never silently reset
+            rd.check_readable()   # ...and so is a damaged file or folder
             fresh = rd.lock_holder() is None
             if fresh:
                 rd.create(text, cfg.base_dir, cfg.run.shared)
@@ -457,7 +565,7 @@ def start_driver(rd: RunDir, only: str | None = None, force: bool = False) -> su
         args.append("--force")
     env = os.environ.copy()
     env["PYTHONPATH"] = pythonpath_with_project(env.get("PYTHONPATH"))
-    log = open(rd.path / "driver.log", "ab")
+    log = append_log(rd.path / "driver.log")
     with log:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env, cwd=str(rd.path))
@@ -476,20 +584,25 @@ class CancelResult:
 def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
                  kill_grace: float = 5.0) -> CancelResult:
     """SIGINT (graceful: training saves a checkpoint), then SIGTERM, then
-    SIGKILL to the stage's whole process tree."""
+    SIGKILL to the stage's whole process tree: only to processes whose
+    identity is verified (cancel_targets); a row that cannot be verified is
+    recorded as cancelled, and nothing but its token's processes stopped."""
+    if observe(rd)["stages"][stage]["status"] == Status.UNKNOWN:
+        rd.update_stage(stage, cancel_requested=True)
+        reconcile(rd)
+        return CancelResult(stage, True, [], [])
     st = reconcile(rd)["stages"][stage]
     if st["status"] != Status.RUNNING:
         return CancelResult(stage, False, [], [])
     rd.update_stage(stage, cancel_requested=True)
-    if st.get("slurm_job"):
+    if st.get("slurm_job") and _slurm_run(rd):
         return _cancel_job(rd, stage, st["slurm_job"], grace, term_grace + kill_grace)
     # The supervisor records the pid right after it starts the stage.
     deadline = time.monotonic() + 5
     while st.get("pid") is None and stage_alive(st) and time.monotonic() < deadline:
         time.sleep(0.05)
         st = rd.read_state()["stages"][stage]
-    token, pgid = st.get("token"), st.get("pgid")
-    find = lambda: stage_processes(token, pgid)  # noqa: E731
+    find = lambda: cancel_targets(st)  # noqa: E731
     sent = []
     for sig, wait_s in ((signal.SIGINT, grace), (signal.SIGTERM, term_grace),
                         (signal.SIGKILL, kill_grace)):
@@ -508,6 +621,23 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
             break
         time.sleep(0.05)
     return CancelResult(stage, True, sent, survivors)
+
+
+def cancel_targets(st: dict) -> list[int]:
+    """The live processes of a stage attempt that can be told apart from
+    unrelated ones, re-checked on every call: those carrying its token, the
+    members of its supervisor's session (pipeline.run.leftovers: pid and
+    start time verified), and its process group only while the group's
+    leader is the recorded stage (pid and start time). A pid without a start
+    time verifies nothing: the kernel may have given it to anyone."""
+    from pipeline.run.leftovers import session_processes, token_processes
+    found = set(token_processes(st.get("token")))
+    found.update(session_processes(st.get("supervisor_pid"), st.get("supervisor_create_time"),
+                                   st.get("token")))
+    pid, pgid = st.get("pid"), st.get("pgid")
+    if pid and pgid == pid and proc_alive(pid, st.get("create_time")):
+        found.update(stage_processes(None, pgid))
+    return sorted(found)
 
 
 def _cancel_job(rd: RunDir, stage: str, job: str, grace: float, term_grace: float) -> CancelResult:
@@ -532,11 +662,14 @@ def _cancel_job(rd: RunDir, stage: str, job: str, grace: float, term_grace: floa
 def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -> list[CancelResult]:
     """Cancel one stage, or the pipeline: no further stage is started, and
     the running one is stopped."""
-    if stage is None:
+    seen = observe(rd)
+    active = [s for s in STAGE_NAMES if seen["stages"][s]["status"] in (Status.RUNNING,
+                                                                        Status.UNKNOWN)]
+    if stage is None and (active or driver_alive(seen)):
+        # (a finished run is left as it is: nothing to stop, nothing written)
         with rd.mutate_state() as state:
             state["cancel_requested"] = True
-    targets = [stage] if stage else [s for s in STAGE_NAMES
-                                     if rd.read_state()["stages"][s]["status"] == Status.RUNNING]
+    targets = [stage] if stage else active
     return [cancel_stage(rd, s, grace, term_grace) for s in targets]
 
 

@@ -79,7 +79,7 @@ class MetricEvent(_MetricExtra):
 
 
 class _KvCacheExtra(TypedDict, total=False):
-    server: int
+    server: int | str     # its number in the stage ("node/k" across nodes)
     devices: list[int]
     pool: str | None
     cache_dtype: str | None
@@ -192,6 +192,72 @@ def check_event(type: EventType | str, fields: dict) -> EventType:
     return kind
 
 
+def _type_ok(value, annotation: str) -> bool:
+    """`value` against one TypedDict annotation (a string: this module uses
+    postponed annotations): int, float, str, bool, dict[...], list[X],
+    Any, and unions of them. A float may be null (the writer turns NaN and
+    infinities into null), an int a float (JSON does not tell 3 from 3.0
+    across writers); a dict's contents are its reader's to check."""
+    for alt in (a.strip() for a in annotation.split("|")):
+        base, _, inner = alt.partition("[")
+        if base == "Any" or (value is None and base in ("None", "float", "int")):
+            return True
+        if base in ("int", "float") and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):
+            return True
+        if base in ("str", "bool", "dict") and isinstance(value, {"str": str, "bool": bool,
+                                                                  "dict": dict}[base]):
+            return True
+        if base == "list" and isinstance(value, list) and \
+                all(_type_ok(v, inner.rstrip("]") or "Any") for v in value):
+            return True
+    return False
+
+
+def _annotations(kind: EventType) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for klass in reversed(FIELDS[kind].__mro__):
+        out.update({k: getattr(v, "__forward_arg__", v if isinstance(v, str) else "Any")
+                    for k, v in getattr(klass, "__annotations__", {}).items()})
+    return out
+
+
+_ANNOTATIONS = {kind: _annotations(kind) for kind in FIELDS}
+
+
+def valid_event(ev) -> bool:
+    """Whether a line read back is an event a reader may trust: a JSON object
+    with a numeric `t`, a string `type` and, for a known type, each field it
+    has of its declared type. A damaged file (`"done": "lots"`, `"t": "now"`)
+    must not crash `status` or the panel: such a line is skipped like a
+    half-written one."""
+    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str) or \
+            not _type_ok(ev.get("t", 0), "float"):
+        return False
+    fields = _ANNOTATIONS.get(ev["type"])
+    if fields is not None and not all(_type_ok(ev[k], a) for k, a in fields.items() if k in ev):
+        return False
+    return ev["type"] != EventType.STAGE_FINISHED or _summary_ok(ev.get("summary") or {})
+
+
+# The figures of a stage's summary that readers format as numbers
+# (pipeline.fmt.summary_text / outcome_lines): a string there is damage.
+SUMMARY_NUMBERS = frozenset((
+    "acceptance_length", "acceptance_estimate", "speedup", "val_loss", "samples", "reused",
+    "tokens", "tokens_per_s", "rows_in", "supervised_tokens", "draft_vocab_size",
+    "target_vocab_size", "coverage", "regenerated", "conversations", "rows",
+    "generated_tokens", "decode_tokens_per_s", "baseline_tokens_per_s"))
+
+
+def _summary_ok(summary: dict) -> bool:
+    if not all(_type_ok(summary[k], "int | None") for k in SUMMARY_NUMBERS if k in summary):
+        return False
+    worst = summary.get("worst_category")
+    return _type_ok(summary.get("per_position"), "list[float] | None") and \
+        (not worst or (isinstance(worst, dict) and
+                       _type_ok(worst.get("acceptance_length"), "float")))
+
+
 def _clean(value):
     # JSON has no NaN/inf; a diverged loss must still be a valid line.
     if isinstance(value, float) and not math.isfinite(value):
@@ -262,7 +328,7 @@ class EventTail:
         """Events completed since the last call (possibly none)."""
         try:
             f = open(self.path, "rb")
-        except FileNotFoundError:
+        except OSError:   # not there yet; or damaged (a folder): nothing to read
             return []
         with f:
             st = os.fstat(f.fileno())
@@ -287,10 +353,12 @@ class EventTail:
         # One json.loads over the whole block is ~2x faster than one per line;
         # only a block with a damaged line pays for the line-by-line pass.
         try:
-            events = json.loads(b"[" + block.strip(b"\n").replace(b"\n", b",") + b"]")
-            if all(isinstance(e, dict) for e in events):
+            body = block.strip(b"\n")
+            events = json.loads(b"[" + body.replace(b"\n", b",") + b"]")
+            # one event per line: `{..}, {..}` on one line is a damaged line, not two events
+            if len(events) == body.count(b"\n") + 1 and all(valid_event(e) for e in events):
                 return events
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
         events = []
         for line in block.split(b"\n"):
@@ -298,9 +366,9 @@ class EventTail:
                 continue
             try:
                 ev = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 ev = None
-            if isinstance(ev, dict):
+            if valid_event(ev):
                 events.append(ev)
             else:
                 self.bad_lines += 1
@@ -318,7 +386,7 @@ def last_event(path: str | os.PathLike, types: tuple[str, ...], window: int = 1 
     events must not read the whole file."""
     try:
         f = open(path, "rb")
-    except FileNotFoundError:
+    except OSError:   # not there; or damaged (a folder): no event
         return None
     with f:
         size = os.fstat(f.fileno()).st_size
@@ -336,9 +404,9 @@ def last_event(path: str | os.PathLike, types: tuple[str, ...], window: int = 1 
                 if any(n in line for n in needles):
                     try:
                         ev = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         continue
-                    if ev.get("type") in types:
+                    if valid_event(ev) and ev["type"] in types:
                         return ev
     return None
 
@@ -349,6 +417,8 @@ def tail_lines(path: str | os.PathLike, n: int, max_bytes: int = 4 << 20) -> tup
     try:
         f = open(path, "rb")
     except FileNotFoundError:
+        return [], 0
+    except IsADirectoryError:   # damaged: `logs` checks first and says so
         return [], 0
     with f:
         size = os.fstat(f.fileno()).st_size
@@ -372,9 +442,9 @@ def tail_events(path: str | os.PathLike, n: int) -> list[dict]:
     for line in tail_lines(path, n)[0]:
         try:
             ev = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        if isinstance(ev, dict):
+        if valid_event(ev):
             out.append(ev)
     return out
 

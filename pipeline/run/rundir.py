@@ -12,10 +12,12 @@ import fcntl
 import json
 import os
 import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
 
+from pipeline.run import state as state_mod
 from pipeline.run.diskspace import DiskFull, is_full_errno
 from pipeline.stage_graph import STAGE_NAMES
 
@@ -28,12 +30,20 @@ class Status(str, enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     SKIPPED = "skipped"      # turned off, or nothing to run it with (it says why)
+    # What readers show, never stored: a running row whose processes cannot be
+    # told from unrelated ones (no start time recorded), and a succeeded stage
+    # whose out/ folder is gone.
+    UNKNOWN = "unknown"
+    MISSING = "outputs missing"
 
     def __str__(self) -> str:
         return self.value
 
 
 PRIVATE_MODE, SHARED_MODE = 0o700, 0o750
+# A shared run: the group reads everything, writes nothing, whatever the
+# umask of whoever launches it (umask 002 would make stage folders 775).
+SHARED_UMASK = 0o027
 
 
 class RunDirError(Exception):
@@ -83,10 +93,37 @@ def proc_start_ticks(pid: int) -> int | None:
 
 
 def proc_alive(pid: int | None, start_ticks: int | None) -> bool:
-    if not pid:
+    """Whether the process recorded as (pid, start time) still runs. Without
+    a start time the pid cannot be told from an unrelated process that got it
+    since: that is not a match (never signal, never trust it)."""
+    if not isinstance(pid, int) or pid <= 0 or not isinstance(start_ticks, int):
         return False
-    now = proc_start_ticks(pid)
-    return now is not None and (start_ticks is None or now == start_ticks)
+    return proc_start_ticks(pid) == start_ticks
+
+
+def pid_running(pid: int) -> bool:
+    """Whether any process (not a zombie) has this pid: for a pid this
+    process started itself and knows to be its own (tests, a child)."""
+    return proc_start_ticks(pid) is not None
+
+
+def identity_recorded(pid, start_ticks) -> bool:
+    """A pid recorded without its start time: a reader cannot verify it."""
+    return pid is None or isinstance(start_ticks, int)
+
+
+def check_run_id(name, where: str = "--run") -> str:
+    """A run id is a plain folder name under runs_dir, checked exactly like
+    `[run] name`, before anything is created: `..`, `/abs`, `a/../../b` or
+    `.hidden` would put (or hide) a run outside the runs folder. Returns the
+    name, or raises RunDirError naming `where`."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name \
+            or name.startswith(".") or any(ord(c) < 32 for c in name) \
+            or len(name.encode(errors="surrogateescape")) > 255:
+        raise RunDirError(f"{where} {name!r}: a run id must be a plain folder name (no "
+                          "slashes, not starting with a dot, at most 255 bytes). Choose "
+                          "another name.")
+    return name
 
 
 def signal_name(signum: int) -> str:
@@ -113,6 +150,7 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).resolve()
+        self._scheduler: tuple | None = None
 
     # paths
     @property
@@ -161,17 +199,111 @@ class RunDir:
     def is_run(self) -> bool:
         return self.state_path.is_file()
 
+    # what readers may open ------------------------------------------------
+    def inside(self, path: Path, what: str = "file") -> Path:
+        """`path` with its links resolved, if that is inside the run directory;
+        RunDirError otherwise. On a shared run a `stage.log` linked to
+        another user's file must not be printed by `logs`."""
+        real = Path(os.path.realpath(path))
+        if real != self.path and self.path not in real.parents:
+            raise RunDirError(f"{path}: corrupt run directory ({what} is a link to {real}, "
+                              f"outside {self.path}); it was not read. Remove the link.")
+        return real
+
+    def readable(self, path: Path, what: str = "file") -> Path | None:
+        """A file a reader may open: inside the run and a plain file; None when
+        it does not exist (yet); RunDirError when it is damaged."""
+        try:
+            st = os.stat(self.inside(path, what))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RunDirError(f"{path}: corrupt run directory ({what}: {e.strerror}); "
+                              "it was left untouched.") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise RunDirError(f"{path}: corrupt run directory ({what} is "
+                              f"{_kind(st.st_mode)}, not a file); it was left untouched. "
+                              "Move it aside.")
+        return path
+
+    def check_readable(self) -> None:
+        """Every file a reader of the whole run opens (`status`, the panel):
+        refused at once, naming it, rather than a traceback half-way."""
+        self.readable(self.config_path, "the frozen config")
+        for name, what in (("lock", "the launcher lock"), (".state.lock", "the state lock"),
+                           ("driver.log", "the driver's log")):
+            self.readable(self.path / name, what)
+        for stage in STAGE_NAMES:
+            here = self.stage_dir(stage)
+            for folder, what in ((here, "a stage folder"), (self.out_dir(stage), "outputs")):
+                if os.path.lexists(folder):
+                    self._folder(folder, what)
+            for path, what in ((self.log_path(stage), "a stage log"),
+                               (self.events_path(stage), "an events file"),
+                               (here / "provenance.json", "a provenance file")):
+                self.readable(path, what)
+            for _, path in self.server_logs(stage):
+                self.readable(path, "a vLLM server log")
+
+    def _folder(self, path: Path, what: str) -> None:
+        # A folder may be a link out of the run (extract/out on a scratch disk
+        # holds terabytes): readers list it, they never print what is in it.
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as e:
+            raise RunDirError(f"{path}: corrupt run directory ({what}: {e.strerror}); "
+                              "it was left untouched.") from None
+        if not stat.S_ISDIR(mode):
+            raise RunDirError(f"{path}: corrupt run directory ({what} is {_kind(mode)}, "
+                              "not a folder); it was left untouched. Move it aside.")
+
+    def outputs_missing(self, stage: str) -> str | None:
+        """Why a succeeded stage's outputs are gone (its out/ folder deleted),
+        or None. Cheap on purpose (one stat): a reader cannot validate a
+        terabyte of hidden states; the stage itself does when it resumes."""
+        out = self.out_dir(stage)
+        try:
+            mode = os.stat(out).st_mode
+        except OSError:
+            return f"{out.relative_to(self.path)} is missing"
+        return None if stat.S_ISDIR(mode) else f"{out.relative_to(self.path)} is not a folder"
+
+    def scheduler(self) -> str:
+        """The frozen config's [cluster] scheduler, read without loading the
+        config (readers must not need the target's files): Slurm fields in
+        state.json mean something only on a Slurm run."""
+        try:
+            st = os.stat(self.config_path)
+            sig = (st.st_mtime_ns, st.st_size)
+            if self._scheduler and self._scheduler[0] == sig:
+                return self._scheduler[1]
+            text = self.readable(self.config_path, "the frozen config").read_text()
+            value = _toml_loads(text).get("cluster", {}).get("scheduler", "local")
+        except (OSError, ValueError, AttributeError, ImportError, RunDirError):
+            return "local"
+        value = value if isinstance(value, str) else "local"
+        self._scheduler = (sig, value)
+        return value
+
     # creation
     def create(self, config_text: str, base_dir: Path, shared: bool = False) -> None:
         """Make the folders and the first state; an existing run is left as is.
         The run directory itself is the fence around its data: 0700 (0750
         when shared with the group), whatever the files inside say."""
         new = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
-        if new:
-            os.chmod(self.path, PRIVATE_MODE if not shared else SHARED_MODE)
-        for stage in STAGE_NAMES:
-            self.out_dir(stage).mkdir(parents=True, exist_ok=True)
+        old_umask = os.umask(SHARED_UMASK) if shared else None
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            if new:
+                os.chmod(self.path, PRIVATE_MODE if not shared else SHARED_MODE)
+            for stage in STAGE_NAMES:
+                self.out_dir(stage).mkdir(parents=True, exist_ok=True)
+                if shared:   # made under another umask by an older version
+                    for d in (self.stage_dir(stage), self.out_dir(stage)):
+                        os.chmod(d, SHARED_MODE)
+        finally:
+            if old_umask is not None:
+                os.umask(old_umask)
         with self._state_mutex():
             if not self.state_path.exists():
                 atomic_write_json(self.state_path, {
@@ -193,28 +325,29 @@ class RunDir:
 
     # state
     def read_state(self) -> dict:
+        """state.json, every field type-checked (pipeline.run.state): a
+        damaged one is a RunDirError naming the key, the file untouched."""
         try:
+            if self.readable(self.state_path, "the state file") is None:
+                raise FileNotFoundError
             raw = self.state_path.read_bytes()
         except FileNotFoundError:
             raise RunDirError(f"{self.state_path}: missing; this is not a run directory.") from None
+        except OSError as e:
+            raise RunDirError(f"{self.state_path}: unreadable ({e.strerror}).") from None
         try:
-            state = json.loads(raw)
-            if not isinstance(state, dict) or not isinstance(state.get("stages"), dict):
-                raise ValueError("no `stages` table")
-        except (ValueError, UnicodeDecodeError) as e:
+            return state_mod.validate(json.loads(raw), STAGE_NAMES, new_stage_state)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise RunDirError(
                 f"{self.state_path}: corrupt state file ({e}). It was left untouched; "
                 "inspect it, restore it, or start a new run with --run NEW_NAME."
             ) from None
-        for stage in STAGE_NAMES:   # a run made before a stage existed
-            state["stages"].setdefault(stage, new_stage_state())
-        return state
 
     @contextlib.contextmanager
     def _state_mutex(self):
         # A short lock around read-modify-write: the driver, the supervisors and
         # `cancel` all update state.json. Readers need no lock (atomic replace).
-        fd = os.open(self.path / ".state.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock(self.path / ".state.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -239,7 +372,7 @@ class RunDir:
         """The launcher lock: returns an open fd holding an exclusive flock,
         or None when another live launcher holds it. The kernel releases it
         when the holder dies, however it dies."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock(self.lock_path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -248,6 +381,17 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         return fd
+
+    @staticmethod
+    def _open_lock(path: Path) -> int:
+        """A lock file, never through a link (O_NOFOLLOW) and only a file."""
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if is_full_errno(e):
+                raise DiskFull(path, 0) from None
+            raise RunDirError(f"{path}: corrupt run directory (a lock file: {e.strerror}); "
+                              "move it aside.") from None
 
     def lock_holder(self) -> int | None:
         """The pid of the launcher holding the lock, if one does."""
@@ -261,11 +405,24 @@ class RunDir:
             return -1
 
 
+def check_runs_dir(runs_dir: Path, where: str = "[run] runs_dir") -> Path:
+    """A runs folder that exists must be a folder (one that does not exist
+    yet is fine: the first run makes it)."""
+    if os.path.lexists(runs_dir) and not runs_dir.is_dir():
+        raise RunDirError(f"{where} {runs_dir}: not a folder (it is "
+                          f"{_kind(os.lstat(runs_dir).st_mode)}). Point {where} at a folder.")
+    return runs_dir
+
+
 def list_runs(runs_dir: Path) -> list[RunDir]:
     """Runs under runs_dir, newest first."""
-    if not runs_dir.is_dir():
+    if not check_runs_dir(runs_dir).is_dir():
         return []
-    runs = [RunDir(p) for p in runs_dir.iterdir() if (p / "state.json").is_file()]
+    try:
+        runs = [RunDir(p) for p in runs_dir.iterdir() if not p.name.startswith(".")
+                and (p / "state.json").is_file()]
+    except OSError as e:
+        raise RunDirError(f"{runs_dir}: cannot list the runs ({e.strerror}).") from None
 
     def created(r: RunDir) -> float:
         try:
@@ -273,3 +430,17 @@ def list_runs(runs_dir: Path) -> list[RunDir]:
         except RunDirError:  # listed (and reported by the caller), last
             return 0.0
     return sorted(runs, key=created, reverse=True)
+
+
+def _kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+
+
+def _toml_loads(text: str) -> dict:
+    try:
+        import tomllib
+    except ImportError:   # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)

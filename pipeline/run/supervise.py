@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull
 from pipeline.run.events import EventType, EventWriter, last_event, tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
-from pipeline.run.proctree import TOKEN_VAR, stop_tree
+from pipeline.run.leftovers import start_ticks, stop_attempt
+from pipeline.run.proctree import TOKEN_VAR
 from pipeline.run.rundir import RunDir, Status, proc_start_ticks, signal_name
 
 
@@ -78,9 +79,10 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
         pass   # still waited for and stopped below; we are its recorded supervisor
     code, usage = _wait(child)
 
-    # Anything the stage left behind (workers in sessions of their own,
-    # grandchildren) must not keep GPU memory or files busy.
-    survivors = stop_tree(st["token"], child.pid)
+    # Anything the stage left behind (a vLLM server in a process group of its
+    # own, its renamed EngineCore and workers, grandchildren) must not keep
+    # GPU memory or files busy: by token, by the stage's group, by our session.
+    survivors = stop_attempt(_own_session(st), pgid=child.pid)
     cancel_requested = rd.read_state()["stages"][stage].get("cancel_requested", False)
     ending = Ending(code, *_classify(code, cancel_requested, rd.events_path(stage)))
     reason = None
@@ -92,6 +94,16 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
                     ended_at=time.time(), reason=reason,
                     max_rss_kb=usage.ru_maxrss if usage is not None else None)
     return 0
+
+
+def _own_session(st: dict) -> dict:
+    """The attempt as the sweep sees it: this supervisor as the session
+    leader (the driver starts it in a session of its own; where something
+    else did, e.g. a Slurm job, there is no session to sweep)."""
+    me = os.getpid()
+    if os.getsid(0) != me:
+        return {**st, "supervisor_pid": None, "supervisor_create_time": None}
+    return {**st, "supervisor_pid": me, "supervisor_create_time": start_ticks(me)}
 
 
 def _could_not_start(rd: RunDir, stage: str, argv: list[str], events: EventWriter,

@@ -3,7 +3,8 @@ it: on loopback only, with a random API key, its GPUs (or the CPU build's
 platform and KV size), its log in the run directory, health polled, its
 KV-cache report and /metrics read, and its whole process tree stopped at
 the end (vLLM's EngineCore and workers can outlive a killed parent and keep
-their GPU memory: they are found by a token in their environment).
+their GPU memory: they are found by a token in their environment, and by
+the stage's session once vLLM's process titles have erased it).
 
 When it dies, the error quotes the log lines that explain it and names a
 death by signal in words (pipeline.run.exit_reasons).
@@ -12,10 +13,12 @@ death by signal in words (pipeline.run.exit_reasons).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shlex
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +28,7 @@ from pathlib import Path
 from pipeline.run import provenance
 from pipeline.run.events import tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
-from pipeline.run.proctree import stop_tree
+from pipeline.run.proctree import TOKEN_VAR, stop_tree
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
@@ -68,6 +71,10 @@ def served_model_name(target: Path, server_args: list[str]) -> str:
     return str(target)
 
 
+# A process group of its own in the caller's session (Popen's process_group is
+# new in Python 3.11; setpgid in the child does the same on 3.10).
+OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+
 class VllmServer:
     """One vLLM server process tree on a set of GPUs (or the CPU)."""
 
@@ -106,11 +113,18 @@ class VllmServer:
             print(f"{self.name} on GPUs {self.devices or '- (CPU)'}: {shlex.join(self.argv)}",
                   flush=True)
             # the key through the environment (vLLM reads VLLM_API_KEY when no
-            # --api-key is given): /proc/PID/environ is readable by its owner only
+            # --api-key is given): /proc/PID/environ is readable by its owner only.
+            # A process group of its own (a cancel's SIGINT to the stage's group
+            # must not reach it: the stage stops it), but the stage's session:
+            # the supervisor finds it and its renamed EngineCore and workers
+            # there even after a SIGKILL of the stage (pipeline.run.leftovers).
+            # It carries the attempt's EAGLE_PANEL_TOKEN too, whatever env it was given.
+            attempt = {TOKEN_VAR: os.environ[TOKEN_VAR]} if TOKEN_VAR in os.environ else {}
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**self.env, SERVER_TOKEN_VAR: self.token, "VLLM_API_KEY": self.api_key},
-                start_new_session=True)
+                env={**self.env, **attempt, SERVER_TOKEN_VAR: self.token,
+                     "VLLM_API_KEY": self.api_key},
+                **OWN_GROUP)
 
     # -- its log ---------------------------------------------------------------
     def new_log_lines(self) -> list[str]:

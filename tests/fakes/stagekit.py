@@ -1,7 +1,8 @@
 """A stand-in stage for the runner's tests: a real process whose behaviour
 is chosen by STAGEKIT in its environment (per stage via [stages.X.env]).
 
-  ok | sleep:S | sleep_once:S | fail:CODE | fail_once | sigkill | ignore_term:S | grandchild:S |
+  ok | sleep:S | sleep_once:S | gate (until <stage dir>/gate exists) | fail:CODE |
+  fail_once | sigkill | ignore_term:S | grandchild:S |
   events:N | flood:S | graceful:S (writes graceful.ready once its SIGINT handler is in;
   exits 130 on SIGINT after writing graceful.marker)
 """
@@ -42,6 +43,10 @@ def main() -> int:
         for i in range(steps):
             time.sleep(total / steps)
             ev.emit("progress", done=i + 1, total=steps, unit="steps")
+    elif action == "gate":   # runs until the test writes <stage dir>/gate: a point it controls
+        gate = rd.stage_dir(stage) / "gate"
+        while not gate.exists():
+            time.sleep(0.02)
     elif action == "fail":
         print("stagekit: failing on purpose", file=sys.stderr, flush=True)
         ev.error("failing on purpose", hint="this is a test stage")
