@@ -24,9 +24,8 @@ chaos bench): nothing is signalled. Standard library only.
 from __future__ import annotations
 
 import os
-import signal
 
-from pipeline.run.proctree import TOKEN_VAR, cmdline, environ, live_pids, signal_all, wait_gone
+from pipeline.run.proctree import TOKEN_VAR, cmdline, environ, live_pids, stop_found
 
 VLLM_PREFIX = "VLLM::"   # vLLM's process titles: VLLM::EngineCore, VLLM::Worker, ...
 
@@ -140,17 +139,7 @@ def attempt_processes(st: dict, pgid: int | None = None,
 def stop_attempt(st: dict, pgid: int | None = None, term_grace: float = 5.0,
                  kill_grace: float = 5.0) -> list[int]:
     """SIGTERM then SIGKILL every process of the attempt; the pids that survived."""
-    def find():
-        return attempt_processes(st, pgid)
-    left = find()
-    if not left:
-        return []
-    signal_all(left, signal.SIGTERM)
-    left = wait_gone(find, term_grace)
-    if left:
-        signal_all(left, signal.SIGKILL)
-        left = wait_gone(find, kill_grace)
-    return left
+    return stop_found(lambda: attempt_processes(st, pgid), term_grace, kill_grace)
 
 
 def survivors(state: dict, alive=None) -> list[dict]:

@@ -99,7 +99,12 @@ def wait_gone(find, timeout: float, poll: float = 0.1) -> list[int]:
 def stop_tree(token: str | None, pgid: int | None, term_grace: float = 5.0,
               kill_grace: float = 5.0, var: str = TOKEN_VAR) -> list[int]:
     """SIGTERM then SIGKILL every process of a stage; returns the pids that survived."""
-    find = lambda: stage_processes(token, pgid, var)  # noqa: E731
+    return stop_found(lambda: stage_processes(token, pgid, var), term_grace, kill_grace)
+
+
+def stop_found(find, term_grace: float = 5.0, kill_grace: float = 5.0) -> list[int]:
+    """SIGTERM then SIGKILL what `find()` lists, finding again after each
+    grace (a tree changes while it stops); the pids that survived."""
     left = find()
     if not left:
         return []
