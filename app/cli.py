@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from pipeline import __version__, control, fmt
-from pipeline.cluster import slurm
 from pipeline.config import ConfigError
-from pipeline.run import driver, provenance
+from pipeline.run import driver, executor, provenance
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
 from pipeline.run.events import EventTail, EventType, last_event, tail_events, tail_lines
-from pipeline.run.rundir import RunDir, RunDirError, Status, check_runs_dir, list_runs
+from pipeline.run.reconcile import observe
+from pipeline.run.rundir import DONE, RunDir, RunDirError, Status, check_runs_dir, list_runs
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
 
@@ -100,7 +100,7 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
                 for ev in tail.poll():
                     _print_event(s, ev, last_progress, out)
             state = rd.read_state()
-            driving = driver.driver_alive(state) or (proc is not None and proc.poll() is None)
+            driving = executor.driver_alive(state) or (proc is not None and proc.poll() is None)
             if not driving and time.monotonic() - started > 2:
                 for s, tail in tails.items():
                     for ev in tail.poll():
@@ -111,13 +111,13 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
         print(f"\n{rd.id}: stopped watching; the pipeline goes on. "
               f"`eagle-panel cancel {rd.id}` stops it.", file=out)
         return EXIT_CANCELLED
-    state = driver.observe(rd)
+    state = observe(rd)
     statuses = [state["stages"][s]["status"] for s in STAGE_NAMES]
     if Status.FAILED in statuses:
         return _disk_full(rd, out) if driver.failed_for_disk(rd, state) else EXIT_FAILED
     if Status.CANCELLED in statuses:
         return EXIT_CANCELLED
-    left = [s for s in expected or [] if state["stages"][s]["status"] not in driver.DONE]
+    left = [s for s in expected or [] if state["stages"][s]["status"] not in DONE]
     if left:
         code = proc.poll() if proc is not None else None
         if code == EXIT_DISK_FULL or free_bytes(rd.path) < NEARLY_FULL:
@@ -197,7 +197,8 @@ def stage_summary(rd: RunDir, stage: str) -> dict:
 
 
 def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
-    state = driver.observe(rd)
+    ex = executor.for_run(rd)
+    state = observe(rd, ex)
     now = time.time()
     rows = []
     for s in STAGE_NAMES:
@@ -212,9 +213,9 @@ def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
             "servers": server_starts(rd, s) if st["status"] == Status.RUNNING else [],
         })
         if st.get("slurm_job") and st["status"] == "running":
-            job = slurm.job_state(st["slurm_job"])   # pending in the queue, or running
-            rows[-1]["reason"] = rows[-1]["reason"] or (job.describe(st["slurm_job"]) if job
-                                                        else f"Slurm job {st['slurm_job']}")
+            # pending in the queue, or running: the scheduler's words
+            rows[-1]["reason"] = rows[-1]["reason"] or ex.describe(st) or \
+                f"Slurm job {st['slurm_job']}"
     return state, rows
 
 
@@ -239,13 +240,13 @@ def cmd_status(args) -> int:
     launcher = state.get("driver") or {}
     if args.json:
         json.dump({"run_id": rd.id, "path": str(rd.path),
-                   "driver_pid": launcher.get("pid") if driver.driver_alive(state) else None,
+                   "driver_pid": launcher.get("pid") if executor.driver_alive(state) else None,
                    "stages": rows, "provenance": provenance.read_run(rd.path, STAGE_NAMES),
-                   "survivors": _survivors(state)},
+                   "survivors": _survivors(rd, state)},
                   sys.stdout, indent=1, default=str)
         print()
         return 0
-    drv = f"driver pid {launcher['pid']}" if driver.driver_alive(state) else "no launcher running"
+    drv = f"driver pid {launcher['pid']}" if executor.driver_alive(state) else "no launcher running"
     print(f"run {rd.id}  ({rd.path})  {drv}")
     print(f"{'STAGE':10} {'STATUS':10} {'ATT':>3}  {'DURATION':>8}  {'EXIT':7} PROGRESS")
     for r in rows:
@@ -263,14 +264,14 @@ def cmd_status(args) -> int:
                                   state["stages"]["evaluate"]):
         print(line)
     from pipeline.run.leftovers import survivor_lines
-    for line in survivor_lines(state, driver.stage_alive):   # (nothing is stopped here)
+    for line in survivor_lines(state, executor.for_run(rd).alive):   # (nothing is stopped here)
         print(f"warning: {line}")
     return 0
 
 
-def _survivors(state: dict) -> list[dict]:
+def _survivors(rd: RunDir, state: dict) -> list[dict]:
     from pipeline.run.leftovers import survivors
-    return survivors(state, driver.stage_alive)
+    return survivors(state, executor.for_run(rd).alive)
 
 
 def cmd_cancel(args) -> int:

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.run.events import EventTail, EventType
+from pipeline.run.executor import driver_alive
+from pipeline.run.reconcile import observe
 from pipeline.run.rundir import RunDir, RunDirError, Status
 from pipeline.stage_graph import STAGE_NAMES
 
@@ -105,8 +107,7 @@ class RunView:
             return False
         self._state_sig = sig
         try:
-            from pipeline.run import driver
-            self.state = driver.observe(self.run)
+            self.state = observe(self.run)
             self.state_error = None
         except RunDirError as e:
             self.state_error = str(e)
@@ -166,9 +167,8 @@ class RunView:
 
     # derived views ------------------------------------------------------------
     def driver_pid(self) -> int | None:
-        from pipeline.run import driver
         d = self.state.get("driver") or {}
-        return d.get("pid") if self.state and driver.driver_alive(self.state) else None
+        return d.get("pid") if self.state and driver_alive(self.state) else None
 
     def focus_stage(self) -> str:
         """The stage a user opening the panel wants to see: the running one,

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
+from pipeline.vllm import contract_strings as vs  # noqa: E402
 
 CONFIG = """
 [run]
@@ -106,7 +107,7 @@ def no_capture(tmp: Path, a) -> float:
     max_len = max(lengths) + 8
     target = ensure_built() if a.target.startswith("builtin:") else Path(a.target)
     argv = serve_argv(env.python, "", target, port, 1, "float32", max_len, False,
-                      ["--no-enable-chunked-prefill"], eager=env.cpu_build)
+                      [vs.FLAG_NO_CHUNKED_PREFILL], eager=env.cpu_build)
     server = VllmServer(0, argv, port, key, [], tmp / "plain.log",
                         process_env(env, [], cpu_kv_space_gib(a.inflight * max_len, 1 << 16)))
     server.start()
@@ -123,8 +124,8 @@ def no_capture(tmp: Path, a) -> float:
                         return
                     i = todo.pop(0)
                 ids = rows[i]
-                server.post("/v1/completions", {"model": str(target), "prompt": ids,
-                                                "max_tokens": 1, "temperature": 0.0}, 600)
+                server.post(vs.ROUTE_COMPLETIONS, {"model": str(target), "prompt": ids,
+                                                   "max_tokens": 1, "temperature": 0.0}, 600)
                 with lock:
                     tokens[0] += len(ids)
 

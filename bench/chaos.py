@@ -54,11 +54,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.run.driver import DONE  # noqa: E402
 from pipeline.run.events import read_events  # noqa: E402
+from pipeline.run.executor import proc_alive  # noqa: E402
 from pipeline.run.leftovers import attempt_processes, vllm_processes  # noqa: E402
 from pipeline.run.proctree import TOKEN_VAR, cmdline, environ, live_pids, proc_name  # noqa: E402
-from pipeline.run.rundir import RunDir, proc_alive  # noqa: E402
+from pipeline.run.rundir import DONE, RunDir  # noqa: E402
 
 CONFIG = """
 [run]

@@ -82,6 +82,7 @@ import train_direct  # noqa: E402
 
 from pipeline.builtin import conversations_path  # noqa: E402
 from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
+from pipeline.vllm import contract_strings as vs  # noqa: E402
 
 SPECULATORS = Path(sys.executable).with_name("speculators")
 MiB = 1 << 20
@@ -371,8 +372,8 @@ baseline = false
         per_token = kv_bytes_per_token(info, 1, 4) + len(layers) * info.hidden * 4
         srv = make_server(0, probe(self.a.vllm_python), target, [], self.sp / f"vllm-{name}.log",
                           "float32", max_len, self.kimi,
-                          ["--speculative-config", json.dumps(spec),
-                           "--kv-transfer-config", json.dumps(connector), *extra],
+                          [vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec),
+                           vs.FLAG_KV_TRANSFER_CONFIG, json.dumps(connector), *extra],
                           kv_tokens=32 * max_len, kv_bytes_per_token=per_token)
         srv.api_key = ""   # their clients send no key (render) or "EMPTY" (openai): none set
         return srv
@@ -408,7 +409,7 @@ baseline = false
         own = {"kv_connector": compat.OWN_CONNECTOR_CLASS, "kv_role": "kv_producer",
                "kv_connector_module_path": compat.OWN_CONNECTOR_MODULE,
                "kv_connector_extra_config": {"shared_storage_path": str(sp / "staging")}}
-        srv = self.server("hs", own, ["--enable-scale-out"])
+        srv = self.server("hs", own, [vs.FLAG_ENABLE_SCALE_OUT])
         t_all = time.time()
         self.start(srv)
         try:
@@ -435,7 +436,7 @@ baseline = false
             rows, tokens, sup = rows_tokens(sp / "data")
             steps["prepare-data"].update(rows=rows, tokens=tokens, supervised_tokens=sup)
             t2 = time.time()
-            rc, wall = run([SPECULATORS, "generate-offline-data", "--endpoint", srv.url + "/v1",
+            rc, wall = run([SPECULATORS, "generate-offline-data", "--endpoint", srv.url + vs.API_V1,
                             "--preprocessed-data", sp / "data", "--fail-on-error"],
                            sp / "generate.log", sp, self.a.timeout, env)
             if rc:
@@ -522,7 +523,7 @@ baseline = false
         self.start(srv)
         try:
             srv.wait_ready(self.a.timeout, lambda: False)
-            rc, _ = run([SPECULATORS, "generate-offline-data", "--endpoint", srv.url + "/v1",
+            rc, _ = run([SPECULATORS, "generate-offline-data", "--endpoint", srv.url + vs.API_V1,
                          "--preprocessed-data", self.sp / "data", "--output",
                          self.sp / "stock_hs", "--max-samples", "1", "--fail-on-error",
                          "--max-retries", "0"], log, self.sp, 300,

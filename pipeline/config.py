@@ -28,8 +28,11 @@ from pipeline.builtin import conversations_path
 from pipeline.data.prompt_sets import MT_BENCH
 from pipeline.paths import PROJECT_ROOT, VLLM_VENV
 from pipeline.stage_graph import STAGE_INPUTS
+from pipeline.vllm import contract_strings as vs
 
 GPU_STAGES = ("regenerate", "extract", "train", "evaluate")
+# `[cluster] scheduler`: what runs the stage attempts (pipeline.run.executor)
+SCHEDULERS = ("local", "slurm")
 BUILTIN_MODEL = "builtin:tiny-llama"
 BUILTIN_DATA = "builtin:conversations"
 
@@ -533,7 +536,7 @@ def _check_choices(cfg: Config, src: str) -> None:
     _choice(cfg.stages.train.draft_layer, ("auto", "llama", "mla"),
             "stages.train.draft_layer", src)
     _choice(cfg.pipeline.mode, ("offline", "online", "hybrid"), "pipeline.mode", src)
-    _choice(cfg.cluster.scheduler, ("local", "slurm"), "cluster.scheduler", src)
+    _choice(cfg.cluster.scheduler, SCHEDULERS, "cluster.scheduler", src)
     if cfg.cluster.nodes > 1 and cfg.online:
         raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes} with `pipeline.mode = "
                           '"online"`: online training runs its vLLM servers beside the trainer '
@@ -638,7 +641,7 @@ def _check_meanings(cfg: Config, src: str) -> None:
 
 
 # vLLM flags eagle-panel sets itself: loopback only, its own port and key.
-OWNED_SERVER_FLAGS = ("--host", "--port", "--api-key", "--uds")
+OWNED_SERVER_FLAGS = (vs.FLAG_HOST, vs.FLAG_PORT, vs.FLAG_API_KEY, vs.FLAG_UDS)
 # environment variables that open vLLM's development endpoints (/collective_rpc, /sleep, ...)
 OWNED_SERVER_ENV = ("VLLM_SERVER_DEV_MODE",)
 

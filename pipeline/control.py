@@ -2,21 +2,34 @@
 
 Everything here returns what happened (or raises a typed error); printing,
 notifying and exit codes are the caller's. A run is driven by a detached
-driver (pipeline.run.driver), so none of these calls keeps a stage alive.
+driver (pipeline.run.driver, started as `python -m pipeline.control drive`),
+so none of these calls keeps a stage alive.
+
+This module sits above run/ and cluster/: it registers Slurm's executor
+(pipeline.cluster.slurm.SlurmScheduler) with pipeline.run.executor, which
+run/ asks whether a stage still runs and never imports cluster/ for. Every
+process that launches, drives or reads a run imports this module.
 """
 
 from __future__ import annotations
 
+import argparse
+import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import config as config_mod
 from pipeline.cluster import slurm
 from pipeline.config import Config, ConfigError
-from pipeline.run import driver
+from pipeline.run import driver, executor
 from pipeline.run.driver import CancelResult, Step
+from pipeline.run.reconcile import reconcile
 from pipeline.run.rundir import RunDir, RunDirError, check_run_id, check_runs_dir, list_runs
+from pipeline.stage_graph import STAGE_NAMES
+
+executor.register(slurm.SlurmScheduler())
 
 # Grace times when a run's config cannot be read (config.py's defaults).
 DEFAULT_GRACE = (config_mod.RuntimeSection.cancel_grace_s, config_mod.RuntimeSection.term_grace_s)
@@ -147,12 +160,13 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
 
 def _start(rd: RunDir, cfg: Config, only: str | None, force: bool, busy_wait: float,
            skipped: list) -> Started:
-    holder = driver.busy_launcher(rd, wait=busy_wait)
+    ex = executor.for_run(rd)   # the one executor this start asks whether a stage runs
+    holder = driver.busy_launcher(rd, wait=busy_wait, ex=ex)
     if holder is not None:
         raise Busy(rd, holder)
-    state = driver.reconcile(rd)
+    state = reconcile(rd, ex)
     from pipeline.run.leftovers import stop_survivors
-    stop_survivors(state, driver.stage_alive)   # what ended attempts left running: stopped
+    stop_survivors(state, ex.alive)   # what ended attempts left running: stopped
     steps = driver.plan(cfg, state, only, force)
     blocked = [s for s in steps if s.action == "blocked"]
     if blocked:
@@ -186,3 +200,23 @@ def cancel(rd: RunDir, stage: str | None = None, grace: float | None = None) -> 
     one stage's); no further stage starts when the whole run is cancelled."""
     default_grace, term = cancel_graces(rd)
     return driver.cancel_run(rd, stage, default_grace if grace is None else grace, term)
+
+
+def main(argv=None) -> int:
+    """`python -m pipeline.control drive --run-dir R`: the detached driver
+    (driver.start_driver starts it). Its entry point is here, not in run/,
+    so that the driver asks a Slurm run's jobs of Slurm's executor."""
+    ap = argparse.ArgumentParser(prog="python -m pipeline.control")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("drive", help="run the pipeline of a run directory "
+                                     "(detached by `eagle-panel run`)")
+    d.add_argument("--run-dir", required=True)
+    d.add_argument("--stage", choices=STAGE_NAMES)
+    d.add_argument("--force", action="store_true")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    return driver.drive(RunDir(a.run_dir).require(), a.stage, a.force)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,7 +37,7 @@ from pipeline.model.info import (
 )
 from pipeline.paths import PROJECT_ROOT
 from pipeline.run.rundir import RunDir
-from pipeline.vllm import compat, contract
+from pipeline.vllm import compat, contract, contract_strings
 from pipeline.vllm.environment import VllmEnv, choose_backend, cpu_kv_space_gib
 from pipeline.vllm.environment import probe as probe_vllm
 from pipeline.vllm.target_flags import has_cpu_mla
@@ -466,7 +466,17 @@ def check_adaptations(x: Inputs) -> list[Finding]:
                                  "read; report this release", a.key))
         else:
             found.append(Finding("compat", OK, f"adapts: {a.detail}", key=a.key))
-    return found + unread_release(x)
+    return found + string_mismatches(x) + unread_release(x)
+
+
+def string_mismatches(x: Inputs) -> list[Finding]:
+    """The vLLM flags and metric names eagle-panel passes or reads
+    (pipeline/vllm/contract_strings.py) that this release's source does not
+    declare where the table says it does: a warning, not a block, since most
+    are passed only for some targets or read only when present."""
+    return [Finding("compat", WARN, line, "report this release; backend = \"hf\" avoids "
+                    "vllm serve for extract", "contract_string")
+            for line in contract_strings.missing(x.source)]
 
 
 def unread_release(x: Inputs) -> list[Finding]:
@@ -711,14 +721,16 @@ def check_privacy(x: Inputs) -> list[Finding]:
 def check_survivors(x: Inputs) -> list[Finding]:
     """Processes the config's run's ended stages left running (a vLLM server
     whose EngineCore kept its GPU memory): each with its pid."""
-    from pipeline.run.driver import stage_alive
+    from pipeline.run.executor import for_scheduler
     from pipeline.run.leftovers import survivor_lines
     rd = RunDir(x.cfg.runs_dir() / x.cfg.run.name)
     try:
         state = rd.read_state() if rd.is_run() else None
     except Exception:  # noqa: BLE001 - a damaged run is the readers' to name, not doctor's
         state = None
-    lines = survivor_lines(state, stage_alive) if state else []
+    # (survivors are local processes: a Slurm job's rows are skipped, whatever answers)
+    lines = survivor_lines(state, for_scheduler(x.cfg.cluster.scheduler, rd.path).alive) \
+        if state else []
     return [Finding("processes", WARN, f"{rd.id}: {lines[0]}", lines[1])] if lines else []
 
 

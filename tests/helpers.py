@@ -72,7 +72,7 @@ def run_body(tmp_path, stage, body, config: str, run="r"):
     around it; returns (exit code, run dir, its events)."""
     from pipeline.run.events import read_events
     from pipeline.run.rundir import RunDir
-    from pipeline.stages.common import run_stage
+    from pipeline.run.stage_context import run_stage
     cfg = tmp_path / "config.toml"
     # an empty config file is refused as a mistake: all defaults say so
     cfg.write_text(textwrap.dedent(config) or "# all defaults\n")

@@ -127,7 +127,7 @@ def test_the_pipeline_runs_on_a_hub_id_from_the_cache_offline(hub_run):
 def test_a_resume_after_main_moved_keeps_the_commit_the_run_started_with(hub_run, in_cache):
     from pipeline import control
     from pipeline.run import driver
-    from pipeline.stages.common import load_context
+    from pipeline.run.stage_context import load_context
     assert hub_run["run"].returncode == 0
     tmp, cache, rd = hub_run["tmp"], hub_run["cache"], hub_run["rd"]
     files = target_files()

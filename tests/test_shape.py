@@ -1,9 +1,13 @@
 """The shape the code promises (README "Layout"): no import cycles between
-our modules, counting imports inside functions too, and vLLM never imported
-at module level outside the modules vLLM itself loads."""
+our modules, counting imports inside functions too; vLLM never imported
+at module level outside the modules vLLM itself loads; and the import
+directions (RULES): pipeline below app and widgets, widgets below app, the
+stage entry modules imported by nothing, run/ below cluster/."""
 
 import ast
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import ROOT
 
@@ -75,3 +79,92 @@ def test_vllm_is_imported_only_where_vllm_runs():
     top_level = sorted(m for m, p in known.items() for n, at_top in imports(p, known)
                        if n.split(".")[0] == "vllm" and at_top and m not in INSIDE_VLLM)
     assert top_level == [], f"modules importing vLLM at module level: {top_level}"
+
+
+# -- import directions ---------------------------------------------------------
+# Who may import whom, beyond "no cycles". Each rule: (importer prefix, imported
+# prefix, why). A prefix matches the module itself and everything below it.
+RULES = (
+    ("pipeline", "app", "pipeline/ runs without a screen: it never imports the app"),
+    ("pipeline", "widgets", "pipeline/ runs without a screen: it never imports widgets"),
+    ("widgets", "app", "widgets take values, never the app they are shown in"),
+    ("", "pipeline.stages", "stage modules are entry points only (python -m "
+     "pipeline.stages.NAME): what others need of them lives below them"),
+    ("pipeline.run", "pipeline.cluster", "run/ is below cluster/: it asks a scheduler "
+     "only through pipeline.run.executor, which cluster/ implements"),
+)
+
+
+def under(module: str, prefix: str) -> bool:
+    return prefix == "" or module == prefix or module.startswith(prefix + ".")
+
+
+def imported_names(source: str, module: str) -> list[tuple[int, list[str]]]:
+    """(line, the dotted names it names) for every import statement in
+    `source`, inside functions too: `import a.b` names a.b, `from a import b`
+    names a and a.b (whether or not a.b is a module); relative imports are
+    resolved from `module`'s package."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.append((node.lineno, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".")[:-node.level]
+                base = ".".join([*pkg, base] if base else pkg)
+            out.append((node.lineno, [base, *(f"{base}.{a.name}" for a in node.names)]))
+    return sorted(out)
+
+
+def broken_rules(module: str, source: str) -> list[str]:
+    """`module:line imports NAME (why)`, once per import statement and rule it breaks."""
+    found = []
+    for line, names in imported_names(source, module):
+        for who, what, why in RULES:
+            bad = [n for n in names if under(n, what) and n != module]
+            if under(module, who) and bad:
+                found.append(f"{module}:{line} imports {bad[0]} ({why})")
+    return found
+
+
+def test_import_directions():
+    """pipeline never imports app or widgets; widgets never import app;
+    nothing imports pipeline.stages (tests/ and bench/ may: they are not
+    walked; a stage module's name as a `python -m` string is no import);
+    pipeline/run never imports pipeline/cluster."""
+    broken = [line for m, p in sorted(modules().items())
+              for line in broken_rules(m, p.read_text())]
+    assert broken == [], "imports against the layering:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("module, source, rule", [
+    ("pipeline.fmt", "from app.cli import main", "never imports the app"),
+    ("pipeline.run.events", "def f():\n    import app.panel", "never imports the app"),
+    ("pipeline.control", "from widgets import stage_table", "never imports widgets"),
+    ("widgets.stage_table", "from app.run_view import RunView", "never the app"),
+    ("pipeline.train.worker", "from pipeline.stages.train import run_in_process",
+     "entry points only"),
+    ("app.cli", "from pipeline.stages import train", "entry points only"),
+    ("widgets.loss_chart", "import pipeline.stages.evaluate", "entry points only"),
+    ("pipeline.stages.evaluate", "from pipeline.stages.train import acceptance_length",
+     "entry points only"),
+    ("pipeline.run.driver", "from pipeline.cluster import slurm", "run/ is below cluster/"),
+    ("pipeline.run.reconcile", "def f():\n    from pipeline.cluster.slurm import job_state",
+     "run/ is below cluster/"),
+    ("pipeline.run.driver", "from ..cluster import slurm", "run/ is below cluster/"),
+])
+def test_each_direction_rule_can_fail(module, source, rule):
+    broken = broken_rules(module, source)
+    assert len(broken) == 1 and rule in broken[0], broken
+
+
+@pytest.mark.parametrize("module, source", [
+    ("app.cli", "from pipeline.run.reconcile import observe\nfrom widgets import gpu_table"),
+    ("pipeline.cluster.slurm", "from pipeline.run.executor import Scheduler"),
+    ("pipeline.control", "from pipeline.cluster import slurm\nfrom pipeline.run import driver"),
+    ("pipeline.run.driver", 'argv = ["-m", "pipeline.stages.train"]'),
+    ("widgets.loss_chart", "from pipeline import fmt"),
+])
+def test_the_allowed_directions_pass(module, source):
+    assert broken_rules(module, source) == []

@@ -194,7 +194,6 @@ def test_a_controller_that_does_not_answer_fails_nothing(monkeypatch, tmp_path):
     is down: nothing listens at its port): the stage stays running."""
     if slurm.missing_tools():
         pytest.skip(f"Slurm client tools missing: {slurm.missing_tools()}")
-    from pipeline.run import driver
     conf = tmp_path / "slurm.conf"
     conf.write_text(f"ClusterName=down\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\n"
                     "MessageTimeout=1\nAuthType=auth/munge\n"
@@ -202,7 +201,7 @@ def test_a_controller_that_does_not_answer_fails_nothing(monkeypatch, tmp_path):
                     "PartitionName=debug Nodes=localhost Default=YES State=UP\n")
     monkeypatch.setenv("SLURM_CONF", str(conf))
     assert slurm.job_state("424242", fresh=True) is None
-    assert driver.stage_alive({"slurm_job": "424242"})
+    assert slurm.SlurmScheduler().alive({"slurm_job": "424242"})
 
 
 MULTI_NODE = """

@@ -4,14 +4,23 @@ imports, the engine route's `api.X`, the vLLM module paths given to a
 VllmSource question, and the vLLM environment variables it sets; one the
 table lacks fails here (and the walker is shown to catch one). Also: the
 test cache keeps every declared module, and a declared use a release breaks
-is a precise doctor line that blocks only the route using it."""
+is a precise doctor line that blocks only the route using it.
+
+The strings (pipeline/vllm/contract_strings.py: `vllm serve` flags, HTTP
+routes, metric names, log patterns) the same way: a vLLM string spelled out
+in the code instead of taken from the table fails, as does one the table
+lacks (the rule: `undeclared_strings`), and the declared flags and metrics
+are compared with each read release's source."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 from pipeline.vllm import compat, contract
+from pipeline.vllm import contract_strings as vs
+from pipeline.vllm import metrics as vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = sorted(p for d in ("pipeline", "app", "scripts") for p in (ROOT / d).rglob("*.py"))
@@ -185,3 +194,194 @@ def test_declarations_drive_the_call(name):
     from tests.fakes import vllm_releases
     keys = {a.key for a in compat.plan(vllm_releases.source("0.33.0"))}
     assert {k for _, k in use.adapted if k != "kv_cache_layout_interleave"} <= keys
+
+
+# -- the strings: flags, routes, metrics, log patterns (contract_strings.py) ----
+
+STRING_CODE = CODE + sorted((ROOT / "bench").rglob("*.py"))
+# What a literal must look like to be one of vLLM's (a flag: before any `=value`).
+FLAG_SHAPE = re.compile(r"--[a-z][a-z0-9-]*")
+ROUTE_SHAPE = re.compile(r"/(v1(/[\w./-]*)?|health|metrics|ping|version|tokenize|detokenize|"
+                         r"load|invocations|pooling|classify|score|rerank|sleep|wake_up|"
+                         r"collective_rpc|reset_prefix_cache)")
+METRIC_SHAPE = re.compile(r"vllm:\w+")
+RE_CALLS = {"compile", "search", "match", "fullmatch", "findall", "finditer", "sub", "split"}
+# The modules that read a vLLM server's log: a regex from a literal there is a log
+# pattern (pipeline/run/exit_reasons.py quotes any process's errors: not one of them).
+LOG_READERS = ("pipeline/vllm/", "pipeline/extract/vllm_", "<snippet>")
+OTHER_FORMATS = {   # regexes there that read no vLLM output
+    r"vllm-(.+)\.tar\.gz$": "source.py: a source release's file name",
+    vllm_metrics._SAMPLE.pattern: "metrics.py: Prometheus' text format, not vLLM's",
+    vllm_metrics._LABEL.pattern: "metrics.py: Prometheus' text format, not vLLM's",
+}
+# The modules that build a `vllm serve` command line: every `--x` literal there is
+# a vLLM flag (the frontend's, --host and such, are in no module the cache keeps).
+ARGV_BUILDERS = ("pipeline/vllm/server.py", "pipeline/vllm/target_flags.py",
+                 "pipeline/extract/vllm_server.py", "<snippet>")
+# Other programs' flags that vLLM's parser spells the same.
+OTHER_PROGRAMS = {
+    "pipeline/stages/train.py": {"--seed", "--trust-remote-code", "--nnodes"},   # speculators, torchrun
+    "bench/vs_speculators.py": {"--model", "--seed", "--trust-remote-code"},     # speculators' CLI
+}
+
+
+def parser_flags() -> set[str]:
+    """The flags vLLM's engine argument parser declares in any read release
+    (and each boolean's --no- form); a release the cache cannot give is left out."""
+    from tests.fakes import vllm_releases
+    out = set()
+    for version in compat.READ_RELEASES:
+        try:
+            src = vllm_releases.source(version)
+        except pytest.skip.Exception:
+            continue
+        out |= {f for f in src.string_constants(vs.ARGS, "--") if FLAG_SHAPE.fullmatch(f)}
+    return out | {"--no-" + f[2:] for f in out}
+
+
+def _argparse_literals(tree: ast.AST) -> set[int]:
+    """The literals given to add_argument: a program's own command line."""
+    return {id(n) for call in ast.walk(tree) if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument"
+            for a in call.args for n in ast.walk(a)}
+
+
+def _vllm_string(text: str, parser: set[str], argv: bool) -> str | None:
+    """The kind of vLLM string a literal is (None: not one); `argv`: in a
+    module that builds the serve command."""
+    flag = text.split("=", 1)[0] if text.startswith("--") else text
+    if flag in vs.FLAGS or (FLAG_SHAPE.fullmatch(flag) and (argv or flag in parser)):
+        return "flag"
+    if ROUTE_SHAPE.fullmatch(text):
+        return "endpoint"
+    if METRIC_SHAPE.fullmatch(text):
+        return "metric"
+    return "log pattern" if text in vs.LOG_PATTERNS else None
+
+
+def undeclared_strings(tree: ast.AST, parser: set[str], where: str = "<snippet>") -> list[str]:
+    """The rule. A string literal (an f-string's text parts too; not the
+    arguments of add_argument) is a vLLM string when it is spelled as one:
+    a flag (`--x` or `--x=...`) the table declares or vLLM's argument parser
+    declares in a read release (any `--x` in a module of ARGV_BUILDERS),
+    unless `where` passes it to another program that spells it the same
+    (OTHER_PROGRAMS); a route of vLLM's API server
+    (/v1, under /v1/, or one of its unversioned routes); a `vllm:` metric
+    name; a declared log pattern. Also, in a module that reads a server's
+    log (LOG_READERS), the pattern of every `re.X(...)` given as a literal.
+    A vLLM string the table declares is spelled out (the code must take the
+    table's constant); one it lacks is undeclared. contract_strings.py, the
+    table, is not walked."""
+    out, skip, argv = [], _argparse_literals(tree), where in ARGV_BUILDERS
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            kind = _vllm_string(node.value, parser, argv)
+            flag = node.value.split("=", 1)[0]
+            if kind and flag not in OTHER_PROGRAMS.get(where, ()):
+                declared = flag in vs.TABLES[kind] or node.value in vs.TABLES[kind]
+                out.append((node.lineno, node.col_offset, f"{kind} {node.value!r} " + (
+                    "spelled out: take contract_strings' constant" if declared
+                    else "undeclared: add it to contract_strings")))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and \
+                node.func.attr in RE_CALLS and node.args and where.startswith(LOG_READERS) and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            pattern = node.args[0].value
+            if pattern not in vs.LOG_PATTERNS and pattern not in OTHER_FORMATS:
+                out.append((node.lineno, node.col_offset,
+                            f"log pattern {pattern!r} undeclared: add it to contract_strings"))
+    return [m for *_, m in sorted(out)]
+
+
+def test_every_vllm_string_in_the_code_comes_from_the_table():
+    parser, found = parser_flags(), {}
+    for path in STRING_CODE:
+        where = str(path.relative_to(ROOT))
+        if where == "pipeline/vllm/contract_strings.py":
+            continue
+        bad = undeclared_strings(ast.parse(path.read_text(), where), parser, where)
+        if bad:
+            found[where] = bad
+    assert found == {}, f"pipeline/vllm/contract_strings.py: {found}"
+
+
+def test_the_string_walker_catches_one():
+    snippet = ast.parse(
+        'argv = ["--tensor-parallel-size", "2", "--max-num-seqs", "8", f"--dtype={dtype}"]\n'
+        'url = base + "/v1/embeddings"\n'
+        'n = vals["vllm:num_preemptions_total"] + vals["vllm:num_requests_running"]\n'
+        'ok = requests.get(url + "/health")\n'
+        'TOOK = re.compile(r"Loading weights took ([0-9.]+)")\n'
+        'ap.add_argument("--max-model-len", help="the speculative-config is ours")\n')
+    got = undeclared_strings(snippet, {"--max-num-seqs", "--max-model-len", "--dtype"},
+                             "pipeline/vllm/new.py")
+    assert got == [
+        "flag '--tensor-parallel-size' spelled out: take contract_strings' constant",
+        "flag '--max-num-seqs' undeclared: add it to contract_strings",
+        "flag '--dtype=' spelled out: take contract_strings' constant",
+        "endpoint '/v1/embeddings' undeclared: add it to contract_strings",
+        "metric 'vllm:num_preemptions_total' undeclared: add it to contract_strings",
+        "metric 'vllm:num_requests_running' spelled out: take contract_strings' constant",
+        "endpoint '/health' spelled out: take contract_strings' constant",
+        "log pattern 'Loading weights took ([0-9.]+)' undeclared: add it to contract_strings"]
+    # the table's constants pass, and so does another program's flag where it is declared so
+    ok = ast.parse("argv = [vs.FLAG_TENSOR_PARALLEL, '2', vs.FLAG_DTYPE + '=float32']\n"
+                   "TOOK = re.compile(vs.LOG_TOOK)\nurl = base + vs.ROUTE_HEALTH\n")
+    assert undeclared_strings(ok, {"--dtype"}) == []
+    train = ast.parse("argv = ['--seed', '0', '--trust-remote-code']\n")
+    assert undeclared_strings(train, {"--seed"}, "pipeline/stages/train.py") == []
+    # where the serve command is built, a flag the parser modules in the cache lack too
+    frontend = ast.parse("argv += ['--enable-auto-tool-choice']\n")
+    assert undeclared_strings(frontend, set(), "pipeline/vllm/server.py") == [
+        "flag '--enable-auto-tool-choice' undeclared: add it to contract_strings"]
+    assert undeclared_strings(frontend, set(), "pipeline/stages/train.py") == []
+
+
+def test_the_declared_strings_count():
+    """The table the report quotes: strings per kind, and how many are checked
+    against the releases' source."""
+    per = {k: len(t) for k, t in vs.TABLES.items()}
+    checked = {k: sum(bool(d.declared_in) for d in t.values()) for k, t in vs.TABLES.items()}
+    assert per["flag"] >= 20 and per["endpoint"] >= 6 and per["metric"] >= 12
+    assert per["log pattern"] >= 10 and checked["flag"] >= 15 and checked["metric"] == per["metric"]
+    assert all(d.why for t in vs.TABLES.values() for d in t.values())
+    print(f"\ndeclared strings {per}, checked against the source {checked}")
+
+
+@pytest.mark.parametrize("version", compat.READ_RELEASES)
+def test_declared_flags_and_metrics_are_in_each_release(version):
+    """Each checked flag in the release's engine.arg_utils and each metric in
+    its metrics modules exactly where the table says (since..until)."""
+    from tests.fakes import vllm_releases
+    assert vs.missing(vllm_releases.source(version)) == []
+
+
+class Without:
+    """A release's source with one string gone from one module (what the
+    next vLLM might do)."""
+
+    def __init__(self, src, module, needle):
+        self._src, self._module, self._needle = src, module, needle
+
+    def __getattr__(self, name):
+        return getattr(self._src, name)
+
+    def text(self, module):
+        t = self._src.text(module)
+        return t.replace(self._needle, '"gone"') if module == self._module and t else t
+
+
+def test_a_flag_gone_from_a_release_is_a_precise_line():
+    from tests.fakes import vllm_releases
+    src = Without(vllm_releases.source("0.33.0"), vs.ARGS, '"--kv-transfer-config"')
+    (line,) = vs.missing(src)
+    assert line.startswith("flag --kv-transfer-config in vLLM 0.33.0: not in vllm.engine.arg_utils")
+    assert "hidden-state connector" in line
+    # doctor says it as a warning (most flags are passed only for some targets)
+    from types import SimpleNamespace
+
+    from pipeline import doctor
+    (f,) = doctor.string_mismatches(SimpleNamespace(source=src))
+    assert f.level == doctor.WARN and f.message == line and f.key == "contract_string"
+    old = vllm_releases.source("0.16.0")   # before --language-model-only: expected absent
+    assert not vs.expected_in(vs.FLAGS[vs.FLAG_LANGUAGE_MODEL_ONLY], old.version)

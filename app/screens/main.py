@@ -18,8 +18,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from pipeline import fmt
-from pipeline.run import driver
-from pipeline.run.rundir import Status
+from pipeline.run.rundir import DONE, Status
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
 from widgets.category_bars import CategoryBars
@@ -357,4 +356,4 @@ class MainScreen(Screen):
 
 
 def all_done(view) -> bool:
-    return all(view.stages[s].state.get("status") in driver.DONE for s in STAGE_NAMES)
+    return all(view.stages[s].state.get("status") in DONE for s in STAGE_NAMES)

@@ -18,7 +18,9 @@ stage's job also runs a sampler step per node (pipeline.cluster.node_telemetry).
 
 Liveness is asked often (every refresh), so answers are cached for a
 second; a scheduler that does not answer counts as "still alive" (a slow
-slurmctld must not fail a running stage).
+slurmctld must not fail a running stage). `SlurmScheduler` is this module
+as pipeline.run.executor's `Scheduler`: run/ asks and acts only through
+that interface (it never imports cluster/); pipeline.control registers it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.run.executor import ALIVE, GONE, Scheduler, SchedulerError
+from pipeline.run.rundir import RunDir
+
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
           "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
 TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo")
@@ -39,7 +44,7 @@ CACHE_S = 1.0
 _cache: dict[str, tuple[float, JobState | None]] = {}
 
 
-class SlurmError(Exception):
+class SlurmError(SchedulerError):
     """The scheduler refused or is not there: said before anything is submitted."""
 
 
@@ -194,6 +199,35 @@ def cancel(job: str, signal: str | None = None) -> None:
     argv = ["scancel", job] if signal is None else ["scancel", f"--signal={signal}", "--full", job]
     _run(argv)
     _cache.pop(job, None)
+
+
+class SlurmScheduler(Scheduler):
+    """Stage attempts as Slurm batch jobs, for pipeline.run's driver and readers."""
+
+    name, title = "slurm", "Slurm"
+
+    def job_liveness(self, job: str) -> str:
+        """Its processes are on a compute node: the scheduler knows; when it
+        cannot be asked, the stage is taken to be alive (never failed for that)."""
+        state = job_state(job)
+        return ALIVE if state is None or state.active else GONE
+
+    def describe(self, st: dict) -> str:
+        state = job_state(st["slurm_job"]) if st.get("slurm_job") else None
+        return state.describe(st["slurm_job"]) if state else ""
+
+    def submit(self, cfg, rd: RunDir, stage: str, attempt: int, gpu_stage: bool,
+               command: list[str], env: dict[str, str]) -> str:
+        """The batch script beside the stage's log (slurm-ATTEMPT.sh), submitted."""
+        return submit(cfg.cluster, stage, rd.id, rd.log_path(stage), rd.path, gpu_stage,
+                      command, rd.stage_dir(stage) / f"slurm-{attempt}.sh", env)
+
+    def job_gone(self, job: str) -> bool:
+        state = job_state(job, fresh=True)
+        return state is not None and not state.active
+
+    def cancel(self, job: str, signal: str | None = None) -> None:
+        cancel(job, signal)
 
 
 def allocation_tasks() -> int:

@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from pipeline.vllm.contract_strings import ROUTE_CHAT_RENDER
+
 ROLE_ALIASES = {
     "system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
     # OpenAI's newer name for the system role; its older one for tool results
@@ -235,7 +237,7 @@ class EndpointRenderer:
     (token ids), with the same boundary method on token ids."""
 
     def __init__(self, endpoint: str, timeout: float = 30.0, api_key: str | None = None):
-        self.url = endpoint.rstrip("/") + "/v1/chat/completions/render"
+        self.url = endpoint.rstrip("/") + ROUTE_CHAT_RENDER
         self.timeout = timeout
         # a server started with --api-key: the variable vLLM's own clients read
         self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")

@@ -33,6 +33,7 @@ from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.diskspace import DiskFull
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
+from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.server import VllmServer, make_server, served_model_name, server_log
 from pipeline.vllm.source import VllmSource
 
@@ -52,8 +53,8 @@ def extraction_flags(layer_ids: list[int], storage: Path, own_connector: bool,
         kv.update(kv_connector=compat.OWN_CONNECTOR_CLASS,
                   kv_connector_module_path=compat.OWN_CONNECTOR_MODULE)
         kv["kv_connector_extra_config"][compat.FP8_KEY] = fp8
-    return ["--no-enable-chunked-prefill", "--speculative-config", json.dumps(spec),
-            "--kv-transfer-config", json.dumps(kv)]
+    return [vs.FLAG_NO_CHUNKED_PREFILL, vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec),
+            vs.FLAG_KV_TRANSFER_CONFIG, json.dumps(kv)]
 
 
 def wait_written(path: Path) -> bool:
@@ -243,7 +244,7 @@ class Extraction:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
         if self.own:
             body["kv_transfer_params"] = {compat.INDEX_KEY: i}
-        resp = server.post("/v1/completions", body, job.section.request_timeout_s)
+        resp = server.post(vs.ROUTE_COMPLETIONS, body, job.section.request_timeout_s)
         path = (resp.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise StageError("the server's answer has no kv_transfer_params.hidden_states_path",

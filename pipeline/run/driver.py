@@ -1,20 +1,24 @@
-"""Launch, supervise, cancel and resume stage subprocesses.
+"""Launch, cancel and reset stage attempts: the acting side of a run.
 
 Process layout (all detached from whoever asked for the run):
 
-    driver      python -m pipeline.run.driver drive   own session, holds runs/<id>/lock,
+    driver      python -m pipeline.control drive      own session, holds runs/<id>/lock,
                                                   starts the stages one after another
     supervisor  python -m pipeline.run.supervise      own session per stage attempt,
                                                   records the exit in state.json
     stage       python -m pipeline.stages.NAME    own process group under the supervisor
 
 Nothing here holds a pipe to a stage: the panel and the CLI learn everything
-from state.json, events.jsonl and stage.log.
+from state.json, events.jsonl and stage.log. Whether a stage still runs is
+asked of the run's executor (pipeline.run.executor: local processes, or a
+scheduler's jobs), which the callers pass in; reading a run without acting on
+it is pipeline.run.reconcile's `observe`, and needs nothing from here. The
+driver's entry point is in pipeline.control, above run/ and cluster/, where
+the Slurm executor is registered.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import os
@@ -28,203 +32,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import config as config_mod
-from pipeline.cluster import slurm
 from pipeline.config import GPU_STAGES, Config
 from pipeline.paths import pythonpath_with_project
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
 from pipeline.run.events import EventType, EventWriter, last_event
+from pipeline.run.executor import (
+    Executor,
+    Scheduler,
+    SchedulerError,
+    driver_alive,
+    for_run,
+    for_scheduler,
+    proc_alive,
+)
 from pipeline.run.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, wait_gone
+from pipeline.run.reconcile import observe, reconcile
 from pipeline.run.rundir import (
+    DONE,
     SHARED_UMASK,
     RunDir,
     Status,
     check_run_id,
     check_runs_dir,
-    proc_alive,
     proc_start_ticks,
 )
 from pipeline.stage_graph import STAGE_INPUTS, STAGE_NAMES
 
 POLL_S = 0.2
-
-
-# -- liveness ---------------------------------------------------------------
-
-ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
-
-
-def liveness(st: dict, slurm_run: bool = True) -> str:
-    """ALIVE when the stage's supervisor or the stage itself still runs, as
-    recorded (pid and start time: the supervisor's is recorded first, so a
-    stage that has just started is anchored on it); GONE when neither does;
-    UNKNOWN when a pid was recorded without its start time (it cannot be
-    told from an unrelated process that got the pid) or a Slurm job is
-    recorded on a run that does not use Slurm."""
-    if st.get("slurm_job"):
-        if not slurm_run:
-            return UNKNOWN
-        # its processes are on a compute node: the scheduler knows; when it
-        # cannot be asked, the stage is taken to be alive (never failed for that)
-        job = slurm.job_state(st["slurm_job"])
-        return ALIVE if job is None or job.active else GONE
-    pairs = ((st.get("supervisor_pid"), st.get("supervisor_create_time")),
-             (st.get("pid"), st.get("create_time")))
-    if any(proc_alive(pid, ticks) for pid, ticks in pairs):
-        return ALIVE
-    return UNKNOWN if any(pid and ticks is None for pid, ticks in pairs) else GONE
-
-
-def stage_alive(st: dict, slurm_run: bool = True) -> bool:
-    return liveness(st, slurm_run) == ALIVE
-
-
-def unverifiable(st: dict) -> str:
-    """Why a running row's identity cannot be verified, in words."""
-    if st.get("slurm_job"):
-        return f"Slurm job {st['slurm_job']} is recorded, but this run does not use Slurm"
-    for who, pid, ticks in (("supervisor", st.get("supervisor_pid"),
-                             st.get("supervisor_create_time")),
-                            ("stage", st.get("pid"), st.get("create_time"))):
-        if pid and ticks is None:
-            return f"its {who}'s pid {pid} is recorded without a start time"
-    return "its processes are not recorded"
-
-
-def _being_launched(st: dict, launching: bool) -> bool:
-    """Marked running, not started yet (no supervisor, no job), by a live launcher."""
-    return launching and st.get("supervisor_pid") is None and not st.get("slurm_job")
-
-
-def driver_alive(state: dict) -> bool:
-    d = state.get("driver") or {}
-    return proc_alive(d.get("pid"), d.get("create_time"))
-
-
-def _not_alive(state: dict, slurm_run: bool = True) -> dict[str, str]:
-    """Stages marked running that are not (verifiably) alive: stage -> GONE
-    or UNKNOWN. A stage whose supervisor pid is not written yet is being
-    launched right now, as long as the launcher doing it is alive."""
-    launching = driver_alive(state)
-    out = {}
-    for s, st in state["stages"].items():
-        if st["status"] == Status.RUNNING and not _being_launched(st, launching):
-            how = liveness(st, slurm_run)
-            if how != ALIVE:
-                out[s] = how
-    return out
-
-
-def _gone(state: dict, slurm_run: bool = True) -> list[str]:
-    """What a launcher records as ended: the gone stages and the unknown ones
-    (nothing of theirs can be verified to run; their token's processes are
-    stopped, nothing else)."""
-    return list(_not_alive(state, slurm_run))
-
-
-def _slurm_run(rd: RunDir) -> bool:
-    return rd.scheduler() == "slurm"
-
-
-def observe(rd: RunDir) -> dict:
-    """The run's state as it is, for readers (the panel, `status`, watchers):
-    a stage marked running whose processes are all gone (the machine
-    rebooted, someone killed the supervisor) is shown as what `reconcile`
-    will record; one whose identity cannot be verified as "unknown", with
-    the command that clears it; a succeeded stage whose outputs are gone as
-    "outputs missing". Nothing is written and nothing is stopped: any
-    number of panels and users may look at a run without changing it."""
-    state = rd.read_state()
-    slurm_run = _slurm_run(rd)
-    found = _not_alive(state, slurm_run)
-    dead = [s for s, how in found.items() if how == GONE]
-    if dead:
-        _mark_gone(rd, state, dead, slurm_run=slurm_run)
-    for s in (s for s, how in found.items() if how == UNKNOWN):
-        st = state["stages"][s]
-        st.update(status=Status.UNKNOWN, reason=f"{unverifiable(st)}: it cannot be told from "
-                  "an unrelated process, so nothing of it is signalled. `eagle-panel resume "
-                  f"{rd.id}` (or `eagle-panel cancel {rd.id} --stage {s}`) records it as "
-                  "ended and stops only what carries its token.")
-    mark_missing(rd, state)
-    return state
-
-
-def mark_missing(rd: RunDir, state: dict) -> None:
-    """A succeeded stage whose out/ folder is gone is shown (and planned) as
-    "outputs missing", in memory only: `resume` re-runs it."""
-    for s, st in state["stages"].items():
-        why = rd.outputs_missing(s) if st["status"] == Status.SUCCEEDED and s in STAGE_NAMES \
-            else None
-        if why:
-            st.update(status=Status.MISSING, reason=f"succeeded (attempt {st['attempt']}), but "
-                      f"its outputs are gone ({why}); `eagle-panel resume {rd.id}` re-runs it")
-
-
-def reconcile(rd: RunDir) -> dict:
-    """What `observe` sees, recorded in state.json, and what the gone stages
-    left running stopped. Only launchers call it (control before it plans,
-    the driver while it waits): they hold, or are about to take, the run."""
-    state = rd.read_state()
-    slurm_run = _slurm_run(rd)
-    dead = _gone(state, slurm_run)
-    if not dead:
-        mark_missing(rd, state)
-        return state
-    try:
-        with rd.mutate_state() as state:
-            dead = _gone(state, slurm_run)   # again, under the state lock
-            _mark_gone(rd, state, dead, slurm_run=slurm_run)
-    except DiskFull:
-        # Nothing can be recorded on a full disk: show it as it is, unsaved.
-        state = rd.read_state()
-        _mark_gone(rd, state, dead, why="the run directory's disk is full", slurm_run=slurm_run)
-    _stop_orphans([state["stages"][s] for s in dead
-                   if not state["stages"][s].get("slurm_job")])
-    mark_missing(rd, state)
-    return state
-
-
-def _mark_gone(rd: RunDir, state: dict, dead: list[str], why: str = "",
-               slurm_run: bool = True) -> None:
-    for s in dead:
-        st = state["stages"][s]
-        if liveness(st, slurm_run) == UNKNOWN:
-            st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
-                      ended_at=st.get("ended_at") or time.time(),
-                      reason=f"recorded as ended: {unverifiable(st)}, so it could not be "
-                             "verified to run (only processes carrying its token were stopped)")
-            continue
-        said = _last_word(rd, s)
-        if said in (Status.SUCCEEDED, Status.SKIPPED):
-            # Its supervisor was killed, the stage went on and finished:
-            # its own last event says so; nothing to redo.
-            st.update(status=said, ended_at=st.get("ended_at") or time.time(),
-                      reason="recorded from the stage's own last event (its supervisor "
-                             "was gone)")
-            continue
-        job = slurm.job_state(st["slurm_job"]) if st.get("slurm_job") and slurm_run else None
-        how = why or (job.describe(st["slurm_job"]) if job else "") or \
-            "machine restart or supervisor killed"
-        st.update(status=Status.CANCELLED if st.get("cancel_requested") else Status.FAILED,
-                  ended_at=st.get("ended_at") or time.time(),
-                  reason=f"the stage and its supervisor are gone without recording an exit "
-                         f"({how})")
-
-
-def _last_word(rd: RunDir, stage: str) -> str | None:
-    ev = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.STAGE_FINISHED))
-    return ev.get("status") if ev and ev.get("type") == EventType.STAGE_FINISHED else None
-
-
-def _stop_orphans(stages: list[dict]) -> None:
-    """What a stage gone without its supervisor left running (a vLLM server,
-    its renamed EngineCore and workers): found by the attempt's token and
-    its supervisor's session (never by a process group, which may have been
-    reused; pipeline.run.leftovers), stopped."""
-    from pipeline.run.leftovers import stop_attempt
-    for st in stages:
-        if st.get("token"):
-            stop_attempt(st, term_grace=2.0, kill_grace=2.0)
 
 
 # -- planning ---------------------------------------------------------------
@@ -241,9 +75,6 @@ class Step:
     stage: str
     action: str  # "run" | "skip" | "off" (an optional stage turned off) | "blocked"
     why: str
-
-
-DONE = (Status.SUCCEEDED, Status.SKIPPED)
 
 
 def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False) -> list[Step]:
@@ -326,11 +157,14 @@ def _reset_outputs(rd: RunDir, stage: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = False) -> dict:
-    """Start one stage attempt under its supervisor; returns the stage state.
-    The caller must hold the run's launcher lock."""
+def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = False,
+           ex: Executor | None = None) -> dict:
+    """Start one stage attempt under its supervisor (as a job when the
+    config's executor is a scheduler); returns the stage state. The caller
+    must hold the run's launcher lock."""
+    ex = ex or for_scheduler(cfg.cluster.scheduler, rd.path)
     st = rd.read_state()["stages"][stage]
-    if st["status"] == Status.RUNNING and stage_alive(st):
+    if st["status"] == Status.RUNNING and ex.alive(st):
         raise RuntimeError(f"{stage} is already running (pid {st['pid']})")
     if force or st.get("out_fingerprint") != fingerprint:
         _reset_outputs(rd, stage)
@@ -352,20 +186,9 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
     log.flush()
     supervise = [sys.executable, "-m", "pipeline.run.supervise", "--run-dir", str(rd.path),
                  "--stage", stage, "--", *argv]
-    if cfg.cluster.scheduler == "slurm":
+    if isinstance(ex, Scheduler):
         log.close()
-        try:
-            job = slurm.submit(cfg.cluster, stage, rd.id, rd.log_path(stage), rd.path,
-                               stage in GPU_STAGES, supervise,
-                               rd.stage_dir(stage) / f"slurm-{attempt}.sh",
-                               _stage_env(cfg, stage, attempt))
-        except slurm.SlurmError as e:
-            with EventWriter(rd.events_path(stage)) as events:
-                events.error(str(e), hint="fix [cluster] in config.toml, then resume")
-            return rd.update_stage(stage, status=Status.FAILED, ended_at=time.time(),
-                                   reason=str(e))
-        _say(f"[{stage}] Slurm job {job}")
-        return rd.update_stage(stage, slurm_job=job)
+        return _submit(rd, cfg, stage, attempt, supervise, ex)
     with log:
         sup = subprocess.Popen(
             supervise,
@@ -377,11 +200,28 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
                            supervisor_create_time=proc_start_ticks(sup.pid))
 
 
-def wait_stage(rd: RunDir, stage: str, poll: float = POLL_S) -> dict:
+def _submit(rd: RunDir, cfg: Config, stage: str, attempt: int, supervise: list[str],
+            sched: Scheduler) -> dict:
+    """The attempt's supervisor as the scheduler's job; a refusal fails the
+    attempt with the scheduler's words (nothing ran, resume retries it)."""
+    try:
+        job = sched.submit(cfg, rd, stage, attempt, stage in GPU_STAGES, supervise,
+                           _stage_env(cfg, stage, attempt))
+    except SchedulerError as e:
+        with EventWriter(rd.events_path(stage)) as events:
+            events.error(str(e), hint="fix [cluster] in config.toml, then resume")
+        return rd.update_stage(stage, status=Status.FAILED, ended_at=time.time(),
+                               reason=str(e))
+    _say(f"[{stage}] {sched.title} job {job}")
+    return rd.update_stage(stage, slurm_job=job)
+
+
+def wait_stage(rd: RunDir, stage: str, poll: float = POLL_S, ex: Executor | None = None) -> dict:
     """Block until the stage is no longer running (works for a stage this
     process did not start: the launcher may have been restarted)."""
+    ex = ex or for_run(rd)
     while True:
-        state = reconcile(rd)
+        state = reconcile(rd, ex)
         st = state["stages"][stage]
         if st["status"] != Status.RUNNING:
             return st
@@ -396,6 +236,7 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         return 3
     state = rd.read_state()
     cfg = load_run_config(rd, state)
+    ex = for_run(rd)
     if cfg.run.shared:
         # what the stages write: group-readable, never group-writable
         os.umask(SHARED_UMASK)
@@ -406,7 +247,7 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
     result = 0
     try:
         fps = fingerprints(cfg)
-        for step in plan(cfg, reconcile(rd), only, force):
+        for step in plan(cfg, reconcile(rd, ex), only, force):
             if step.action == "blocked":
                 _say(f"[{step.stage}] {step.why}")
                 result = 1
@@ -424,10 +265,10 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
                 result = 130
                 break
             st = rd.read_state()["stages"][step.stage]
-            if not (st["status"] == Status.RUNNING and stage_alive(st)):
+            if not (st["status"] == Status.RUNNING and ex.alive(st)):
                 _say(f"[{step.stage}] starting: {step.why}")
-                launch(rd, cfg, step.stage, fps[step.stage], force)
-            st = wait_stage(rd, step.stage)
+                launch(rd, cfg, step.stage, fps[step.stage], force, ex)
+            st = wait_stage(rd, step.stage, ex=ex)
             _say(f"[{step.stage}] {st['status']}")
             if st["status"] not in DONE:
                 result = 130 if st["status"] == Status.CANCELLED else 1
@@ -442,7 +283,7 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         except DiskFull:
             pass   # a driver entry with a dead pid reads as no driver
         os.close(fd)
-    if result == 1 and failed_for_disk(rd, reconcile(rd)):
+    if result == 1 and failed_for_disk(rd, reconcile(rd, ex)):
         result = EXIT_DISK_FULL
     return result
 
@@ -541,16 +382,18 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
     return rd
 
 
-def busy_launcher(rd: RunDir, wait: float = 3.0) -> int | None:
+def busy_launcher(rd: RunDir, wait: float = 3.0, ex: Executor | None = None) -> int | None:
     """The pid of a launcher driving the run, if one is. A launcher whose
     stage just ended takes a moment to exit: when no stage is running, wait
     up to `wait` seconds for it before calling the run busy."""
+    ex = ex or for_run(rd)
     deadline = time.monotonic() + wait
     while True:
         holder = rd.lock_holder()
         if holder is None:
             return None
-        running = any(st["status"] == Status.RUNNING for st in reconcile(rd)["stages"].values())
+        running = any(st["status"] == Status.RUNNING
+                      for st in reconcile(rd, ex)["stages"].values())
         if running or time.monotonic() >= deadline:
             return holder
         time.sleep(0.1)
@@ -558,7 +401,8 @@ def busy_launcher(rd: RunDir, wait: float = 3.0) -> int | None:
 
 def start_driver(rd: RunDir, only: str | None = None, force: bool = False) -> subprocess.Popen:
     """Detach a driver for the run: it survives the terminal that started it."""
-    args = [sys.executable, "-m", "pipeline.run.driver", "drive", "--run-dir", str(rd.path)]
+    # (the entry point is above run/ and cluster/: it registers the Slurm executor)
+    args = [sys.executable, "-m", "pipeline.control", "drive", "--run-dir", str(rd.path)]
     if only:
         args += ["--stage", only]
     if force:
@@ -582,24 +426,25 @@ class CancelResult:
 
 
 def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
-                 kill_grace: float = 5.0) -> CancelResult:
+                 kill_grace: float = 5.0, ex: Executor | None = None) -> CancelResult:
     """SIGINT (graceful: training saves a checkpoint), then SIGTERM, then
     SIGKILL to the stage's whole process tree: only to processes whose
     identity is verified (cancel_targets); a row that cannot be verified is
     recorded as cancelled, and nothing but its token's processes stopped."""
-    if observe(rd)["stages"][stage]["status"] == Status.UNKNOWN:
+    ex = ex or for_run(rd)
+    if observe(rd, ex)["stages"][stage]["status"] == Status.UNKNOWN:
         rd.update_stage(stage, cancel_requested=True)
-        reconcile(rd)
+        reconcile(rd, ex)
         return CancelResult(stage, True, [], [])
-    st = reconcile(rd)["stages"][stage]
+    st = reconcile(rd, ex)["stages"][stage]
     if st["status"] != Status.RUNNING:
         return CancelResult(stage, False, [], [])
     rd.update_stage(stage, cancel_requested=True)
-    if st.get("slurm_job") and _slurm_run(rd):
-        return _cancel_job(rd, stage, st["slurm_job"], grace, term_grace + kill_grace)
+    if st.get("slurm_job") and isinstance(ex, Scheduler):
+        return _cancel_job(rd, stage, st["slurm_job"], grace, term_grace + kill_grace, ex)
     # The supervisor records the pid right after it starts the stage.
     deadline = time.monotonic() + 5
-    while st.get("pid") is None and stage_alive(st) and time.monotonic() < deadline:
+    while st.get("pid") is None and ex.alive(st) and time.monotonic() < deadline:
         time.sleep(0.05)
         st = rd.read_state()["stages"][stage]
     find = lambda: cancel_targets(st)  # noqa: E731
@@ -617,7 +462,7 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
     end = time.monotonic() + 5
     while time.monotonic() < end and rd.read_state()["stages"][stage]["status"] == Status.RUNNING:
         if not proc_alive(st.get("supervisor_pid"), st.get("supervisor_create_time")):
-            reconcile(rd)
+            reconcile(rd, ex)
             break
         time.sleep(0.05)
     return CancelResult(stage, True, sent, survivors)
@@ -640,29 +485,30 @@ def cancel_targets(st: dict) -> list[int]:
     return sorted(found)
 
 
-def _cancel_job(rd: RunDir, stage: str, job: str, grace: float, term_grace: float) -> CancelResult:
+def _cancel_job(rd: RunDir, stage: str, job: str, grace: float, term_grace: float,
+                sched: Scheduler) -> CancelResult:
     """The same escalation through the scheduler: SIGINT to every process
     of the job, then scancel (SIGTERM, and SIGKILL after Slurm's KillWait)."""
     def gone():
-        state = slurm.job_state(job, fresh=True)
-        return state is not None and not state.active
+        return sched.job_gone(job)
     sent = []
     for sig, wait_s in (("INT", grace), (None, term_grace)):
         if gone():
             break
         sent.append(f"SIG{sig}" if sig else "scancel")
-        slurm.cancel(job, sig)
+        sched.cancel(job, sig)
         end = time.monotonic() + wait_s
         while time.monotonic() < end and not gone():
             time.sleep(0.2)
-    reconcile(rd)
-    return CancelResult(stage, True, sent, [] if gone() else [(0, f"Slurm job {job}")])
+    reconcile(rd, sched)
+    return CancelResult(stage, True, sent, [] if gone() else [(0, f"{sched.title} job {job}")])
 
 
 def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -> list[CancelResult]:
     """Cancel one stage, or the pipeline: no further stage is started, and
     the running one is stopped."""
-    seen = observe(rd)
+    ex = for_run(rd)
+    seen = observe(rd, ex)
     active = [s for s in STAGE_NAMES if seen["stages"][s]["status"] in (Status.RUNNING,
                                                                         Status.UNKNOWN)]
     if stage is None and (active or driver_alive(seen)):
@@ -670,22 +516,4 @@ def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -
         with rd.mutate_state() as state:
             state["cancel_requested"] = True
     targets = [stage] if stage else active
-    return [cancel_stage(rd, s, grace, term_grace) for s in targets]
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.run.driver")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("drive", help="run the pipeline of a run directory "
-                                     "(detached by `eagle-panel run`)")
-    d.add_argument("--run-dir", required=True)
-    d.add_argument("--stage", choices=STAGE_NAMES)
-    d.add_argument("--force", action="store_true")
-    a = ap.parse_args(argv)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    return drive(RunDir(a.run_dir).require(), a.stage, a.force)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
+    return [cancel_stage(rd, s, grace, term_grace, ex=ex) for s in targets]

@@ -40,6 +40,9 @@ class Status(str, enum.Enum):
         return self.value
 
 
+# A stage that needs nothing more: planning skips it, readers show it as done.
+DONE = (Status.SUCCEEDED, Status.SKIPPED)
+
 PRIVATE_MODE, SHARED_MODE = 0o700, 0o750
 # A shared run: the group reads everything, writes nothing, whatever the
 # umask of whoever launches it (umask 002 would make stage folders 775).
@@ -78,6 +81,7 @@ def atomic_write_json(path: Path, obj) -> None:
 # -- process identity ------------------------------------------------------
 # A pid alone can be reused by an unrelated process after the stage ends; the
 # kernel's start time of the process (in clock ticks since boot) tells them apart.
+# Recorded here; whether a recorded process still runs is pipeline.run.executor's.
 
 def proc_start_ticks(pid: int) -> int | None:
     try:
@@ -90,15 +94,6 @@ def proc_start_ticks(pid: int) -> int | None:
     if fields[0] == b"Z":  # a zombie has finished running
         return None
     return int(fields[19])
-
-
-def proc_alive(pid: int | None, start_ticks: int | None) -> bool:
-    """Whether the process recorded as (pid, start time) still runs. Without
-    a start time the pid cannot be told from an unrelated process that got it
-    since: that is not a match (never signal, never trust it)."""
-    if not isinstance(pid, int) or pid <= 0 or not isinstance(start_ticks, int):
-        return False
-    return proc_start_ticks(pid) == start_ticks
 
 
 def pid_running(pid: int) -> bool:

@@ -42,8 +42,7 @@ from pipeline.data.prompt_sets import Prompt, from_token_ids, take
 from pipeline.data.prompt_sets import load as load_prompts
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
-from pipeline.stages.common import Skipped, StageContext, StageError, main_for
-from pipeline.stages.train import acceptance_length, read_val_metrics
+from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.train.checkpoints import complete_checkpoint
 from pipeline.train.mla_draft import (
     CPU_CONFLICT,
@@ -52,7 +51,9 @@ from pipeline.train.mla_draft import (
     is_mla_checkpoint,
     validate_export,
 )
-from pipeline.vllm.acceptance import FLAG, by_category, from_counters, from_response, worst_prompts
+from pipeline.train.val_metrics import acceptance_length, read_val_metrics
+from pipeline.vllm import contract_strings as vs
+from pipeline.vllm.acceptance import by_category, from_counters, from_response, worst_prompts
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import acceptance, spec_counters
 from pipeline.vllm.server import make_server, server_log, serving
@@ -159,13 +160,13 @@ class Generation:
         for turn, content in enumerate(p.turns):
             if p.kind == "turns":
                 msgs = msgs + [{"role": "user", "content": content}]
-                r, acc = self.ask("/v1/chat/completions", {"messages": msgs})
+                r, acc = self.ask(vs.ROUTE_CHAT, {"messages": msgs})
                 msgs = msgs + [{"role": "assistant",
                                 "content": r["choices"][0]["message"].get("content") or ""}]
             elif p.kind == "messages":
-                r, acc = self.ask("/v1/chat/completions", {"messages": content})
+                r, acc = self.ask(vs.ROUTE_CHAT, {"messages": content})
             else:   # text or token ids
-                r, acc = self.ask("/v1/completions", {"prompt": content})
+                r, acc = self.ask(vs.ROUTE_COMPLETIONS, {"prompt": content})
             self.record(p, turn, r, acc)
 
     def record(self, p: Prompt, turn: int, r: dict, acc: dict | None) -> None:
@@ -224,7 +225,8 @@ class Evaluation:
         self.kv_per_token = 2 * kv_bytes_per_token(read_model(self.target),
                                                    max(1, len(self.devices)), elem)
         # each request's acceptance in its response where the vLLM has it
-        self.per_request = "response" if parser_has(env.source(), FLAG) else "metrics"
+        per_request = parser_has(env.source(), vs.FLAG_PER_REQUEST_SPEC_METRICS)
+        self.per_request = "response" if per_request else "metrics"
 
     def server(self, k: int, draft: Path | None, served: Path | None = None,
                spec_extra: dict | None = None):
@@ -236,9 +238,9 @@ class Evaluation:
         if draft is not None:
             spec = {"method": "eagle3", "model": str(served or draft),
                     "num_speculative_tokens": sec.num_speculative_tokens, **(spec_extra or {})}
-            flags = ["--speculative-config", json.dumps(spec)] + flags
+            flags = [vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec)] + flags
             if self.per_request == "response":
-                flags = [FLAG, "summary"] + flags
+                flags = [vs.FLAG_PER_REQUEST_SPEC_METRICS, "summary"] + flags
         name = draft.name if draft is not None else "baseline"
         return make_server(k, self.env, self.target, self.devices,
                            server_log(self.ctx.run.stage_dir("evaluate"), k), self.dtype,
@@ -290,7 +292,7 @@ def served_draft(ctx: StageContext, ckpt: Path, env) -> Path:
     export — train's, or one made here when train's is missing or stale."""
     if not is_mla_checkpoint(ckpt):
         if env.cpu_build and read_model(ctx.cfg.target_path()).mla and \
-                "--attention-backend" not in ctx.section.server_args:
+                vs.FLAG_ATTENTION_BACKEND not in ctx.section.server_args:
             raise StageError(f"vLLM {env.version} (CPU build) cannot serve this MLA target "
                              f"with the Llama-layer draft {ckpt} ({CPU_CONFLICT})",
                              hint='train an MLA draft: [stages.train] draft_layer = "auto" '
@@ -318,9 +320,9 @@ def mla_draft_backend(ctx: StageContext, env) -> dict:
     flags = flags_for(ctx.cfg.target_path(), env.cpu_build, source) + list(ctx.section.server_args)
     backend = None
     for i, flag in enumerate(flags):
-        if flag == "--attention-backend" and i + 1 < len(flags):
+        if flag == vs.FLAG_ATTENTION_BACKEND and i + 1 < len(flags):
             backend = flags[i + 1]
-        elif flag.startswith("--attention-backend="):
+        elif flag.startswith(vs.FLAG_ATTENTION_BACKEND + "="):
             backend = flag.split("=", 1)[1]
     text = source.text("config.speculative") if source is not None else None
     if backend is None or (text is not None and "attention_backend" not in text):

@@ -33,7 +33,8 @@ from pipeline.data.chat_mask import RowError, normalize, wire_messages
 from pipeline.data.rows import iter_raw, regenerated_rows
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
-from pipeline.stages.common import Skipped, StageContext, StageError, main_for
+from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
+from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import make_server, server_log, serving
 
@@ -88,7 +89,7 @@ def _answer(server, model: str, prefix: list[dict], tools, sec) -> dict:
             "temperature": sec.temperature, "seed": sec.seed, "return_token_ids": True}
     if tools:   # in the prompt, as the template renders them; no tool parser needed
         body.update(tools=tools, tool_choice="none")
-    resp = server.post("/v1/chat/completions", body, sec.request_timeout_s)
+    resp = server.post(vs.ROUTE_CHAT, body, sec.request_timeout_s)
     choice = resp["choices"][0]
     prompt, out = resp.get("prompt_token_ids"), choice.get("token_ids")
     if prompt is None or out is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline.run.events import EventType
 from pipeline.run.rundir import atomic_write_bytes
-from pipeline.stages.common import StageContext, StageError, main_for
+from pipeline.run.stage_context import StageContext, StageError, main_for
 
 
 def save_npy(path: Path, array) -> None:

@@ -6,7 +6,7 @@ speculators picks an Eagle3 draft's layer classes by the `model_type` of its
 `model_classes[tl_config.model_type]`), a module-level dict: `register()`
 adds "deepseek_v3" to it. Every process that builds or loads such a draft
 (training, its torchrun ranks, `Eagle3DraftModel.from_pretrained`, resume)
-must call `register()` first; pipeline.stages.train.run_in_process does.
+must call `register()` first; pipeline.train.in_process.run_in_process does.
 
 The layers are transformers' `DeepseekV3DecoderLayer` made to match what
 vLLM's `Eagle3DeepseekV2ForCausalLM` computes (`deepseek_eagle3.py`):

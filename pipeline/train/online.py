@@ -38,7 +38,8 @@ from pipeline.extract.job import gpu_groups
 from pipeline.extract.vllm_server import extraction_flags
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
-from pipeline.stages.common import StageContext, StageError
+from pipeline.run.stage_context import StageContext, StageError
+from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import samples
 from pipeline.vllm.server import VllmServer, make_server, served_model_name, server_log
@@ -124,7 +125,7 @@ class OnlineServers:
         self.ctx.events.emit(kind, **fields)
 
     def endpoints(self) -> list[str]:
-        return [s.url + "/v1" for s in self.servers]
+        return [s.url + vs.API_V1 for s in self.servers]
 
     def start(self) -> None:
         ext = self.ctx.cfg.stages.extract
@@ -194,17 +195,17 @@ class OnlineServers:
             vals: dict[str, float] = {}
             for name, _labels, value in samples(text):
                 vals[name] = vals.get(name, 0.0) + value
-            tokens = vals.get("vllm:prompt_tokens_total", 0.0)
-            busy_s = vals.get("vllm:request_inference_time_seconds_sum", 0.0)
+            tokens = vals.get(vs.METRIC_PROMPT_TOKENS, 0.0)
+            busy_s = vals.get(vs.METRIC_INFERENCE_TIME_SUM, 0.0)
             t0, n0, b0 = last.get(s.k, (now, tokens, busy_s))
             if now > t0:
                 produced += (tokens - n0) / (now - t0)
                 inflight += min(1.0, (busy_s - b0) / (now - t0))
             last[s.k] = (now, tokens, busy_s)
-            running += int(vals.get("vllm:num_requests_running", 0))
-            waiting += int(vals.get("vllm:num_requests_waiting", 0))
-            if "vllm:kv_cache_usage_perc" in vals:
-                usage.append(vals["vllm:kv_cache_usage_perc"])
+            running += int(vals.get(vs.METRIC_RUNNING, 0))
+            waiting += int(vals.get(vs.METRIC_WAITING, 0))
+            if vs.METRIC_KV_USAGE in vals:
+                usage.append(vals[vs.METRIC_KV_USAGE])
         busy.append(inflight / len(self.servers))
         del busy[:-20]   # the last minute
         buffer = dir_bytes(self.buffer)
@@ -291,7 +292,7 @@ def wait_healthy(endpoint: str, timeout: float, gone: Path) -> None:
     import urllib.error
     import urllib.request
     deadline = time.monotonic() + timeout
-    health = endpoint.removesuffix("/v1") + "/health"
+    health = endpoint.removesuffix(vs.API_V1) + vs.ROUTE_HEALTH
     while time.monotonic() < deadline and not gone.exists():
         try:
             with urllib.request.urlopen(health, timeout=2) as r:

@@ -1,4 +1,4 @@
-"""One torchrun rank of the train stage (see train.run_torchrun).
+"""One torchrun rank of the train stage (see pipeline.stages.train.run_torchrun).
 
 Every rank trains; rank 0 alone writes events, so the panel sees one stream.
 """
@@ -10,8 +10,8 @@ import os
 import signal
 import sys
 
-from pipeline.stages.common import Interrupted, load_context
-from pipeline.stages.train import run_in_process
+from pipeline.run.stage_context import Interrupted, load_context
+from pipeline.train.in_process import run_in_process
 
 
 class _NoEvents:

@@ -15,8 +15,6 @@ tokens), per category, and the prompts where the draft does worst.
 
 from __future__ import annotations
 
-FLAG = "--per-request-spec-decode-metrics"
-
 
 def from_response(resp: dict) -> dict | None:
     """A request's figures from vLLM's per-request metrics, or None when the

@@ -9,7 +9,8 @@ over two modules), and `check(src, route)` compares each declaration with a
 release's source (`VllmSource`: the installed vLLM for doctor, the source
 releases for the tests). tests/test_vllm_contract.py walks the project's code
 and fails on a vLLM import, an `api.X` of the engine route or a vLLM module
-path that this table lacks.
+path that this table lacks. The strings (`vllm serve` flags, HTTP routes,
+metric names, log lines) are declared the same way in contract_strings.py.
 
 A declaration says what eagle-panel passes; the check compares it with the
 release's parameters: a required parameter that is not passed, a passed one
@@ -22,6 +23,8 @@ that fires, one they do not is a mismatch that blocks the routes using it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pipeline.vllm.contract_strings import FLAG_GPU_UTIL  # noqa: F401 - doctor reads it here
 
 KV_MODULES = ("v1.core.kv_cache_planning", "v1.core.kv_cache_utils")   # 0.33 split, newest first
 EXEC, MP = "v1.executor.abstract", "v1.executor.multiproc_executor"
@@ -151,14 +154,10 @@ ENV_CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"     # the CPU build's KV cache (GiB)
 ENV_API_KEY = "VLLM_API_KEY"                    # each server's key (server.py)
 ENV_MLA_DISABLE = "VLLM_MLA_DISABLE"            # doctor: MLA run as plain attention
 ENV_SERVER_DEV_MODE = "VLLM_SERVER_DEV_MODE"    # config.py: owned by the server stages
-# `vllm serve` flags eagle-panel reads from a config (doctor) or passes
-# (target_flags.py, server.py; those modules still spell them out: to move here).
-FLAG_GPU_UTIL = "--gpu-memory-utilization"
-FLAG_LANGUAGE_MODEL_ONLY = "--language-model-only"
-FLAG_ATTENTION_BACKEND = "--attention-backend"
-FLAG_HF_OVERRIDES = "--hf-overrides"
 ENV_VARS = (ENV_V2_RUNNER, ENV_TARGET_DEVICE, ENV_CPU_KV_SPACE, ENV_API_KEY, ENV_MLA_DISABLE,
             ENV_SERVER_DEV_MODE)
+# `vllm serve` flags, HTTP routes, metric names and log lines: one table per
+# kind in contract_strings.py.
 
 
 @dataclass

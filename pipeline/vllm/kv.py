@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import re
 
+from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.metrics import samples
 
 GIB = 1 << 30
-_SIZE = re.compile(r"([A-Z]+(?: \+ host)?) KV cache size: ([\d,]+) tokens")
-_CONC = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
-_MEM = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+_SIZE = re.compile(vs.LOG_KV_SIZE)
+_CONC = re.compile(vs.LOG_KV_CONCURRENCY)
+_MEM = re.compile(vs.LOG_KV_MEMORY)
 
 
 def kv_cache_fields(source: str, **known) -> dict:
@@ -74,13 +75,12 @@ def parse_metrics(text: str) -> dict | None:
     vals: dict[str, list[float]] = {}
     for name, _labels, value in samples(text):
         vals.setdefault(name, []).append(value)
-    key = next((k for k in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-                if k in vals), None)
+    key = next((k for k in (vs.METRIC_KV_USAGE, vs.METRIC_GPU_CACHE_USAGE) if k in vals), None)
     if key is None:
         return None
     return {"usage_perc": sum(vals[key]) / len(vals[key]),
-            "running": int(sum(vals.get("vllm:num_requests_running", [0]))),
-            "waiting": int(sum(vals.get("vllm:num_requests_waiting", [0])))}
+            "running": int(sum(vals.get(vs.METRIC_RUNNING, [0]))),
+            "waiting": int(sum(vals.get(vs.METRIC_WAITING, [0])))}
 
 
 def cache_config(text: str) -> dict | None:
@@ -88,7 +88,7 @@ def cache_config(text: str) -> dict | None:
     (vLLM 0.32: its labels are the engine's cache config): blocks, block
     size, bytes, capacity and dtype, which the log lines do not all give."""
     for name, labels, _value in samples(text):
-        if name != "vllm:cache_config_info":
+        if name != vs.METRIC_CACHE_CONFIG_INFO:
             continue
 
         def num(key, labels=labels):

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import re
 
+from pipeline.vllm import contract_strings as vs
+
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{([^}]*)\})?\s+([-+\d.eE]+|NaN|[+-]Inf)\s*$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-GENERATED = "vllm:generation_tokens_total"
+DRAFTS, DRAFT_TOKENS, ACCEPTED = (vs.METRIC_SPEC_DRAFTS, vs.METRIC_SPEC_DRAFT_TOKENS,
+                                  vs.METRIC_SPEC_ACCEPTED)
+PER_POSITION, GENERATED = vs.METRIC_SPEC_PER_POSITION, vs.METRIC_GENERATION_TOKENS
 
 
 def samples(text: str) -> list[tuple[str, dict, float]]:

@@ -31,6 +31,7 @@ from pipeline.run.exit_reasons import explain_exit, quote_error
 from pipeline.run.proctree import TOKEN_VAR, stop_tree
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
+from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
 from pipeline.vllm.kv import KvLogReader, cache_config, parse_metrics
 from pipeline.vllm.startup import STOPPED, StartupWatch
@@ -53,21 +54,21 @@ def serve_argv(python: str, serve_command: str, target: Path, port: int,
     the machine (`ps`), so VllmServer hands it over as VLLM_API_KEY."""
     base = shlex.split(serve_command) if serve_command else [
         python, "-m", "pipeline.vllm.launch", "serve"]
-    argv = [*base, str(target), "--host", "127.0.0.1", "--port", str(port),
-            "--tensor-parallel-size", str(tp), "--dtype", dtype,
-            "--max-model-len", str(max_model_len)]
+    argv = [*base, str(target), vs.FLAG_HOST, "127.0.0.1", vs.FLAG_PORT, str(port),
+            vs.FLAG_TENSOR_PARALLEL, str(tp), vs.FLAG_DTYPE, dtype,
+            vs.FLAG_MAX_MODEL_LEN, str(max_model_len)]
     if trust:
-        argv.append("--trust-remote-code")
-    if eager and not any(a.startswith(("--enforce-eager", "-O", "--compilation-config"))
-                         for a in extra):
-        argv.append("--enforce-eager")
+        argv.append(vs.FLAG_TRUST_REMOTE_CODE)
+    own_compile = (vs.FLAG_ENFORCE_EAGER, vs.FLAG_OPT_LEVEL, vs.FLAG_COMPILATION_CONFIG)
+    if eager and not any(a.startswith(own_compile) for a in extra):
+        argv.append(vs.FLAG_ENFORCE_EAGER)
     return argv + list(extra)
 
 
 def served_model_name(target: Path, server_args: list[str]) -> str:
     args = list(server_args)
-    if "--served-model-name" in args[:-1]:
-        return args[args.index("--served-model-name") + 1]
+    if vs.FLAG_SERVED_MODEL_NAME in args[:-1]:
+        return args[args.index(vs.FLAG_SERVED_MODEL_NAME) + 1]
     return str(target)
 
 
@@ -195,7 +196,7 @@ class VllmServer:
     # -- HTTP ---------------------------------------------------------------------
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(self.url + vs.ROUTE_HEALTH, timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -236,7 +237,7 @@ class VllmServer:
 
     def metrics_text(self) -> str | None:
         try:
-            with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            with urllib.request.urlopen(self.url + vs.ROUTE_METRICS, timeout=5) as r:
                 return r.read().decode(errors="replace")
         except (urllib.error.URLError, OSError):
             return None

@@ -17,25 +17,17 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from pipeline.vllm import contract_strings as vs
+
 STARTING, LOADING, DRAFT, PROFILING, WARMUP, READY = (
     "starting", "loading weights", "loading the draft", "profiling / KV cache", "warm-up",
     "ready")
 # (phase, pattern): the first that matches a line moves the server to that phase
-PHASES = [
-    (DRAFT, re.compile(r"Loading drafter model|Loading draft model")),
-    (LOADING, re.compile(r"Starting to load model|Loading model weights|"
-                         r"Loading safetensors checkpoint shards")),
-    (PROFILING, re.compile(r"Memory profiling takes|Available KV cache memory|"
-                           r"KV cache size: [\d,]+ tokens|Explicitly set .* for KV cache|"
-                           r"determine_available_memory")),
-    (WARMUP, re.compile(r"Capturing CUDA graph|Compiling a graph|torch\.compile takes|"
-                        r"Graph capturing finished|warming up|Warming up|"
-                        r"init engine \(profile, create kv cache, warmup model\) took")),
-    (READY, re.compile(r"Application startup complete")),
-]
-SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
-TOOK = re.compile(r"(Loading weights took|Model loading took|init engine \(profile, create kv "
-                  r"cache, warmup model\) took)\s+([\d.]+)")
+PHASES = [(DRAFT, re.compile(vs.LOG_PHASE_DRAFT)), (LOADING, re.compile(vs.LOG_PHASE_LOADING)),
+          (PROFILING, re.compile(vs.LOG_PHASE_PROFILING)),
+          (WARMUP, re.compile(vs.LOG_PHASE_WARMUP)), (READY, re.compile(vs.LOG_PHASE_READY))]
+SHARDS = re.compile(vs.LOG_SHARDS)
+TOOK = re.compile(vs.LOG_TOOK)
 ORDER = [STARTING, LOADING, DRAFT, PROFILING, WARMUP, READY]
 # After its start: the stage stopped it (a view counts the servers that are still up:
 # evaluate's come and go within one stage).

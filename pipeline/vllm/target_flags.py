@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.model.info import weight_names
+from pipeline.vllm.contract_strings import (
+    FLAG_ATTENTION_BACKEND,
+    FLAG_HF_OVERRIDES,
+    FLAG_LANGUAGE_MODEL_ONLY,
+)
 
 # DeepSeek-V3's decoder under the names vLLM and transformers give it
 DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
@@ -64,19 +69,19 @@ def target_flags(target: Path, cpu_build: bool, vllm_source=None) -> list[Target
     text = raw.get("text_config") or raw
     out = []
     if "vision_config" in raw and "text_config" in raw and \
-            parser_has(vllm_source, "--language-model-only"):
-        out.append(TargetFlag("language_model_only", ["--language-model-only"],
+            parser_has(vllm_source, FLAG_LANGUAGE_MODEL_ONLY):
+        out.append(TargetFlag("language_model_only", [FLAG_LANGUAGE_MODEL_ONLY],
                               f"{(raw.get('architectures') or ['the target'])[0]} is a "
                               "multimodal wrapper: served text-only (--language-model-only)"))
-    if cpu_build and text.get("kv_lora_rank") and parser_has(vllm_source, "--attention-backend") \
+    if cpu_build and text.get("kv_lora_rank") and parser_has(vllm_source, FLAG_ATTENTION_BACKEND) \
             and has_cpu_mla(vllm_source):
-        out.append(TargetFlag("cpu_mla_backend", ["--attention-backend", "CPU_MLA"],
+        out.append(TargetFlag("cpu_mla_backend", [FLAG_ATTENTION_BACKEND, "CPU_MLA"],
                               "MLA target on vLLM's CPU build: the reference CPU_MLA backend "
                               "(AMX_MLA, vLLM's pick on AMX hosts, takes bf16 only)"))
     routing = routing_overrides(Path(target), text)
     if routing:
         body = {"text_config": routing} if "text_config" in raw else routing
-        out.append(TargetFlag("moe_routing", ["--hf-overrides", json.dumps(body)],
+        out.append(TargetFlag("moe_routing", [FLAG_HF_OVERRIDES, json.dumps(body)],
                               "the target's MoE router as its weights and transformers have "
                               f"it: {', '.join(f'{k} = {v!r}' for k, v in routing.items())} "
                               "(--hf-overrides; config.json leaves it out)"))

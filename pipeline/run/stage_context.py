@@ -1,7 +1,10 @@
-"""What every stage shares: arguments, config, events, stop requests, errors.
+"""What every stage process shares: arguments, config, events, stop requests, errors.
 
 A stage is `python -m pipeline.stages.NAME --run-dir R --config C`; it runs
-the same under the runner or by hand.
+the same under the runner or by hand. The entry modules in pipeline/stages/
+are entry points only: what they share lives here, below them, so a library
+that needs a stage's context (pipeline.train's worker and online servers)
+never imports an entry point.
 """
 
 from __future__ import annotations
