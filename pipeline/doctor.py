@@ -129,7 +129,7 @@ def vllm_env_from(env: dict) -> VllmEnv | None:
 def _server_util(cfg: Config) -> float:
     args = list(cfg.stages.extract.server_args)
     for i, a in enumerate(args):
-        if a.startswith(contract.FLAG_GPU_UTIL):
+        if a.startswith(contract_strings.FLAG_GPU_UTIL):
             val = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
             try:
                 return float(val)
@@ -721,16 +721,16 @@ def check_privacy(x: Inputs) -> list[Finding]:
 def check_survivors(x: Inputs) -> list[Finding]:
     """Processes the config's run's ended stages left running (a vLLM server
     whose EngineCore kept its GPU memory): each with its pid."""
-    from pipeline.run.executor import for_scheduler
+    from pipeline.run.executor import Executor
     from pipeline.run.leftovers import survivor_lines
     rd = RunDir(x.cfg.runs_dir() / x.cfg.run.name)
     try:
         state = rd.read_state() if rd.is_run() else None
     except Exception:  # noqa: BLE001 - a damaged run is the readers' to name, not doctor's
         state = None
-    # (survivors are local processes: a Slurm job's rows are skipped, whatever answers)
-    lines = survivor_lines(state, for_scheduler(x.cfg.cluster.scheduler, rd.path).alive) \
-        if state else []
+    # Survivors are local processes, and a Slurm job's rows are skipped whatever answers:
+    # the local executor (no scheduler need be registered for doctor to say this)
+    lines = survivor_lines(state, Executor().alive) if state else []
     return [Finding("processes", WARN, f"{rd.id}: {lines[0]}", lines[1])] if lines else []
 
 

@@ -25,6 +25,7 @@ from app import cli as cli_mod
 from pipeline import config as config_mod
 from pipeline.run import driver
 from pipeline.run.events import EventWriter
+from pipeline.run.reconcile import reconcile
 from pipeline.run.rundir import RunDir, pid_running, proc_start_ticks
 from pipeline.stage_graph import STAGE_NAMES
 from tests.helpers import ROOT, cli, stagekit_config, wait_for
@@ -365,7 +366,7 @@ def test_deleted_outputs_are_not_shown_as_succeeded_and_resume_reruns_them(finis
     assert code == 2 and "no log" in err
     assert tree(rd.path) == before, "a reader wrote"
     # what resume plans: those two again (and evaluate, which reads train), nothing else
-    steps = driver.plan(driver.load_run_config(rd), driver.reconcile(rd))
+    steps = driver.plan(driver.load_run_config(rd), reconcile(rd))
     assert {s.stage for s in steps if s.action == "run"} == {"vocab", "train", "evaluate"}
     # ...and does (the real CLI: stagekit stages, a second each)
     cli("resume", "t", "--wait", cwd=cfg.parent, check=0)

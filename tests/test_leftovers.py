@@ -112,7 +112,7 @@ def test_no_vllm_process_outlives_a_killed_stage(tmp_path):
     SIGKILLed (the supervisor sweeps), and supervisor and stage SIGKILLed
     together (the next launcher's sweep: here the run's own driver, which
     reconciles while it waits, and a reconcile of ours)."""
-    from pipeline.run import driver
+    from pipeline.run.reconcile import reconcile
     from pipeline.vllm.environment import probe
     from tests.test_vllm_real import PY
     if not PY.exists() or probe(str(PY)).unusable([]):
@@ -137,7 +137,7 @@ def test_no_vllm_process_outlives_a_killed_stage(tmp_path):
     os.kill(st["supervisor_pid"], signal.SIGKILL)
     os.killpg(st["pgid"], signal.SIGKILL)
     time.sleep(1.0)
-    driver.reconcile(rd)
+    reconcile(rd)
     # (the sweep's SIGTERM lets the API server shut down: its grace, then SIGKILL)
     wait_for(lambda: not leftovers.survivors(rd.read_state()), timeout=60,
              what="the orphaned server stopped by the next launcher's sweep")

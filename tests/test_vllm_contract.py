@@ -385,3 +385,7 @@ def test_a_flag_gone_from_a_release_is_a_precise_line():
     assert f.level == doctor.WARN and f.message == line and f.key == "contract_string"
     old = vllm_releases.source("0.16.0")   # before --language-model-only: expected absent
     assert not vs.expected_in(vs.FLAGS[vs.FLAG_LANGUAGE_MODEL_ONLY], old.version)
+    # a build's version is read by its leading digits; one that cannot be read is not judged
+    lmo = vs.FLAGS[vs.FLAG_LANGUAGE_MODEL_ONLY]
+    assert vs.expected_in(lmo, "0.17.1rc2.dev12+g1a2b") is True
+    assert vs.expected_in(lmo, "0.16.9rc1") is False and vs.expected_in(lmo, "?") is None

@@ -1,4 +1,9 @@
-"""A run directory and its processes: the layout and atomic state (rundir), the
-event protocol (events), the detached driver (driver), the stage supervisor
-(supervise), process trees (proctree), disk space (diskspace), why a process
-exited (exit_reasons)."""
+"""A run directory and its processes: the layout and atomic state (rundir),
+state.json's fields type-checked (state), the event protocol (events),
+whether a stage still runs (executor: local, or a registered scheduler's),
+what readers show and launchers record of gone stages (reconcile), the
+detached driver's launching, cancelling and resetting (driver), the stage
+supervisor (supervise), what every stage process shares (stage_context),
+process trees (proctree), what an attempt left running (leftovers), disk
+space (diskspace), why a process exited (exit_reasons), each stage's inputs
+and versions (provenance)."""

@@ -22,7 +22,7 @@ loader: the planned steps.
 The plateau stop (`plateau_reason`) ends training when train's acceptance
 estimate has gained less than `min_delta` over the last `patience` epochs.
 It is decided after an epoch's checkpoint and validation are written, from
-a history kept on disk (pipeline.stages.train), so a kill or resume at any
+a history kept on disk (pipeline.train.in_process.plateau_watch), so a kill or resume at any
 point neither loses an epoch's figure nor trains past a stop already
 decided. Stopping inside speculators' own epoch loop (an exception raised
 after its validation, caught around `run_training`) beats running epochs in

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.vllm.contract_strings import FLAG_GPU_UTIL  # noqa: F401 - doctor reads it here
-
 KV_MODULES = ("v1.core.kv_cache_planning", "v1.core.kv_cache_utils")   # 0.33 split, newest first
 EXEC, MP = "v1.executor.abstract", "v1.executor.multiproc_executor"
 SCHED = "v1.core.sched.scheduler"
