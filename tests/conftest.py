@@ -49,9 +49,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
-# The longest files, longest first (serial seconds on 2 cores, 2026-12-01): the tiny-kimi
-# pipeline 667, every bench script 538, online training 440, the tiny-llama pipeline 323,
-# Slurm 274. Only the order depends on it: a stale list costs time, never a result.
+# The longest files (seconds on one of two busy workers, 2026-12-02): the tiny-kimi
+# pipeline 1415, every bench script 1691, online training 894, the tiny-llama pipeline 572,
+# Slurm 477. Only the order depends on it: a stale list costs time, never a result.
 LONGEST = ["test_kimi_pipeline.py", "test_bench.py", "test_vllm_online.py",
            "test_vllm_pipeline.py", "test_slurm.py"]
 
