@@ -37,7 +37,7 @@ with the smallest substitute, named in the output:
     `file` backend) fails on the CPU build; their chain uses eagle-panel's CPU-aware
     connector in the same server instead (`kv_connector_module_path`), with their client;
   - `speculators train` assumes an accelerator; their chain runs their CLI's train
-    command in a process with eagle-panel's three CPU patches
+    command in a process with eagle-panel's CPU patches
     (pipeline.train.cpu_patches: their trainer, not their CLI as shipped).
 
 Each step's wall time, peak RSS (the sum of RSS over the step's process tree, a vLLM
@@ -87,7 +87,7 @@ from pipeline.vllm import contract_strings as vs  # noqa: E402
 SPECULATORS = Path(sys.executable).with_name("speculators")
 MiB = 1 << 20
 
-# their trainer with eagle-panel's three CPU patches, through their CLI's train command;
+# their trainer with eagle-panel's CPU patches, through their CLI's train command;
 # each validation's figures also go to $VS_VAL_LOG (speculators writes val_metrics.json
 # only for an epoch that improves on the best: the last epoch's may not be on disk)
 PATCHED_TRAIN = """

@@ -230,6 +230,59 @@ def test_vllm_config_and_tensor_shapes_for_kimi_dims():
         mla_draft.vllm_config({**spec, "transformer_layer_config": {"model_type": "llama"}})
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_the_fast_attention_computes_what_transformers_does(impl):
+    """MLAAttention (expanded keys and values cached, v padded for the fused
+    kernel) against transformers' DeepseekV3Attention with the same weights,
+    over three TTT steps as speculators runs them (the cache grows by a
+    sequence each step, the mask extends by a diagonal): same output, same
+    gradients, in float64."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    from pipeline.train import mla_layer
+    raw = dict(TARGET, vocab_size=1024)
+    tl, _ = mla_draft.draft_layer_config(raw, 1)
+    cfg = DeepseekV3Config(**tl)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    fast = mla_layer.MLAEagle3FirstLayer(cfg, 0).double()
+    assert type(fast.self_attn) is mla_layer.MLAAttention
+    slow = mla_layer.MLAEagle3FirstLayer(cfg, 0).double()
+    slow.load_state_dict(fast.state_dict())
+    slow.self_attn.__class__ = DeepseekV3Attention
+    T, rope = 40, DeepseekV3RotaryEmbedding(cfg)
+    x = torch.randn(1, T, 2 * cfg.hidden_size, dtype=torch.float64)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def run(layer):
+        cache, h, mask, pos = DynamicCache(), x, causal, torch.arange(T)[None]
+        outs = []
+        for _ in range(3):   # three TTT steps
+            emb = rope(h, pos)
+            out = layer(h, attention_mask=mask[None, None], position_ids=pos,
+                        past_key_values=cache, position_embeddings=emb)
+            out = out[0] if isinstance(out, tuple) else out
+            outs.append(out)
+            h = torch.cat([x[..., :cfg.hidden_size], out], dim=-1)
+            mask = torch.cat([mask, torch.eye(T, dtype=torch.bool)], dim=1)
+            pos = pos + 1
+        total = sum(o.square().sum() for o in outs)
+        total.backward()
+        return torch.stack(outs), {n: p.grad for n, p in layer.named_parameters()}
+
+    (out_f, grad_f), (out_s, grad_s) = run(fast), run(slow)
+    assert torch.allclose(out_f, out_s, atol=1e-10)
+    assert grad_f.keys() == grad_s.keys() and len(grad_f) > 10
+    for name in grad_f:
+        assert torch.allclose(grad_f[name], grad_s[name], atol=1e-9), name
+
+
 # -- training on the tiny MLA target (integration) ---------------------------------
 
 

@@ -18,20 +18,42 @@ vLLM's `Eagle3DeepseekV2ForCausalLM` computes (`deepseek_eagle3.py`):
   rms_norm_eps like vLLM's (transformers builds them with 1e-6).
 Train with `rope_interleave = True` (pipeline.train.mla_draft writes it):
 that is vLLM's `is_neox_style=False` for DeepSeek.
+
+The attention (`MLAAttention`) is transformers' with two costs removed that are
+overhead, not arithmetic (profiled on 2 cores at 1024 tokens a step, 3 TTT steps:
+0.88 s a step against the Llama draft's 0.35; docs/FACTS.md):
+- transformers caches the compressed latents and up-projects the whole cache
+  (`kv_b_proj`) again at every TTT step: 1 + 2 + 3 = 6 sequence lengths of
+  up-projection for 3. Here each step up-projects only its own tokens and the
+  cache holds the expanded keys and values, as the Llama layer's does;
+- torch's fused CPU attention (and flash attention) wants one head size for
+  q, k and v; MLA's v (v_head_dim) is narrower than q/k (nope + rope), so SDPA
+  fell back to its math path (the full score matrix through bmm). v is padded
+  with zeros to the q/k size and the output sliced back: the same numbers,
+  the fused kernel.
+The parameters, their names and shapes are transformers' own, so checkpoints
+and the vLLM export (pipeline.train.mla_draft) are unchanged.
 """
 
 from __future__ import annotations
 
 import copy
 
+import torch
+import torch.nn.functional as F
 from speculators.models.base_components import ModelComponents
 from speculators.models.eagle3 import model_definitions
 from speculators.models.eagle3.model_definitions import Eagle3FirstLayerMixin
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    ALL_ATTENTION_FUNCTIONS,
+    DeepseekV3Attention,
     DeepseekV3DecoderLayer,
     DeepseekV3RMSNorm,
     DeepseekV3RotaryEmbedding,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_interleave,
+    eager_attention_forward,
 )
 
 MODEL_TYPE = "deepseek_v3"
@@ -51,12 +73,68 @@ def _latent_norms(attn, config) -> None:
     attn.kv_a_layernorm = DeepseekV3RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
 
 
+# attention implementations whose fused kernels want v as wide as q and k
+_PAD_V = ("sdpa", "flash_attention_2")
+
+
+class MLAAttention(DeepseekV3Attention):
+    """transformers' DeepSeek-V3 attention, caching expanded keys and values
+    (each TTT step up-projects only its own tokens) and padding v for the fused
+    kernels (see the module docstring). Same parameters, same result."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask,
+                past_key_values=None, **kwargs):
+        batch_size, seq_length = hidden_states.shape[:-1]
+        query, key, value = self._project(hidden_states, position_embeddings)
+        impl = self.config._attn_implementation
+        pad = self.qk_head_dim - self.v_head_dim if impl in _PAD_V else 0
+        if pad > 0:
+            value = F.pad(value, [0, pad])
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+        out, weights = attention(self, query, key, value, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout,
+                                 scaling=self.scaling, **kwargs)
+        if pad > 0:
+            out = out[..., :self.v_head_dim]
+        out = out.reshape(batch_size, seq_length, -1).contiguous()
+        return self.o_proj(out), weights
+
+    def _project(self, hidden_states, position_embeddings):
+        """This step's query, key and value, [batch, heads, seq, dim] (transformers'
+        forward up to its cache update, with the up-projection moved before it)."""
+        batch_size, seq_length = hidden_states.shape[:-1]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_nope, k_rot = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, -1)
+        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+        rotate = (apply_rotary_pos_emb_interleave if self.config.rope_interleave
+                  else apply_rotary_pos_emb)
+        q_rot, k_rot = rotate(q_rot, k_rot, *position_embeddings)
+        key, value = self.expand_kv(kv_nope, k_rot)
+        return torch.cat((q_pass, q_rot), dim=-1), key, value
+
+
+def _fast_attention(layer) -> None:
+    """Swap the layer's attention class, not the module: its parameters (and the
+    random draws that initialised them) stay exactly transformers' own."""
+    layer.self_attn.__class__ = MLAAttention
+
+
 class MLADecoderLayer(DeepseekV3DecoderLayer):
     """Draft layers 1..n-1: hidden_size wide, dense MLP."""
 
     def __init__(self, config, layer_idx):
         config = _dense(config)
         super().__init__(config, layer_idx)
+        _fast_attention(self)
         _latent_norms(self.self_attn, config)
 
 
@@ -66,6 +144,7 @@ class MLAEagle3FirstLayer(Eagle3FirstLayerMixin, DeepseekV3DecoderLayer):
     def __init__(self, config, layer_idx, norm_before_residual=False):
         config = _dense(config)
         super().__init__(config, layer_idx)
+        _fast_attention(self)
         attn, two_h = self.self_attn, 2 * config.hidden_size
         if config.q_lora_rank is None:
             # trains, but vLLM 0.32 cannot load it (pipeline.train.mla_draft refuses it)
