@@ -20,11 +20,11 @@ from pathlib import Path
 
 from pipeline import __version__, control, fmt
 from pipeline.config import ConfigError
-from pipeline.run import driver, executor, provenance
+from pipeline.run import executor, provenance
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
-from pipeline.run.events import EventTail, EventType, last_event, tail_events, tail_lines
-from pipeline.run.reconcile import observe
+from pipeline.run.events import EventType, tail_lines
 from pipeline.run.rundir import DONE, RunDir, RunDirError, Status, check_runs_dir, list_runs
+from pipeline.run.snapshot import RunReader, read_run
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
 
@@ -89,35 +89,32 @@ def _start(begin, wait: bool) -> int:
 def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = None) -> int:
     """Stream progress until the driver ends; the exit status is the pipeline's
     (a driver that stopped before the `expected` stages ran is not a success)."""
-    tails = {s: EventTail(rd.events_path(s), rd.events_path(s).stat().st_size
-                          if rd.events_path(s).exists() else 0) for s in STAGE_NAMES}
+    reader = RunReader(rd)
+    reader.read_all()   # what happened before: taken in, not printed
     last_progress: dict[str, tuple[float, float]] = {}   # stage -> (when, share done)
+    reader.on_event = lambda s, ev: _print_event(s, ev, last_progress, out)
     # Give the driver a moment to take the lock before judging it gone.
     started = time.monotonic()
     try:
         while True:
-            for s, tail in tails.items():
-                for ev in tail.poll():
-                    _print_event(s, ev, last_progress, out)
-            state = rd.read_state()
-            driving = executor.driver_alive(state) or (proc is not None and proc.poll() is None)
+            reader.poll()
+            driving = reader.snapshot().driver_pid is not None or \
+                (proc is not None and proc.poll() is None)
             if not driving and time.monotonic() - started > 2:
-                for s, tail in tails.items():
-                    for ev in tail.poll():
-                        _print_event(s, ev, last_progress, out)
+                reader.read_all()   # the last events, printed
                 break
             time.sleep(0.3)
     except KeyboardInterrupt:
         print(f"\n{rd.id}: stopped watching; the pipeline goes on. "
               f"`eagle-panel cancel {rd.id}` stops it.", file=out)
         return EXIT_CANCELLED
-    state = observe(rd)
-    statuses = [state["stages"][s]["status"] for s in STAGE_NAMES]
+    snap = read_run(rd)   # (state.json as it is now: liveness checked again)
+    statuses = [snap.stages[s].status for s in STAGE_NAMES]
     if Status.FAILED in statuses:
-        return _disk_full(rd, out) if driver.failed_for_disk(rd, state) else EXIT_FAILED
+        return _disk_full(rd, out) if snap.failed_for_disk() else EXIT_FAILED
     if Status.CANCELLED in statuses:
         return EXIT_CANCELLED
-    left = [s for s in expected or [] if state["stages"][s]["status"] not in DONE]
+    left = [s for s in expected or [] if snap.stages[s].status not in DONE]
     if left:
         code = proc.poll() if proc is not None else None
         if code == EXIT_DISK_FULL or free_bytes(rd.path) < NEARLY_FULL:
@@ -125,7 +122,8 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
         print(f"{rd.id}: the launcher stopped before {left[0]} ran (see "
               f"{rd.path / 'driver.log'}); `eagle-panel resume` continues.", file=out)
         return EXIT_FAILED
-    _print_summary(rd, state, out)
+    for line in outcome_lines(snap):
+        print(line, file=out)
     return 0
 
 
@@ -185,68 +183,50 @@ def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
                   f"{startup.describe(ev)}", file=out, flush=True)
 
 
-def _print_summary(rd: RunDir, state: dict, out) -> None:
-    for line in fmt.outcome_lines(stage_summary(rd, "train"), stage_summary(rd, "evaluate"),
-                                  state["stages"]["evaluate"]):
-        print(line, file=out)
+def outcome_lines(snap) -> list[str]:
+    return fmt.outcome_lines(snap.stages["train"].summary, snap.stages["evaluate"].summary,
+                             snap.stages["evaluate"].state)
 
 
-def stage_summary(rd: RunDir, stage: str) -> dict:
-    fin = last_event(rd.events_path(stage), (EventType.STAGE_FINISHED,))
-    return (fin or {}).get("summary") or {}
-
-
-def status_rows(rd: RunDir) -> tuple[dict, list[dict]]:
-    ex = executor.for_run(rd)
-    state = observe(rd, ex)
-    now = time.time()
+def status_rows(snap, ex, now: float | None = None) -> list[dict]:
+    """`status --json`'s stages: one row per stage of the snapshot."""
+    now = time.time() if now is None else now
     rows = []
-    for s in STAGE_NAMES:
-        st = state["stages"][s]
-        prog = last_event(rd.events_path(s), (EventType.PROGRESS,)) if st["attempt"] else None
+    for st in snap.stages.values():
+        reason = st.reason
+        if st.slurm_job and st.running:   # pending in the queue, or running: Slurm's words
+            reason = reason or ex.describe(dict(st.state)) or f"Slurm job {st.slurm_job}"
         rows.append({
-            "stage": s, "status": st["status"], "attempt": st["attempt"],
-            "duration_s": fmt.stage_duration(st, now), "exit_code": st.get("exit_code"),
-            "signal": st.get("signal"), "pid": st.get("pid"), "devices": st.get("devices"),
-            "fingerprint": st.get("fingerprint"), "reason": st.get("reason"),
-            "progress": prog, "slurm_job": st.get("slurm_job"),
-            "servers": server_starts(rd, s) if st["status"] == Status.RUNNING else [],
+            "stage": st.name, "status": st.status, "attempt": st.attempt,
+            "duration_s": st.seconds(now), "exit_code": st.exit_code, "signal": st.signal,
+            "pid": st.pid, "devices": list(st.devices), "fingerprint": st.state.get("fingerprint"),
+            "reason": reason, "slurm_job": st.slurm_job,
+            "progress": dict(st.progress.event) if st.progress and st.attempt else None,
+            "attempts": [{"attempt": a.number, "status": a.status, "duration_s": a.seconds}
+                         for a in st.attempts],
+            "servers": [dict(v.event) for v in st.servers] if st.running else [],
+            "kv_cache": dict(st.kv_cache()) if st.kv_cache() else None,
+            "summary": dict(st.summary),
         })
-        if st.get("slurm_job") and st["status"] == "running":
-            # pending in the queue, or running: the scheduler's words
-            rows[-1]["reason"] = rows[-1]["reason"] or ex.describe(st) or \
-                f"Slurm job {st['slurm_job']}"
-    return state, rows
-
-
-def server_starts(rd: RunDir, stage: str) -> list[dict]:
-    """The last `server` event of each vLLM server the stage's current
-    attempt started (read from the end of its events, never all of them)."""
-    started = last_event(rd.events_path(stage), (EventType.STAGE_STARTED,))
-    since = started.get("t", 0) if started else 0
-    out: dict[str, dict] = {}
-    for ev in reversed(tail_events(rd.events_path(stage), 400)):
-        if ev.get("t", 0) < since:
-            break
-        if ev.get("type") == EventType.SERVER:
-            out.setdefault(str(ev.get("server")), ev)
-    return [out[k] for k in sorted(out)]
+    return rows
 
 
 def cmd_status(args) -> int:
     rd = resolve_run(args, args.run)
     rd.check_readable()   # a damaged file is named before anything is printed
-    state, rows = status_rows(rd)
-    launcher = state.get("driver") or {}
+    ex = executor.for_run(rd)
+    snap = read_run(rd, ex)
+    rows = status_rows(snap, ex)
+    state = {"stages": {name: dict(st.state) for name, st in snap.stages.items()}}
     if args.json:
-        json.dump({"run_id": rd.id, "path": str(rd.path),
-                   "driver_pid": launcher.get("pid") if executor.driver_alive(state) else None,
-                   "stages": rows, "provenance": provenance.read_run(rd.path, STAGE_NAMES),
+        json.dump({"run_id": rd.id, "path": str(rd.path), "driver_pid": snap.driver_pid,
+                   "stages": rows, "outcome": snap.outcome(),
+                   "provenance": provenance.read_run(rd.path, STAGE_NAMES),
                    "survivors": _survivors(rd, state)},
                   sys.stdout, indent=1, default=str)
         print()
         return 0
-    drv = f"driver pid {launcher['pid']}" if executor.driver_alive(state) else "no launcher running"
+    drv = f"driver pid {snap.driver_pid}" if snap.driver_pid else "no launcher running"
     print(f"run {rd.id}  ({rd.path})  {drv}")
     print(f"{'STAGE':10} {'STATUS':10} {'ATT':>3}  {'DURATION':>8}  {'EXIT':7} PROGRESS")
     for r in rows:
@@ -260,11 +240,10 @@ def cmd_status(args) -> int:
                   f"{startup.describe(ev)}")
             if ev.get("stalled_s"):
                 print(f"{'':12} last log line: {ev.get('last_line', '')[-150:]}")
-    for line in fmt.outcome_lines(stage_summary(rd, "train"), stage_summary(rd, "evaluate"),
-                                  state["stages"]["evaluate"]):
+    for line in outcome_lines(snap):
         print(line)
     from pipeline.run.leftovers import survivor_lines
-    for line in survivor_lines(state, executor.for_run(rd).alive):   # (nothing is stopped here)
+    for line in survivor_lines(state, ex.alive):   # (nothing is stopped here)
         print(f"warning: {line}")
     return 0
 

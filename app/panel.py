@@ -5,7 +5,8 @@ thread (woken by inotify when a file changes), telemetry is sampled in
 another, and the UI thread only draws — so the panel can be closed, lose its
 SSH connection or be opened twice without touching a running stage.
 
-The app holds what was read (`view`, `snapshot`) and the keys that act on
+The app holds what was read (`view`, the run's RunSnapshot from a RunReader,
+and `snapshot`, the last telemetry sample) and the keys that act on
 the run (r, c, F) through pipeline.control; the main screen
 (app/screens/main.py) draws and owns the keys that change only the view.
 """
@@ -20,7 +21,6 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
-from app.run_view import RunView
 from app.screens.confirm import ConfirmScreen
 from app.screens.doctor import DoctorScreen
 from app.screens.help import HelpScreen
@@ -31,6 +31,7 @@ from pipeline.config import ConfigError
 from pipeline.run import driver
 from pipeline.run.events import ChangeWaiter
 from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
+from pipeline.run.snapshot import RunReader
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
 from widgets.gpu_table import GpuTable
@@ -61,7 +62,8 @@ class PanelApp(App):
         # history every `interval`): 8 GPUs of changing numbers each second
         # are most of what a slow SSH link would carry.
         self.refresh_s = max(self.interval, refresh)
-        self.view = RunView(run) if run else None
+        self.reader = RunReader(run) if run else None
+        self.view = None   # the reader's last RunSnapshot (replaced whole, never changed)
         self.lock = threading.Lock()
         self.telemetry = telemetry or Telemetry(simulate_gpus, disk_path=(run.path if run else runs_dir))
         # Cluster nodes' GPUs, from the files their jobs write (no NVML here for them).
@@ -93,14 +95,14 @@ class PanelApp(App):
         """Poll the run's files; wake at once when inotify sees a change."""
         waiter = None
         while not self._stop.is_set():
-            if self.view is None:
+            if self.reader is None:
                 self._stop.wait(0.5)
                 continue
             if waiter is None:
                 waiter = ChangeWaiter([self.rundir.path]
                                       + [self.rundir.stage_dir(s) for s in STAGE_NAMES])
             with self.lock:
-                if self.view.poll():
+                if self._read():
                     self._dirty = True
             waiter.wait(0.5)
             self._stop.wait(self.MIN_POLL)  # coalesce bursts of file changes
@@ -123,13 +125,21 @@ class PanelApp(App):
         self.telemetry.close()
 
     # -- what was read -> the screen --------------------------------------------------
+    def _read(self) -> bool:
+        """Poll the run's files; a change makes a new snapshot (the caller
+        holds the lock). True if anything changed."""
+        changed = self.reader.poll()
+        if changed or self.view is None:
+            self.view = self.reader.snapshot()
+        return changed
+
     def first_look(self) -> None:
         """The main screen is up: read the run, select the stage a user
         opening the panel wants to see, draw."""
-        if self.view is None:
+        if self.reader is None:
             return
         with self.lock:
-            self.view.poll()
+            self._read()
             self.main.follow(self.view.focus_stage(), always=True)
         self._apply_view()
 
@@ -183,7 +193,7 @@ class PanelApp(App):
         moves to a stage that starts (unless the user moved it in the last
         minute) and to a stage that fails (its error shows under the table)."""
         for s, info in self.view.stages.items():
-            status = info.state.get("status")
+            status = info.status
             before = self._statuses.get(s)
             self._statuses[s] = status
             if before is None or before == status:
@@ -241,11 +251,11 @@ class PanelApp(App):
 
     def _attach(self, run: RunDir) -> None:
         self.rundir = run
-        self.view = RunView(run)
+        self.reader, self.view = RunReader(run), None
         self.telemetry.disk_path = run.path
         self.nodes = NodeWatch(run.path)
         with self.lock:
-            self.view.poll()
+            self._read()
         self._apply_view()
         self.main.show_log(self.main.selected_stage)
 
@@ -275,8 +285,8 @@ class PanelApp(App):
     def action_cancel(self) -> None:
         if self.view is None:
             return
-        running = self.view.running_stage()
-        if running is None and self.view.driver_pid() is None:
+        running = (self.view.running_stages() or [None])[0]
+        if running is None and self.view.driver_pid is None:
             self.notify("nothing is running", timeout=3)
             return
 

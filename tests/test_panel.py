@@ -7,6 +7,7 @@ import pytest
 from app.panel import PanelApp
 from pipeline.run.events import EventWriter
 from pipeline.run.rundir import RunDir, pid_running
+from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
 from tests.helpers import cli, kv_tab_text, screen_text, until, wait_for
 from widgets.gpu_table import GpuTable
@@ -53,7 +54,7 @@ async def test_shows_a_failed_run_and_resumes_it(tmp_path, stagekit):
         try:
             await until(pilot, lambda: app.bells >= 1, what="finish bell")
         except AssertionError:
-            states = [i.state.get("status") for i in app.view.stages.values()]
+            states = [i.status for i in app.view.stages.values()]
             raise AssertionError(f"no finish bell: states {states}") from None
 
 
@@ -140,6 +141,7 @@ async def test_tabs_gpus_kv_and_training(tmp_path, stagekit):
         await pilot.pause(0.3)
         text = app.query_one(GpuTable).plain()
         assert "SIMULATED" in text and "7*" in text and "host" in text
+        await select_stage(app, pilot, "extract")   # (the table keeps the keys' focus)
         await pilot.press("3")
         await pilot.pause(0.2)
         assert "No KV cache for this backend" in str(app.query_one("#kvpanel").render())
@@ -350,7 +352,7 @@ def test_nvml_source_on_a_real_gpu():
 
 
 def test_metric_series_stay_bounded():
-    from app.run_view import Series
+    from pipeline.run.snapshot import Series
     s = Series(cap=1000)
     for i in range(100_000):
         s.add(i, 1.0 / (i + 1))
@@ -362,13 +364,13 @@ def test_metric_series_stay_bounded():
 def test_step_less_metrics_count_on_past_the_cap(tmp_path):
     """A metric event without a step takes the next one, counted over every
     point offered, not over the points a thinned series kept."""
-    from app.run_view import RunView, Series
     from pipeline.run.rundir import RunDir
-    view = RunView(RunDir(tmp_path / "run"))
-    view.metrics[("train", "loss")] = Series(cap=100)
+    from pipeline.run.snapshot import RunReader, Series
+    reader = RunReader(RunDir(tmp_path / "run"))
+    reader._metrics[("train", "loss")] = Series(cap=100)
     for _ in range(1000):
-        view._apply("train", {"type": "metric", "split": "train", "values": {"loss": 1.0}})
-    xs = list(view.metrics[("train", "loss")].x)
+        reader._apply("train", {"type": "metric", "split": "train", "values": {"loss": 1.0}})
+    xs = list(reader.snapshot().metrics[("train", "loss")].x)
     assert len(xs) <= 100 and xs[0] == 0 and xs[-1] >= 900 and xs == sorted(set(xs))
 
 
@@ -397,9 +399,20 @@ def finished_run_events(tmp_path, stagekit):
     return rd, EventWriter(rd.events_path("extract"))
 
 
-async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
+async def select_stage(app, pilot, stage: str) -> None:
+    """Move the stage table's cursor with the keys a user presses."""
+    key = "down" if STAGE_NAMES.index(stage) > STAGE_NAMES.index(
+        app.main.selected_stage) else "up"
+    while app.main.selected_stage != stage:
+        await pilot.press(key)
+    await pilot.pause(0.2)
+
+
+async def test_kv_tab_shows_the_selected_stages_servers(tmp_path, stagekit):
     """kv_cache events as the vllm-server backend writes them (two data-parallel
-    servers, fields from their log lines) and a kv_usage from /metrics."""
+    servers, fields from their log lines) in extract, another in evaluate: the
+    tab shows the selected stage's, says so for a stage without servers, and
+    shows no live use after the stage ended (history, not use)."""
     rd, w = finished_run_events(tmp_path, stagekit)
     for k in (0, 1):
         w.emit("kv_cache", server=k, devices=[2 * k, 2 * k + 1], num_blocks=None,
@@ -408,12 +421,58 @@ async def test_kv_tab_shows_server_reports_and_live_use(tmp_path, stagekit):
                groups=[], pool="GPU", source="log")
     w.emit("kv_usage", usage_perc=0.3, running=16, waiting=3)
     w.close()
+    ev = EventWriter(rd.events_path("evaluate"))
+    ev.emit("kv_cache", server=0, devices=[0], num_blocks=5825, block_size=16,
+            bytes_per_block=None, total_bytes=None, tokens_capacity=93_200,
+            max_concurrency=None, max_model_len=None, groups=[], source="log")
+    ev.close()
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
+        await select_stage(app, pilot, "extract")
         plain = await kv_tab_text(app, pilot)
         assert "1,234,560" in plain and "150.70x at 8192" in plain and "110.5 GiB" in plain
         assert "2 (data parallel): 2,469,120 tokens" in plain
-        assert "30.0%" in plain and "running 16" in plain
+        assert "extract" in plain and "live use" not in plain   # it has ended
+        await select_stage(app, pilot, "evaluate")
+        plain = await kv_tab_text(app, pilot)
+        assert "5,825" in plain and "93,200" in plain and "evaluate" in plain
+        assert "1,234,560" not in plain
+        await select_stage(app, pilot, "vocab")
+        plain = await kv_tab_text(app, pilot)
+        assert "vocab starts no vLLM server" in plain
+
+
+async def test_kv_tab_shows_live_use_while_a_server_is_up(tmp_path, stagekit):
+    """A running extract whose server is up: its live use is shown; once the
+    server reports it stopped, the use is gone and the allocation stays."""
+    stagekit({"extract": "sleep:60"})
+    cli("run", cwd=tmp_path)
+    rd = RunDir(tmp_path / "runs/t")
+    wait_for(lambda: rd.events_path("extract").exists() and "stage_started" in
+             rd.events_path("extract").read_text(), timeout=60, what="extract to start")
+    w = EventWriter(rd.events_path("extract"))   # what its server would report
+    w.emit("server", server=0, phase="ready", elapsed_s=20.0, phase_s=0.0, last_line="")
+    w.emit("kv_cache", server=0, devices=[0], num_blocks=5957, block_size=16,
+           bytes_per_block=None, total_bytes=None, tokens_capacity=95_312,
+           max_concurrency=None, max_model_len=None, groups=[], source="log")
+    w.emit("kv_usage", usage_perc=0.3, running=16, waiting=3)
+    app = make_app(rd, tmp_path)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: app.main.selected_stage == "extract",
+                        what="the panel to select the running stage")
+            plain = await kv_tab_text(app, pilot)
+            assert "5,957" in plain and "30.0%" in plain and "running 16" in plain
+            w.emit("server", server=0, phase="stopped", elapsed_s=40.0, phase_s=0.0,
+                   last_line="")
+            await until(pilot, lambda: app.view.stages["extract"].servers[0].stopped,
+                        what="the stop to be read")
+            app.main.draw_kv()
+            plain = await kv_tab_text(app, pilot)
+            assert "5,957" in plain and "live use" not in plain
+    finally:
+        w.close()
+        cli("cancel", "t", cwd=tmp_path, check=None)
 
 
 async def test_kv_tab_shows_the_engine_report(tmp_path, stagekit):
@@ -432,6 +491,7 @@ async def test_kv_tab_shows_the_engine_report(tmp_path, stagekit):
     w.close()
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
+        await select_stage(app, pilot, "extract")
         plain = await kv_tab_text(app, pilot)
         assert "50,000" in plain and "16 tokens" in plain and "800,000" in plain
         assert "engine (server 0, GPUs [0, 1])" in plain

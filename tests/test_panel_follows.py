@@ -34,7 +34,7 @@ async def test_the_selection_follows_a_run_and_a_failure(tmp_path, stagekit):
         # the user picks a stage: it is kept while the next one starts
         await pilot.press("down", "down", "down", "down")
         assert selected(app) == "evaluate"
-        await until(pilot, lambda: app.view.stages["extract"].state.get("status") == "running",
+        await until(pilot, lambda: app.view.stages["extract"].status == "running",
                     what="extract running")
         await pilot.pause(1.5)
         assert selected(app) == "evaluate"

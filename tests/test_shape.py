@@ -2,7 +2,8 @@
 our modules, counting imports inside functions too; vLLM never imported
 at module level outside the modules vLLM itself loads; and the import
 directions (RULES): pipeline below app and widgets, widgets below app, the
-stage entry modules imported by nothing, run/ below cluster/."""
+stage entry modules imported by nothing, run/ below cluster/, the read model
+(pipeline.run.snapshot) importing nothing that acts, the app reading through it."""
 
 import ast
 from pathlib import Path
@@ -92,6 +93,12 @@ RULES = (
      "pipeline.stages.NAME): what others need of them lives below them"),
     ("pipeline.run", "pipeline.cluster", "run/ is below cluster/: it asks a scheduler "
      "only through pipeline.run.executor, which cluster/ implements"),
+    *(("pipeline.run.snapshot", acting, "the read model reads: launching, stopping and "
+       "removing live elsewhere") for acting in
+      ("pipeline.run.driver", "pipeline.run.supervise", "pipeline.run.proctree",
+       "pipeline.run.leftovers", "pipeline.control")),
+    ("app", "pipeline.run.reconcile", "the app reads a run through pipeline.run.snapshot"),
+    ("widgets", "pipeline.run.reconcile", "widgets take the snapshot's values"),
 )
 
 
@@ -142,7 +149,9 @@ def test_import_directions():
     ("pipeline.fmt", "from app.cli import main", "never imports the app"),
     ("pipeline.run.events", "def f():\n    import app.panel", "never imports the app"),
     ("pipeline.control", "from widgets import stage_table", "never imports widgets"),
-    ("widgets.stage_table", "from app.run_view import RunView", "never the app"),
+    ("widgets.stage_table", "from app.panel import PanelApp", "never the app"),
+    ("pipeline.run.snapshot", "from pipeline.run.driver import cancel_stage", "the read model reads"),
+    ("app.cli", "from pipeline.run.reconcile import observe", "through pipeline.run.snapshot"),
     ("pipeline.train.worker", "from pipeline.stages.train import run_in_process",
      "entry points only"),
     ("app.cli", "from pipeline.stages import train", "entry points only"),
@@ -160,7 +169,8 @@ def test_each_direction_rule_can_fail(module, source, rule):
 
 
 @pytest.mark.parametrize("module, source", [
-    ("app.cli", "from pipeline.run.reconcile import observe\nfrom widgets import gpu_table"),
+    ("app.cli", "from pipeline.run.snapshot import read_run\nfrom widgets import gpu_table"),
+    ("pipeline.run.driver", "from pipeline.run.snapshot import read_run"),
     ("pipeline.cluster.slurm", "from pipeline.run.executor import Scheduler"),
     ("pipeline.control", "from pipeline.cluster import slurm\nfrom pipeline.run import driver"),
     ("pipeline.run.driver", 'argv = ["-m", "pipeline.stages.train"]'),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rich.table import Table
@@ -10,33 +11,44 @@ from textual.widgets import Static
 
 from pipeline import fmt
 
+# the stages that start vLLM (train does in online and hybrid modes: it has servers then)
+VLLM_STAGES = ("regenerate", "extract", "evaluate")
+
 
 @dataclass
 class KVReport:
-    """What the tab shows: the last `kv_cache` event, each server's, the live
-    use (`kv_usage`) and the backend the stage runs."""
-    kv: dict | None
-    servers: dict = field(default_factory=dict)
-    usage: dict | None = None
+    """What the tab shows for one stage: the `kv_cache` report to show, each
+    server's, the live use (`kv_usage`, only while a server is up) and the
+    backend the stage runs (extract)."""
+    kv: Mapping | None
+    servers: Mapping = field(default_factory=dict)
+    usage: Mapping | None = None
     backend: str | None = None
+    stage: str = "extract"
+    has_servers: bool = False
 
 
 class KVCachePanel(Static):
     def update_from(self, report: KVReport) -> None:
         kv, usage, backend = report.kv, report.usage, report.backend
         if kv is None:
-            if backend == "hf":
+            if not report.has_servers and report.stage not in VLLM_STAGES:
+                self.update(Text(f"{report.stage} starts no vLLM server, so it has no KV "
+                                 f"cache. Select {', '.join(VLLM_STAGES)} to see theirs.",
+                                 style="dim"))
+            elif backend == "hf":
                 self.update(Text("No KV cache for this backend: the `hf` extract backend runs a "
                                  "plain transformers forward. vLLM backends report their "
                                  "KV-cache allocation here.", style="dim"))
             else:
-                self.update(Text("No KV-cache report yet (it appears when the vLLM engine "
-                                 "has allocated its cache).", style="dim"))
+                self.update(Text(f"No KV-cache report from {report.stage} yet (it appears "
+                                 "when its vLLM engine has allocated its cache).", style="dim"))
             return
         t = Table(box=None, show_header=False, pad_edge=False)
         t.add_column(style="bold")
         t.add_column()
         rows = [
+            ("stage", report.stage),
             ("blocks", f"{kv.get('num_blocks'):,}" if kv.get("num_blocks") else "-"),
             ("block size", f"{kv.get('block_size')} tokens" if kv.get("block_size") else "-"),
             ("bytes per block", fmt.nbytes(kv.get("bytes_per_block"))),

@@ -8,7 +8,7 @@ one ticking duration would send six lines instead of one.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from collections.abc import Mapping
 
 from rich.text import Text
 from textual.binding import Binding
@@ -17,6 +17,7 @@ from textual.message import Message
 
 from pipeline import fmt
 from pipeline.run.rundir import Status
+from pipeline.run.snapshot import StageView
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
 from widgets.bars import progress_bar
@@ -29,14 +30,6 @@ STATUS_STYLE = {Status.PENDING: "dim", Status.SKIPPED: "dim", Status.RUNNING: "b
 ENDED = (Status.FAILED, Status.CANCELLED, Status.SUCCEEDED, Status.SKIPPED)
 COLUMNS = (("Stage", 10), ("Status", 10), ("Att", 3), ("Time", 7), ("Progress", 18),
            ("Rate / ETA", 16), ("Exit", 7))
-
-
-class StageRow(NamedTuple):
-    """What one row shows: the stage's state.json entry, its last progress
-    event and the last `server` event of each vLLM server it started."""
-    state: dict
-    progress: dict | None
-    servers: tuple = ()
 
 
 class StageTable(Vertical, can_focus=True):
@@ -100,26 +93,27 @@ class StageTable(Vertical, can_focus=True):
             t.append(" ")
         return t
 
-    def refresh_from(self, rows: dict[str, StageRow], now: float | None = None) -> None:
+    def refresh_from(self, stages: Mapping[str, StageView], now: float | None = None) -> None:
+        """Time counts every attempt of the stage (a cancelled first try included)."""
         now = now or time.time()
         for s in STAGE_NAMES:
-            row = rows[s]
-            st = row.state
-            status = st.get("status", Status.PENDING)
-            prog = row.progress if st.get("attempt") else None
-            live = [e for e in row.servers if e.get("phase") != startup.STOPPED]
+            row = stages[s]
+            status = row.status
+            prog = dict(row.progress.event) if row.progress and row.attempt else None
+            live = [dict(v.event) for v in row.servers if not v.stopped]
             starting = [e for e in live if e.get("phase") != startup.READY] \
                 if status == Status.RUNNING else []
+            seconds = row.seconds(now)
             styled = {
                 "Stage": s,
                 "Status": Text(status, style=STATUS_STYLE.get(status, "")),
-                "Att": str(st.get("attempt") or ""),
-                "Time": fmt.duration(fmt.stage_duration(st, now)) if st.get("started_at") else "",
+                "Att": str(row.attempt or ""),
+                "Time": fmt.duration(seconds) if seconds is not None else "",
                 "Progress": self._servers(starting, len(live)) if starting
                 else self._progress(prog),
                 "Rate / ETA": self._server_state(starting, now) if starting
                 else self._rate(prog, status),
-                "Exit": Text(fmt.exit_text(st) if status in ENDED
+                "Exit": Text(fmt.exit_text(row.state) if status in ENDED
                              else "", style="red" if status == Status.FAILED else ""),
             }
             self.cells[s] = {k: (v.plain if isinstance(v, Text) else v) for k, v in styled.items()}

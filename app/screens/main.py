@@ -1,6 +1,8 @@
 """The panel's main screen: the stage table, the selected stage's detail and
 the four tabs (logs, GPUs, KV cache, training). It draws what the app has
-read (`app.view`, a RunView, and `app.snapshot`, the last telemetry sample)
+read (`app.view`, the run's RunSnapshot, and `app.snapshot`, the last telemetry
+sample); every tab shows the selected stage where a stage has its own (the KV
+cache of the selected stage's servers)
 and handles the keys that change only what is shown; the keys that act on
 the run (r, c, F) are the app's."""
 
@@ -28,7 +30,7 @@ from widgets.log_view import LogView
 from widgets.loss_chart import LossChart
 from widgets.online_view import online_text
 from widgets.quiet import QuietStatic
-from widgets.stage_table import StageRow, StageTable
+from widgets.stage_table import StageTable
 
 
 def drawing_callback(fn):
@@ -99,7 +101,7 @@ class MainScreen(Screen):
         self.query_one("#search").display = False
         self.query_one(StageTable).focus()
         self.draw_title()
-        if self.app.view is None:
+        if self.app.rundir is None:
             cfg = self.app.config_path.name if self.app.config_path else "config.toml"
             self.query_one("#detail", QuietStatic).set(Text(
                 f"No runs yet. Press r to start one from {cfg}.", style="bold"))
@@ -114,7 +116,7 @@ class MainScreen(Screen):
             t.append("no run", style="dim")
         else:
             t.append(f"run {app.rundir.id}")
-            pid = app.view.driver_pid() if app.view else None
+            pid = app.view.driver_pid if app.view else None
             t.append(f"  launcher pid {pid}" if pid else "  idle (r runs/resumes)",
                      style="green" if pid else "dim")
         kind = app.telemetry.kind
@@ -130,10 +132,7 @@ class MainScreen(Screen):
         self.draw_active_tab()
 
     def draw_stages(self, now: float) -> None:
-        view = self.app.view
-        self.query_one(StageTable).refresh_from(
-            {s: StageRow(info.state, info.progress, tuple(info.servers.values()))
-             for s, info in view.stages.items()}, now)
+        self.query_one(StageTable).refresh_from(self.app.view.stages, now)
 
     def select(self, stage: str) -> None:
         """Select a stage: the table's cursor and its log."""
@@ -163,11 +162,19 @@ class MainScreen(Screen):
         if tab == "training" and view is not None:
             self.draw_training(force=switched)
         elif tab == "kv" and view is not None:
-            ext = view.stages["extract"]
-            self.query_one(KVCachePanel).update_from(KVReport(
-                ext.kv_cache, dict(ext.kv_servers), ext.kv_usage, self.app.extract_backend()))
+            self.draw_kv()
         elif tab == "gpus" and self.app.snapshot is not None:
             self.draw_gpus(force=switched)
+
+    def draw_kv(self) -> None:
+        """The selected stage's KV cache: what its servers allocated, their
+        live use while one is up (regenerate's, extract's, evaluate's...)."""
+        st = self.app.view.stages[self.selected_stage]
+        servers = {name: ev for name, ev in st.kv_reports.items() if name != "engine"}
+        backend = self.app.extract_backend() if st.name == "extract" else None
+        self.query_one(KVCachePanel).update_from(KVReport(
+            st.kv_cache(), servers, st.live_kv_usage(), backend, stage=st.name,
+            has_servers=bool(st.servers)))
 
     def on_tabbed_content_tab_activated(self, _event) -> None:
         with self.app.lock:
@@ -180,7 +187,8 @@ class MainScreen(Screen):
         self._gpus_drawn_at = now
         view = self.app.view
         holders = view.devices_by_gpu() if view else {}
-        forecast = view.stages["extract"].progress if view else None
+        prog = view.stages["extract"].progress if view else None
+        forecast = dict(prog.event) if prog else None
         running = frozenset(view.running_stages()) if view else frozenset()
         self.query_one(GpuTable).update_from(self.app.snapshot, holders, forecast, running)
 
@@ -188,30 +196,29 @@ class MainScreen(Screen):
         view = self.app.view
         stage = self.selected_stage
         info = view.stages[stage]
-        st = info.state
         t = Text(f"{stage}: ", style="bold")
         if view.state_error:
             t.append(view.state_error, style="bold red")
-        elif st.get("status") == Status.FAILED:
+        elif info.status == Status.FAILED:
             err = info.last_error or {}
-            t.append(err.get("message") or f"failed ({fmt.exit_text(st)})", style="bold red")
+            t.append(err.get("message") or f"failed ({fmt.exit_text(info.state)})",
+                     style="bold red")
             if err.get("hint"):
                 t.append(f"\n  hint: {err['hint']}", style="yellow")
-            if st.get("reason"):
-                t.append(f"\n  {st['reason']}", style="dim")
-        elif stalled := [e for e in info.servers.values() if e.get("stalled_s")
-                         and st.get("status") == Status.RUNNING]:
-            ev = stalled[0]
-            t.append(f"{ev.get('label', 'vLLM server')} {ev.get('server')}: "
-                     f"{startup.describe(ev)}", style="bold red")
-            t.append(f"\n  last log line: {ev.get('last_line', '')[-150:]}", style="dim")
+            if info.reason:
+                t.append(f"\n  {info.reason}", style="dim")
+        elif stalled := [v for v in info.servers if v.stalled_s and info.running]:
+            ev = stalled[0].event
+            t.append(f"{stalled[0].label} {stalled[0].name}: {startup.describe(ev)}",
+                     style="bold red")
+            t.append(f"\n  last log line: {stalled[0].last_line[-150:]}", style="dim")
         elif info.warnings:
             t.append(info.warnings[-1].get("message", ""), style="yellow")
         elif info.finished:
-            t.append(fmt.summary_text(stage, info.finished.get("summary") or {}) or
+            t.append(fmt.summary_text(stage, info.summary) or
                      info.finished.get("status", ""), style="dim")
         else:
-            t.append(st.get("status", Status.PENDING), style="dim")
+            t.append(info.status, style="dim")
         self.query_one("#detail", QuietStatic).set(t)
 
     def draw_training(self, force: bool = False) -> None:
@@ -220,11 +227,11 @@ class MainScreen(Screen):
         t = Text()
         prog = train.progress
         if prog:
-            t.append(f"step {prog.get('done')}/{prog.get('total')}  ")
-            if prog.get("epoch") is not None:
-                t.append(f"epoch {prog['epoch']}  ")
-            if prog.get("eta_s") is not None and train.state.get("status") == Status.RUNNING:
-                t.append(f"ETA {fmt.duration(prog['eta_s'])}  ")
+            t.append(f"step {prog.done}/{prog.total}  ")
+            if prog.epoch is not None:
+                t.append(f"epoch {prog.epoch}  ")
+            if prog.eta_s is not None and train.running:
+                t.append(f"ETA {fmt.duration(prog.eta_s)}  ")
         lr = view.metrics.get(("train", "lr")) or view.metrics.get(("train", "lr_AdamW"))
         if lr is not None and len(lr):
             t.append(f"lr {lr.y[-1]:.2e}  ")
@@ -242,8 +249,7 @@ class MainScreen(Screen):
             t.append_text(online_text(train.online))
         self.query_one("#train-info", QuietStatic).set(t)
         self.query_one(LossChart).update_from(view.metrics, view.version, force)
-        done = view.stages["evaluate"].finished or {}
-        summary = done.get("summary") or {}
+        summary = view.stages["evaluate"].summary
         self.query_one(CategoryBars).update_from(summary.get("per_category"),
                                                  len(summary.get("per_position") or []) or 3)
 
@@ -297,6 +303,8 @@ class MainScreen(Screen):
         self.show_log(event.stage)
         with self.app.lock:
             self.draw_detail()
+            if self.query_one(TabbedContent).active == "kv":
+                self.draw_kv()   # the KV tab is the selected stage's
 
     # -- keys that change what is shown ------------------------------------------------
     def action_tab(self, tab: str) -> None:
@@ -356,4 +364,4 @@ class MainScreen(Screen):
 
 
 def all_done(view) -> bool:
-    return all(view.stages[s].state.get("status") in DONE for s in STAGE_NAMES)
+    return all(view.stages[s].status in DONE for s in STAGE_NAMES)

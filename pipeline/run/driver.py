@@ -34,8 +34,8 @@ from pathlib import Path
 from pipeline import config as config_mod
 from pipeline.config import GPU_STAGES, Config
 from pipeline.paths import pythonpath_with_project
-from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
-from pipeline.run.events import EventType, EventWriter, last_event
+from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull
+from pipeline.run.events import EventWriter
 from pipeline.run.executor import (
     Executor,
     Scheduler,
@@ -56,6 +56,7 @@ from pipeline.run.rundir import (
     check_runs_dir,
     proc_start_ticks,
 )
+from pipeline.run.snapshot import read_run
 from pipeline.stage_graph import STAGE_INPUTS, STAGE_NAMES
 
 POLL_S = 0.2
@@ -283,25 +284,11 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         except DiskFull:
             pass   # a driver entry with a dead pid reads as no driver
         os.close(fd)
-    if result == 1 and failed_for_disk(rd, reconcile(rd, ex)):
-        result = EXIT_DISK_FULL
+    if result == 1:
+        reconcile(rd, ex)
+        if read_run(rd, ex).failed_for_disk():
+            result = EXIT_DISK_FULL
     return result
-
-
-def failed_for_disk(rd: RunDir, state: dict) -> bool:
-    """Whether a failed stage stopped because the disk filled: it said so
-    (its error event has disk_full), or it could not say anything and
-    (almost) nothing is free on the run's disk."""
-    for s, st in state["stages"].items():
-        if st["status"] != Status.FAILED:
-            continue
-        err = last_event(rd.events_path(s), (EventType.STAGE_STARTED, EventType.ERROR))
-        if err and err.get("type") == EventType.ERROR:
-            if err.get("disk_full"):
-                return True
-        elif free_bytes(rd.path) < NEARLY_FULL:
-            return True
-    return False
 
 
 def _say(line: str) -> None:

@@ -1,0 +1,74 @@
+"""pipeline.run.snapshot: the one read model under `status`, `status --json`,
+`run --wait` and the panel. Every attempt's time is counted, each server keeps
+its own KV-cache report, and `status --json` has the outcome the text prints."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pipeline.run.rundir import RunDir
+from pipeline.run.snapshot import RunReader
+from tests.helpers import cli, wait_for
+
+
+def _reader(tmp_path) -> RunReader:
+    return RunReader(RunDir(tmp_path / "run"))
+
+
+def test_attempts_servers_and_the_report_to_show(tmp_path):
+    r = _reader(tmp_path)
+    ev = lambda t, **kw: r._apply("evaluate", {"t": kw.pop("at", 0.0), "type": t, **kw})  # noqa: E731
+    ev("stage_started", attempt=1, at=100.0)
+    ev("stage_finished", status="cancelled", duration_s=51.0, summary={}, at=151.0)
+    ev("stage_started", attempt=2, at=200.0)
+    for k, blocks in ((0, 5825), (1, 7281)):
+        ev("server", server=k, phase="ready", elapsed_s=20.0, phase_s=0.0, last_line="")
+        ev("kv_cache", server=k, num_blocks=blocks)
+    ev("server", server=1, phase="stopped", elapsed_s=60.0, phase_s=0.0, last_line="")
+    st = r.snapshot().stages["evaluate"]
+    assert [(a.number, a.status, a.seconds) for a in st.attempts] == \
+        [(1, "cancelled", 51.0), (2, "running", None)]
+    assert [s.name for s in st.servers] == ["0", "1"] and st.servers[1].stopped
+    assert st.servers[0].kv_cache["num_blocks"] == 5825
+    assert st.kv_cache()["num_blocks"] == 5825          # the server still up, not the last
+    ev("server", server=0, phase="stopped", elapsed_s=70.0, phase_s=0.0, last_line="")
+    assert r.snapshot().stages["evaluate"].kv_cache()["num_blocks"] == 7281   # all stopped: last
+    ev("stage_started", attempt=3, at=300.0)             # a new attempt shows its own servers
+    st = r.snapshot().stages["evaluate"]
+    assert st.servers == () and st.kv_cache() is None and len(st.attempts) == 3
+    assert r.snapshot().stages["extract"].kv_cache() is None   # another stage's stay its own
+
+
+def test_an_engine_report_without_a_server_is_shown(tmp_path):
+    r = _reader(tmp_path)
+    r._apply("extract", {"t": 1.0, "type": "stage_started", "attempt": 1})
+    r._apply("extract", {"t": 2.0, "type": "kv_cache", "num_blocks": 50_000, "source": "engine"})
+    assert r.snapshot().stages["extract"].kv_cache()["source"] == "engine"
+
+
+@pytest.mark.integration
+def test_status_counts_every_attempt_and_json_has_the_outcome(tmp_path, stagekit):
+    """train cancelled 2 s into its first attempt, then resumed: its time in
+    `status --json` is both attempts', each listed; the outcome is there."""
+    stagekit({"train": "sleep_once:30"})
+    cli("run", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    wait_for(lambda: rd.events_path("train").exists() and "stage_started" in
+             rd.events_path("train").read_text(), timeout=60, what="train to start")
+    time.sleep(2.0)
+    cli("cancel", "t", cwd=tmp_path, check=0)
+    cli("resume", "t", "--wait", cwd=tmp_path, check=0, timeout=120)
+    out = json.loads(cli("status", "t", "--json", cwd=tmp_path, check=0).stdout)
+    train = next(r for r in out["stages"] if r["stage"] == "train")
+    first, second = train["attempts"]
+    assert first["status"] == "cancelled" and first["duration_s"] >= 2.0
+    assert second["status"] == "succeeded" and train["attempt"] == 2
+    assert train["duration_s"] >= first["duration_s"] + second["duration_s"] - 0.5
+    assert set(out["outcome"]) >= {"draft", "acceptance_length", "acceptance_estimate",
+                                   "speedup"}
+    text = cli("status", "t", cwd=tmp_path, check=0).stdout
+    line = next(ln for ln in text.splitlines() if ln.startswith("train "))
+    assert "succeeded" in line and " 2 " in line
