@@ -6,9 +6,10 @@ another, and the UI thread only draws — so the panel can be closed, lose its
 SSH connection or be opened twice without touching a running stage.
 
 The app holds what was read (`view`, the run's RunSnapshot from a RunReader,
-and `snapshot`, the last telemetry sample) and the keys that act on
-the run (r, c, F) through pipeline.control; the main screen
-(app/screens/main.py) draws and owns the keys that change only the view.
+and `snapshot`, the last telemetry sample) and acts on the run through
+pipeline.control when the main screen asks (r, c, F, d); the main screen
+(app/screens/main.py) draws what the app sends and owns the keys that change
+only the view. They talk in messages only (app/messages.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,20 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
+from app.messages import (
+    CancelRequested,
+    DoctorRequested,
+    ForceRequested,
+    RunRead,
+    RunRequested,
+    ScreenReady,
+    TelemetryRead,
+    Transitions,
+)
 from app.screens.confirm import ConfirmScreen
 from app.screens.doctor import DoctorScreen
 from app.screens.help import HelpScreen
-from app.screens.main import MainScreen, all_done, drawing_callback
+from app.screens.main import MainScreen, all_done
 from pipeline import control, fmt
 from pipeline.cluster.node_telemetry import NodeWatch
 from pipeline.config import ConfigError
@@ -34,7 +45,6 @@ from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.run.snapshot import RunReader
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
-from widgets.gpu_table import GpuTable
 
 
 class PanelApp(App):
@@ -43,8 +53,7 @@ class PanelApp(App):
     LOG_INTERVAL = 1.0  # seconds between log view updates
     CSS_PATH = Path(__file__).with_name("panel.tcss")
     TITLE = "eagle-panel"
-    BINDINGS = [   # r, c and F: the main screen's footer (app.run, app.cancel, app.force)
-        Binding("d", "doctor", "Doctor", show=False),
+    BINDINGS = [   # r, c, F and d: the main screen's keys, which ask the app by message
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
     ]
@@ -64,7 +73,7 @@ class PanelApp(App):
         self.refresh_s = max(self.interval, refresh)
         self.reader = RunReader(run) if run else None
         self.view = None   # the reader's last RunSnapshot (replaced whole, never changed)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()   # the reader: the file worker's, swapped by _attach
         self.telemetry = telemetry or Telemetry(simulate_gpus, disk_path=(run.path if run else runs_dir))
         # Cluster nodes' GPUs, from the files their jobs write (no NVML here for them).
         self.nodes = NodeWatch(run.path) if run else None
@@ -77,11 +86,16 @@ class PanelApp(App):
         self._backend_cache: tuple[int | None, str | None] = (None, None)
 
     def get_default_screen(self) -> MainScreen:
-        return MainScreen()
+        return MainScreen(run_id=self.rundir.id if self.rundir else None,
+                          config_name=self.config_path.name if self.config_path else "config.toml",
+                          gpu_kind=self.telemetry.kind, refresh_s=self.refresh_s,
+                          log_interval=self.LOG_INTERVAL, ui_interval=self.UI_INTERVAL,
+                          clock=self.clock)
 
     @property
     def main(self) -> MainScreen:
-        """The main screen, also while a modal screen is on top of it."""
+        """The main screen, also while a modal screen is on top of it (the
+        app only posts messages to it; tests read it)."""
         return self.screen_stack[0]
 
     def on_mount(self) -> None:
@@ -133,44 +147,30 @@ class PanelApp(App):
             self.view = self.reader.snapshot()
         return changed
 
-    def first_look(self) -> None:
-        """The main screen is up: read the run, select the stage a user
-        opening the panel wants to see, draw."""
+    def on_screen_ready(self, _message: ScreenReady) -> None:
+        """The main screen is up: read the run, have it select the stage a
+        user opening the panel wants to see."""
         if self.reader is None:
             return
         with self.lock:
             self._read()
-            self.main.follow(self.view.focus_stage(), always=True)
-        self._apply_view()
+        self._send(focus=self.view.focus_stage())
 
-    def _apply_view(self) -> None:
-        if self.view is None:
-            return
-        with self.lock:
-            self._notify_transitions()
-            self.main.draw_run(self.clock())
+    def _send(self, focus: str | None = None) -> None:
+        """The snapshot to the main screen, with what changed since the last."""
+        changes = self._transitions(focus)
+        self.main.post_message(RunRead(self.view, self.rundir, self.extract_backend(), changes))
 
-    @drawing_callback
     def _apply_snapshot(self, snap) -> None:
         self.snapshot = snap
-        with self.lock:
-            self.main.query_one(GpuTable).record(snap)
-            if self.main.query_one("#tabs").active == "gpus":
-                self.main.draw_gpus()
+        self.main.post_message(TelemetryRead(snap))
 
-    @drawing_callback
     def _tick(self) -> None:
         """The one redraw timer: at most once per UI_INTERVAL however fast a
-        stage writes (what reaches the terminal over SSH is what users feel);
-        durations advance even when no file changes."""
-        if self.view is None:
-            return
-        if self._dirty:
+        stage writes (what reaches the terminal over SSH is what users feel)."""
+        if self.view is not None and self._dirty:
             self._dirty = False
-            self._apply_view()
-        else:
-            with self.lock:
-                self.main.draw_stages(self.clock())
+            self._send()
 
     def extract_backend(self) -> str | None:
         """The backend extract runs: what the stage resolved (its `backend`
@@ -188,10 +188,11 @@ class PanelApp(App):
         except Exception:  # noqa: BLE001 - shown as "no report yet"
             return None
 
-    def _notify_transitions(self) -> None:
-        """Ring and say what ended badly, and follow the work: the selection
-        moves to a stage that starts (unless the user moved it in the last
-        minute) and to a stage that fails (its error shows under the table)."""
+    def _transitions(self, focus: str | None) -> Transitions:
+        """Ring and say what ended badly; tell the screen what started and
+        failed, which the selection follows (a start unless the user moved it
+        in the last minute; a failure always, its error under the table)."""
+        started, failed = [], []
         for s, info in self.view.stages.items():
             status = info.status
             before = self._statuses.get(s)
@@ -199,9 +200,9 @@ class PanelApp(App):
             if before is None or before == status:
                 continue
             if status == Status.RUNNING:
-                self.main.follow(s)
+                started.append(s)
             if status == Status.FAILED:
-                self.main.follow(s, always=True)
+                failed.append(s)
                 self.bell()
                 self.notify(f"{s} failed ({fmt.exit_text(info.state)})", severity="error",
                             timeout=10)
@@ -213,6 +214,20 @@ class PanelApp(App):
             self.bell()
             self.notify("pipeline finished: all stages succeeded", timeout=10)
         self._all_done = done
+        return Transitions(tuple(started), tuple(failed), focus)
+
+    # -- what the screen asks for -----------------------------------------------------
+    def on_run_requested(self, _message: RunRequested) -> None:
+        self.action_run()
+
+    def on_cancel_requested(self, _message: CancelRequested) -> None:
+        self.action_cancel()
+
+    def on_force_requested(self, message: ForceRequested) -> None:
+        self.force(message.stage)
+
+    def on_doctor_requested(self, _message: DoctorRequested) -> None:
+        self.action_doctor()
 
     # -- keys that act on the run ---------------------------------------------------
     def action_help(self) -> None:
@@ -250,19 +265,18 @@ class PanelApp(App):
             self.notify(f"started {self.rundir.id}: stages that are not done run now", timeout=4)
 
     def _attach(self, run: RunDir) -> None:
-        self.rundir = run
-        self.reader, self.view = RunReader(run), None
-        self.telemetry.disk_path = run.path
-        self.nodes = NodeWatch(run.path)
         with self.lock:
+            self.rundir = run
+            self.reader, self.view = RunReader(run), None
+            self.telemetry.disk_path = run.path
+            self.nodes = NodeWatch(run.path)
             self._read()
-        self._apply_view()
-        self.main.show_log(self.main.selected_stage)
+        self._send()
 
-    def action_force(self) -> None:
+    def force(self, stage: str) -> None:
+        """Re-run `stage` from scratch, after a confirmation."""
         if self.rundir is None:
             return
-        stage = self.main.selected_stage
 
         def go(yes: bool | None) -> None:
             if not yes:

@@ -465,9 +465,8 @@ async def test_kv_tab_shows_live_use_while_a_server_is_up(tmp_path, stagekit):
             assert "5,957" in plain and "30.0%" in plain and "running 16" in plain
             w.emit("server", server=0, phase="stopped", elapsed_s=40.0, phase_s=0.0,
                    last_line="")
-            await until(pilot, lambda: app.view.stages["extract"].servers[0].stopped,
-                        what="the stop to be read")
-            app.main.draw_kv()
+            await until(pilot, lambda: app.main.view.stages["extract"].servers[0].stopped,
+                        what="the stop to reach the screen")
             plain = await kv_tab_text(app, pilot)
             assert "5,957" in plain and "live use" not in plain
     finally:

@@ -178,3 +178,51 @@ def test_each_direction_rule_can_fail(module, source, rule):
 ])
 def test_the_allowed_directions_pass(module, source):
     assert broken_rules(module, source) == []
+
+
+def attribute_uses(source: str, base: str) -> list[tuple[int, str]]:
+    """(line, attribute) for every `self.<base>.<attribute>` in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == base and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "self"):
+            found.append((node.lineno, node.attr))
+    return sorted(found)
+
+
+def test_the_panel_and_its_screens_talk_in_messages():
+    """app/messages.py's contract: no screen reads the app's attributes or
+    calls its methods (`self.app.x`), and the app only posts messages to its
+    main screen (`self.main.post_message`); the screen module never imports
+    the app's."""
+    from textual.app import App
+
+    from app.panel import PanelApp
+    panel = ast.parse((ROOT / "app" / "panel.py").read_text())
+    ours = set(vars(PanelApp)) | {t.attr for node in ast.walk(panel) if isinstance(node, ast.Assign)
+                                  for t in node.targets for t in ast.walk(t)
+                                  if isinstance(t, ast.Attribute)}   # what it sets on self
+
+    def textual_own(attr: str) -> bool:   # Textual's App API (call_from_thread, ...)
+        return hasattr(App, attr) and attr not in ours
+
+    assert not any(textual_own(a) for a in ("lock", "view", "rundir", "extract_backend"))
+    screens = sorted((ROOT / "app" / "screens").glob("*.py"))
+    reached = [f"{p.name}:{line} self.app.{attr}" for p in screens
+               for line, attr in attribute_uses(p.read_text(), "app") if not textual_own(attr)]
+    assert reached == [], "screens reaching into the app:\n" + "\n".join(reached)
+    calls = [f"panel.py:{line} self.main.{attr}" for line, attr in
+             attribute_uses((ROOT / "app" / "panel.py").read_text(), "main")
+             if attr != "post_message"]
+    assert calls == [], "the app calling the screen:\n" + "\n".join(calls)
+    for p in screens:
+        assert not any(under(n, "app.panel") for _, names in
+                       imported_names(p.read_text(), f"app.screens.{p.stem}") for n in names), p
+
+
+def test_the_message_check_can_fail():
+    assert attribute_uses("def f(self):\n    self.app.lock\n", "app") == [(2, "lock")]
+    assert attribute_uses("def f(self):\n    self.main.draw_run(1)\n", "main") == \
+        [(2, "draw_run")]
+    assert attribute_uses("def f(self):\n    app.lock\n", "app") == []

@@ -1,8 +1,9 @@
 """The panel's main screen: the stage table, the selected stage's detail and
-the four tabs (logs, GPUs, KV cache, training). It draws what the app has
-read (`app.view`, the run's RunSnapshot, and `app.snapshot`, the last telemetry
-sample); every tab shows the selected stage where a stage has its own (the KV
-cache of the selected stage's servers)
+the four tabs (logs, GPUs, KV cache, training). It draws what the app sends
+it (app/messages.py: RunRead with the run's RunSnapshot, TelemetryRead with a
+GPU sample) and posts a request when a key asks to act (r, c, F, d); it
+reads none of the app's attributes. Every tab shows the selected stage where
+a stage has its own (the KV cache of the selected stage's servers)
 and handles the keys that change only what is shown; the keys that act on
 the run (r, c, F) are the app's."""
 
@@ -19,6 +20,15 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, TabbedContent, TabPane
 
+from app.messages import (
+    CancelRequested,
+    DoctorRequested,
+    ForceRequested,
+    RunRead,
+    RunRequested,
+    ScreenReady,
+    TelemetryRead,
+)
 from pipeline import fmt
 from pipeline.run.rundir import DONE, Status
 from pipeline.stage_graph import STAGE_NAMES
@@ -49,10 +59,11 @@ def drawing_callback(fn):
 
 class MainScreen(Screen):
     BINDINGS = [
-        # the app acts on the run; listed here so the footer reads r c F first
-        Binding("r", "app.run", "Run/resume"),
-        Binding("c", "app.cancel", "Cancel"),
-        Binding("F", "app.force", "Force re-run"),
+        # the app acts on the run (asked by a message); first, so the footer reads r c F
+        Binding("r", "request('run')", "Run/resume"),
+        Binding("c", "request('cancel')", "Cancel"),
+        Binding("F", "request('force')", "Force re-run"),
+        Binding("d", "request('doctor')", "Doctor", show=False),
         Binding("1", "tab('logs')", "Logs", show=False),
         Binding("2", "tab('gpus')", "GPUs", show=False),
         Binding("3", "tab('kv')", "KV", show=False),
@@ -69,8 +80,18 @@ class MainScreen(Screen):
         Binding("l", "next_log", "Server log", show=False),
     ]
 
-    def __init__(self):
+    def __init__(self, *, run_id: str | None = None, config_name: str = "config.toml",
+                 gpu_kind: str = "nvml",
+                 refresh_s: float = 2.0, log_interval: float = 1.0,
+                 ui_interval: float = 1.0, clock=time.time):
         super().__init__()
+        self.run_id, self.config_name = run_id, config_name
+        self.gpu_kind, self.clock = gpu_kind, clock
+        self.refresh_s, self.log_interval, self.ui_interval = refresh_s, log_interval, ui_interval
+        self.view = None      # the last RunSnapshot the app sent (immutable)
+        self.rundir = None
+        self.backend = None   # the backend extract runs (for the KV tab)
+        self.sample = None    # the last telemetry sample
         self._gpus_drawn_at = -1e9
         self._log_stage = None
         self._log_server: str | None = None   # None: the stage's own log
@@ -101,38 +122,77 @@ class MainScreen(Screen):
         self.query_one("#search").display = False
         self.query_one(StageTable).focus()
         self.draw_title()
-        if self.app.rundir is None:
-            cfg = self.app.config_path.name if self.app.config_path else "config.toml"
-            self.query_one("#detail", QuietStatic).set(Text(
-                f"No runs yet. Press r to start one from {cfg}.", style="bold"))
-        self.app.first_look()
-        self.set_interval(self.app.LOG_INTERVAL, self._poll_log)
+        self.query_one("#detail", QuietStatic).set(
+            Text(f"reading run {self.run_id}...", style="dim") if self.run_id else
+            Text(f"No runs yet. Press r to start one from {self.config_name}.", style="bold"))
+        self.post_message(ScreenReady())
+        self.set_interval(self.log_interval, self._poll_log)
+        self.set_interval(self.ui_interval, self._tick)
+
+    # -- what the app sends ------------------------------------------------------------
+    def on_run_read(self, message: RunRead) -> None:
+        """A new snapshot: follow what started or failed, draw."""
+        attached = message.rundir != self.rundir
+        self.view, self.rundir, self.backend = message.view, message.rundir, message.backend
+        changes = message.changes
+        if changes.focus:
+            self.follow(changes.focus, always=True)
+        for stage in changes.started:
+            self.follow(stage)
+        for stage in changes.failed:
+            self.follow(stage, always=True)
+        if attached:
+            self._log_stage = None
+            self.show_log(self.selected_stage)
+        self.draw_run(self.clock())
+
+    def on_telemetry_read(self, message: TelemetryRead) -> None:
+        self.sample = message.sample
+        self.query_one(GpuTable).record(message.sample)
+        if self.query_one(TabbedContent).active == "gpus":
+            self.draw_gpus()
+
+    @drawing_callback
+    def _tick(self) -> None:
+        """Durations advance between snapshots (one line per ticking stage)."""
+        if self.view is not None:
+            self.draw_stages(self.clock())
+
+    def action_request(self, what: str) -> None:
+        """r c F d: the app acts; the screen only says what was asked."""
+        if what == "run":
+            self.post_message(RunRequested())
+        elif what == "cancel":
+            self.post_message(CancelRequested())
+        elif what == "doctor":
+            self.post_message(DoctorRequested())
+        elif what == "force" and self.view is not None:
+            self.post_message(ForceRequested(self.selected_stage))
 
     # -- drawing ---------------------------------------------------------------------
     def draw_title(self) -> None:
-        app = self.app
         t = Text("eagle-panel ", style="bold")
-        if app.rundir is None:
+        if self.rundir is None:
             t.append("no run", style="dim")
         else:
-            t.append(f"run {app.rundir.id}")
-            pid = app.view.driver_pid if app.view else None
+            t.append(f"run {self.rundir.id}")
+            pid = self.view.driver_pid if self.view else None
             t.append(f"  launcher pid {pid}" if pid else "  idle (r runs/resumes)",
                      style="green" if pid else "dim")
-        kind = app.telemetry.kind
+        kind = self.gpu_kind
         t.append(f"  GPUs: {'SIMULATED' if kind == 'simulated' else kind}",
                  style="magenta" if kind == "simulated" else "dim")
         self.query_one("#title", QuietStatic).set(t)
 
     def draw_run(self, now: float) -> None:
-        """Everything that follows the run's files (the caller holds the lock)."""
+        """Everything that follows the run's files."""
         self.draw_stages(now)
         self.draw_detail()
         self.draw_title()
         self.draw_active_tab()
 
     def draw_stages(self, now: float) -> None:
-        self.query_one(StageTable).refresh_from(self.app.view.stages, now)
+        self.query_one(StageTable).refresh_from(self.view.stages, now)
 
     def select(self, stage: str) -> None:
         """Select a stage: the table's cursor and its log."""
@@ -158,42 +218,40 @@ class MainScreen(Screen):
     def draw_active_tab(self, switched: bool = False) -> None:
         """Hidden tabs are not drawn; switching to one draws it."""
         tab = self.query_one(TabbedContent).active
-        view = self.app.view
-        if tab == "training" and view is not None:
+        if tab == "training" and self.view is not None:
             self.draw_training(force=switched)
-        elif tab == "kv" and view is not None:
+        elif tab == "kv" and self.view is not None:
             self.draw_kv()
-        elif tab == "gpus" and self.app.snapshot is not None:
+        elif tab == "gpus" and self.sample is not None:
             self.draw_gpus(force=switched)
 
     def draw_kv(self) -> None:
         """The selected stage's KV cache: what its servers allocated, their
         live use while one is up (regenerate's, extract's, evaluate's...)."""
-        st = self.app.view.stages[self.selected_stage]
+        st = self.view.stages[self.selected_stage]
         servers = {name: ev for name, ev in st.kv_reports.items() if name != "engine"}
-        backend = self.app.extract_backend() if st.name == "extract" else None
+        backend = self.backend if st.name == "extract" else None
         self.query_one(KVCachePanel).update_from(KVReport(
             st.kv_cache(), servers, st.live_kv_usage(), backend, stage=st.name,
             has_servers=bool(st.servers)))
 
     def on_tabbed_content_tab_activated(self, _event) -> None:
-        with self.app.lock:
-            self.draw_active_tab(switched=True)
+        self.draw_active_tab(switched=True)
 
     def draw_gpus(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._gpus_drawn_at < self.app.refresh_s:
+        if not force and now - self._gpus_drawn_at < self.refresh_s:
             return  # the history keeps every sample; the rows wait
         self._gpus_drawn_at = now
-        view = self.app.view
+        view = self.view
         holders = view.devices_by_gpu() if view else {}
         prog = view.stages["extract"].progress if view else None
         forecast = dict(prog.event) if prog else None
         running = frozenset(view.running_stages()) if view else frozenset()
-        self.query_one(GpuTable).update_from(self.app.snapshot, holders, forecast, running)
+        self.query_one(GpuTable).update_from(self.sample, holders, forecast, running)
 
     def draw_detail(self) -> None:
-        view = self.app.view
+        view = self.view
         stage = self.selected_stage
         info = view.stages[stage]
         t = Text(f"{stage}: ", style="bold")
@@ -222,7 +280,7 @@ class MainScreen(Screen):
         self.query_one("#detail", QuietStatic).set(t)
 
     def draw_training(self, force: bool = False) -> None:
-        view = self.app.view
+        view = self.view
         train = view.stages["train"]
         t = Text()
         prog = train.progress
@@ -255,10 +313,10 @@ class MainScreen(Screen):
 
     def show_log(self, stage: str) -> None:
         """The stage's own log (selecting a stage always comes back to it)."""
-        if self.app.rundir is None or stage == self._log_stage:
+        if self.rundir is None or stage == self._log_stage:
             return
         self._log_stage, self._log_server = stage, None
-        self._watch_log(self.app.rundir, self.app.rundir.log_path(stage))
+        self._watch_log(self.rundir, self.rundir.log_path(stage))
 
     def _watch_log(self, rd, path) -> None:
         """Only a plain file inside the run: never a link to another user's file."""
@@ -272,7 +330,7 @@ class MainScreen(Screen):
 
     def action_next_log(self) -> None:
         """l: the selected stage's log -> its vLLM server 0's -> server 1's ... -> back."""
-        rd = self.app.rundir
+        rd = self.rundir
         if rd is None:
             return
         stage = self.selected_stage
@@ -298,13 +356,12 @@ class MainScreen(Screen):
             self._following = None    # the panel moved it, not the user
         else:
             self._user_moved_at = time.monotonic()
-        if self.app.view is None:
+        if self.view is None:
             return
         self.show_log(event.stage)
-        with self.app.lock:
-            self.draw_detail()
-            if self.query_one(TabbedContent).active == "kv":
-                self.draw_kv()   # the KV tab is the selected stage's
+        self.draw_detail()
+        if self.query_one(TabbedContent).active == "kv":
+            self.draw_kv()   # the KV tab is the selected stage's
 
     # -- keys that change what is shown ------------------------------------------------
     def action_tab(self, tab: str) -> None:
@@ -358,9 +415,8 @@ class MainScreen(Screen):
 
     def action_node(self) -> None:
         """g on the GPU tab: one cluster node's GPUs, the next, then all nodes."""
-        if self.query_one(TabbedContent).active == "gpus" and self.app.snapshot is not None:
-            with self.app.lock:
-                self.query_one(GpuTable).drill_next()
+        if self.query_one(TabbedContent).active == "gpus" and self.sample is not None:
+            self.query_one(GpuTable).drill_next()
 
 
 def all_done(view) -> bool:
