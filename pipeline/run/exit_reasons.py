@@ -1,6 +1,7 @@
 """Saying why a process failed: the log lines that explain it, and a death
 by signal in words. Used wherever a stage reports a process it started (a
-vLLM server, the stage itself from its supervisor). Standard library only.
+vLLM server, the stage itself from its supervisor). Standard library only
+(and vLLM's two log shapes from pipeline.vllm.contract_strings, which is too).
 """
 
 from __future__ import annotations
@@ -8,17 +9,18 @@ from __future__ import annotations
 import re
 import signal
 
+from pipeline.vllm import contract_strings as vs
+
 # Lines a dying interpreter prints after the error that matters (triton's
 # nanobind leak report, multiprocessing's resource tracker), never quoted.
 _NOISE = re.compile(r"nanobind|^ - leaked |^ - \.\.\. skipped|resource_tracker|leaked semaphore|"
                     r"^\s*\^+\s*$|^\s*$")
 # vLLM's log prefix: "(EngineCore_DP0 pid=12) ERROR 11-29 10:00:00 [core.py:1] "
-_PREFIX = re.compile(r"^(\([^)]*pid=\d+\)\s*)?((?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-                     r"\d\d-\d\d [\d:.]+ \[[^\]]*\]\s?)?")
+_PREFIX = re.compile(vs.LOG_LINE_PREFIX)
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)|Killed|core dumped|"
                         r"^Aborted")
-# Wrapper errors that only point elsewhere ("see root cause above").
-_POINTER = re.compile(r"root cause|See stack trace|Failed core proc|EngineDeadError")
+# Wrapper errors that only point elsewhere ("see root cause above"), vLLM's among them.
+_POINTER = re.compile(r"root cause|See stack trace|" + vs.LOG_ERROR_POINTER)
 
 SIGNAL_MEANING = {
     signal.SIGILL: "this build uses CPU instructions this machine lacks (vLLM's CPU build "

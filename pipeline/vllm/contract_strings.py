@@ -183,6 +183,18 @@ LOG_TOOK = _declare(LOG_PATTERNS, r"(Loading weights took|Model loading took|ini
                     r"\(profile, create kv cache, warmup model\) took)\s+([\d.]+)",
                     "startup: vLLM's own timings, shown with the phases")
 
+# ...and the ones that say why a server died (pipeline/run/exit_reasons.py, which quotes
+# any process's errors: these two are vLLM's own shapes)
+LOG_LINE_PREFIX = _declare(LOG_PATTERNS, r"^(\([^)]*pid=\d+\)\s*)?((?P<level>DEBUG|INFO|WARNING|"
+                           r"ERROR|CRITICAL) \d\d-\d\d [\d:.]+ \[[^\]]*\]\s?)?",
+                           "exit_reasons: a line's process and level prefix, '(EngineCore_DP0 "
+                           "pid=12) ERROR 11-29 10:00:00 [core.py:1] ' (vllm.logger), cut "
+                           "before the line is judged and quoted")
+LOG_ERROR_POINTER = _declare(LOG_PATTERNS, r"Failed core proc|EngineDeadError",
+                             "exit_reasons: vLLM's wrapper errors that only point at the "
+                             "root cause (v1.engine.core, v1.engine.exceptions): quoted only "
+                             "when nothing else explains the death")
+
 TABLES = {"flag": FLAGS, "endpoint": ENDPOINTS, "metric": METRICS, "log pattern": LOG_PATTERNS}
 
 
