@@ -49,15 +49,24 @@ def cmd_run(args) -> int:
         where = Path(args.runs_dir)
         cfg.run.runs_dir = str(check_runs_dir(where, "--runs-dir").resolve())
     return _start(lambda: control.launch(cfg, args.run, args.stage, args.force,
-                                         skip_checks=args.skip_checks), args.wait)
+                                         skip_checks=args.skip_checks), args.wait, _where(args))
 
 
 def cmd_resume(args) -> int:
     rd = resolve_run(args, args.run)
-    return _start(lambda: control.resume(rd, skip_checks=args.skip_checks), args.wait)
+    return _start(lambda: control.resume(rd, skip_checks=args.skip_checks), args.wait,
+                  _where(args))
 
 
-def _start(begin, wait: bool) -> int:
+def _where(args) -> str:
+    """The options that found this run, for the commands a hint suggests
+    (from the project folder, without them, `status` would read another run)."""
+    import shlex
+    opts = [("--config", args.config), ("--runs-dir", args.runs_dir)]
+    return "".join(f" {k} {shlex.quote(str(v))}" for k, v in opts if v)
+
+
+def _start(begin, wait: bool, where: str = "") -> int:
     try:
         started = begin()
     except control.Busy as e:
@@ -80,7 +89,8 @@ def _start(begin, wait: bool) -> int:
         return 0
     print(f"{rd.id}: started (driver pid {started.driver.pid}) in {rd.path}")
     if not wait:
-        print(f"  watch: eagle-panel status {rd.id}   logs: eagle-panel logs {rd.id} STAGE -f")
+        print(f"  watch: eagle-panel status {rd.id}{where}   "
+              f"logs: eagle-panel logs {rd.id} STAGE -f{where}")
         return 0
     return watch(rd, started.driver, expected=[s.stage for s in started.steps
                                                if s.action == "run"])
@@ -232,7 +242,8 @@ def cmd_status(args) -> int:
     for r in rows:
         exit_ = fmt.exit_text(r)
         print(f"{r['stage']:10} {r['status']:10} {r['attempt']:>3}  "
-              f"{fmt.duration(r['duration_s']):>8}  {exit_:7} {fmt.progress_text(r['progress'])}")
+              f"{fmt.duration(r['duration_s']):>8}  {exit_:7} "
+              f"{fmt.progress_text(r['progress'], r['status'] == Status.RUNNING)}")
         if r["reason"]:
             print(f"{'':10} note: {r['reason']}")
         for ev in r["servers"]:
@@ -484,9 +495,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         takes_value = ("-n", "--lines", "--server", "--config", "--runs-dir")
         for j, a in enumerate(after):
             if not a.startswith("-") and not (j and after[j - 1] in takes_value):
-                rest.append(a)
-        if len(rest) == 1 and rest[0] in STAGE_NAMES:
-            argv = argv[:i + 1] + ["", *argv[i + 1:]]
+                rest.append(i + 1 + j)
+        if len(rest) == 1 and argv[rest[0]] in STAGE_NAMES:
+            # an empty RUN just before the stage: argparse fills both from one run of
+            # positionals (after `--config F` too), never RUN from the stage
+            argv = argv[:rest[0]] + ["", *argv[rest[0]:]]
     args = build_parser().parse_args(argv)
     for key, value in DEFAULTS.items():
         if not hasattr(args, key):

@@ -38,14 +38,18 @@ def exit_text(st: dict) -> str:
     return "-"
 
 
-def progress_text(ev: dict | None) -> str:
+def progress_text(ev: dict | None, running: bool = True) -> str:
+    """`340/510 steps  1.6 steps/s  ETA 1m46s`; a stage that no longer runs
+    has its count only (no rate, no "ETA 0.0s")."""
     if not ev:
         return "-"
     done, total, unit = ev.get("done"), ev.get("total"), ev.get("unit", "")
-    parts = [f"{done}/{total} {unit}" if total else f"{done} {unit}"]
+    parts = [f"{done}/{total} {unit}".rstrip() if total else f"{done} {unit}".rstrip()]
+    if not running:
+        return parts[0]
     if ev.get("rate"):
-        parts.append(f"{ev['rate']:.1f}/s")
-    if ev.get("eta_s") is not None:
+        parts.append(f"{ev['rate']:.1f} {unit or 'items'}/s")
+    if ev.get("eta_s") is not None and not (total and done == total):
         parts.append(f"ETA {duration(ev['eta_s'])}")
     return "  ".join(parts)
 

@@ -19,3 +19,14 @@ def test_summaries_read_like_sentences():
         "validation loss 1.234 · acceptance 2.99 estimated · mla draft · checkpoint 5"
     # a stage it does not know: its figures, rounded
     assert summary_text("other", {"a": 1.23456, "b": 123456, "c": "text"}) == "a 1.23 · b 123,456"
+
+
+def test_progress_has_its_unit_and_no_eta_once_done_or_stopped():
+    from pipeline.fmt import progress_text
+    ev = {"done": 340, "total": 510, "unit": "steps", "rate": 1.58, "eta_s": 107.0}
+    assert progress_text(ev) == "340/510 steps  1.6 steps/s  ETA 1m47s"
+    assert progress_text(ev, running=False) == "340/510 steps"
+    done = {"done": 2, "total": 2, "unit": "prompts", "rate": 0.04, "eta_s": 0.0}
+    assert progress_text(done) == "2/2 prompts  0.0 prompts/s"   # no "ETA 0.0s"
+    assert progress_text({"done": 7, "rate": 2.0}) == "7  2.0 items/s"
+    assert progress_text(None) == "-"

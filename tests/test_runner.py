@@ -224,9 +224,22 @@ def test_force_rerun_clears_outputs(tmp_path, stagekit):
 
 def test_logs_and_runs(tmp_path, stagekit):
     stagekit({"prepare": "fail:3"})
-    cli("run", "--wait", cwd=tmp_path, check=1)
+    p = cli("run", "--config", "config.toml", cwd=tmp_path, check=0)
+    # the hints name the options that found the run (without them: the project's other run)
+    assert "eagle-panel status t --config config.toml" in p.stdout
+    assert "eagle-panel logs t STAGE -f --config config.toml" in p.stdout
+    wait_for(lambda: RunDir(tmp_path / "runs/t").read_state()["stages"]["prepare"]["status"]
+             == "failed", timeout=60, what="prepare to fail")
     p = cli("logs", "prepare", cwd=tmp_path, check=0)
     assert "failing on purpose" in p.stdout
+    # options before or after the command and its arguments, without RUN too
+    for argv in (("logs", "--config", "config.toml", "prepare"),
+                 ("logs", "prepare", "--config", "config.toml", "-n", "3"),
+                 ("--config", "config.toml", "logs", "-n", "3", "t", "prepare"),
+                 ("logs", "-n", "3", "prepare")):
+        assert "failing on purpose" in cli(*argv, cwd=tmp_path, check=0).stdout, argv
+    p = cli("logs", "--config", "config.toml", "prepare", "--server", "0", cwd=tmp_path, check=2)
+    assert "prepare has no log of server '0'" in p.stderr
     p = cli("runs", cwd=tmp_path, check=0)
     assert p.stdout.startswith("t ") and "prepare:failed" in p.stdout
     assert "3" in cli("status", cwd=tmp_path, check=0).stdout

@@ -374,7 +374,8 @@ def measure_checkpoint(ctx: StageContext, ev: Evaluation, n: int, ckpt: Path) ->
     m["estimate"] = acceptance_length(read_val_metrics(ckpt), ctx.cfg.stages.train.ttt_steps)
     ctx.write_json(path, m)
     print(f"evaluate: checkpoint {ckpt.name}: acceptance length "
-          f"{m['acceptance_length']:.3f} (estimate {m['estimate']}) over "
+          f"{m['acceptance_length']:.3f} (train's estimate "
+          f"{'-' if m['estimate'] is None else format(m['estimate'], '.3f')}) over "
           f"{m['drafts']} drafts, {m['decode_tokens_per_s']:.1f} tokens/s", flush=True)
     return m
 
