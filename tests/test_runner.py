@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -243,6 +244,10 @@ def test_logs_and_runs(tmp_path, stagekit):
     p = cli("runs", cwd=tmp_path, check=0)
     assert p.stdout.startswith("t ") and "prepare:failed" in p.stdout
     assert "3" in cli("status", cwd=tmp_path, check=0).stdout
+    diary = (tmp_path / "runs/t/driver.log").read_text().splitlines()
+    said = [ln for ln in diary if "[prepare]" in ln]
+    assert said and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[prepare\]", ln)
+                        for ln in said), said   # every line of the driver's diary has its time
 
 
 def test_state_survives_writers_killed_mid_write(tmp_path):

@@ -292,10 +292,11 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
 
 
 def _say(line: str) -> None:
-    """A line for driver.log, which lives on the run's disk: a full disk
+    """A line for driver.log, timestamped like say_in_log's (the diary is read
+    after the fact: when did train start?), on the run's disk: a full disk
     must not crash the driver over its own diary."""
     with contextlib.suppress(OSError):
-        print(line, flush=True)
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
 
 
 def say_in_log(rd: RunDir, line: str) -> None:
