@@ -127,6 +127,11 @@ def summary_text(stage: str, s: dict) -> str:
             parts.append(f"speedup {s['speedup']:.2f}x")
         if s.get("prompts"):
             parts.append(f"{s['prompts']} prompts")
+    elif stage == "train" and s.get("checkpoint_step") is not None:   # cancelled mid-training
+        name = str(s.get("checkpoint") or "").rstrip("/").rsplit("/", 1)[-1]
+        parts += [f"stopped at step {s['checkpoint_step']}",
+                  f"checkpoint {name}" if name else "no checkpoint yet",
+                  "r (eagle-panel resume) continues from it"]
     elif stage == "train" and s.get("checkpoint"):
         if s.get("val_loss") is not None:
             parts.append(f"validation loss {s['val_loss']:.3f}")

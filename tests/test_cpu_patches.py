@@ -47,3 +47,4 @@ def test_muon_orthogonalises_in_float32_on_cpu_as_torch_does_in_bf16(monkeypatch
         assert calls == [(64, 32)]   # torch's Muon step went through the float32 iteration
     finally:
         _restore(before)
+

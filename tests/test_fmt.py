@@ -30,3 +30,11 @@ def test_progress_has_its_unit_and_no_eta_once_done_or_stopped():
     assert progress_text(done) == "2/2 prompts  0.0 prompts/s"   # no "ETA 0.0s"
     assert progress_text({"done": 7, "rate": 2.0}) == "7  2.0 items/s"
     assert progress_text(None) == "-"
+
+
+def test_a_cancelled_training_says_where_it_resumes():
+    s = {"stopped": "on request; resume continues from here", "checkpoint_step": 317,
+         "checkpoint": "/runs/r/train/out/checkpoints/1", "resume": "eagle-panel resume"}
+    assert summary_text("train", s) == ("stopped at step 317 · checkpoint 1 · "
+                                        "r (eagle-panel resume) continues from it")
+    assert "no checkpoint yet" in summary_text("train", {**s, "checkpoint": None})

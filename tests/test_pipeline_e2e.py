@@ -229,6 +229,12 @@ def test_training_loss_decreases_and_steps_continue_across_resumes(run):
     assert attempts[2][0]["step"] == attempts[1][-1]["step"] + 1
     assert "sent SIGINT)" in log["cancel_output"]
     assert log["after_cancel"]["status"] == "cancelled" and log["after_cancel"]["exit_code"] == 130
+    # ...and said where it resumes: the cancelled attempt's summary names the step and
+    # the checkpoint folder that exists (not speculators' `interrupted`)
+    ended = [e for e in read_events(rd.events_path("train")) if e["type"] == "stage_finished"]
+    cancelled = next(e["summary"] for e in ended if e["status"] == "cancelled")
+    assert cancelled["checkpoint_step"] in (attempts[1][-1]["step"], attempts[1][-1]["step"] + 1)
+    assert Path(cancelled["checkpoint"]).is_dir() and "interrupted" not in cancelled["checkpoint"]
 
 
 def test_events_follow_the_protocol(run):

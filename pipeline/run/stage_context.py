@@ -35,7 +35,13 @@ EXIT_INTERRUPTED = 130
 
 
 class Interrupted(Exception):
-    """A stop was requested (SIGINT/SIGTERM) and the stage stopped cleanly."""
+    """A stop was requested (SIGINT/SIGTERM) and the stage stopped cleanly.
+    `summary`: what the cancelled stage's summary adds (train: the checkpoint
+    a resume continues from), which the panel and `status` show."""
+
+    def __init__(self, summary: dict | None = None):
+        super().__init__()
+        self.summary = summary or {}
 
 
 class Skipped(Exception):
@@ -75,9 +81,14 @@ class StageContext:
             raise Interrupted()
 
     def progress(self, done: int, total: int | None, unit: str, **extra) -> None:
-        elapsed = max(time.time() - self.started, 1e-9)
-        rate = extra.pop("rate", None) or (done - extra.pop("done_before", 0)) / elapsed
-        eta = (total - done) / rate if total and rate > 0 else None
+        """A progress event; the rate is the caller's (`rate`, None: not known
+        yet) or done since the stage started (less `done_before`: a resume's)."""
+        if "rate" in extra:
+            rate = extra.pop("rate")
+        else:
+            elapsed = max(time.time() - self.started, 1e-9)
+            rate = (done - extra.pop("done_before", 0)) / elapsed
+        eta = (total - done) / rate if total and rate else None
         self.events.emit(EventType.PROGRESS, done=done, total=total, unit=unit, rate=rate,
                          eta_s=eta, **extra)
 
@@ -149,9 +160,9 @@ def run_stage(name: str, body, argv=None) -> int:
         fetch_target(ctx)
         summary = body(ctx) or {}
         status, code = Status.SUCCEEDED, 0
-    except Interrupted:
+    except Interrupted as e:
         status, code = Status.CANCELLED, EXIT_INTERRUPTED
-        summary = {"stopped": "on request; resume continues from here"}
+        summary = {"stopped": "on request; resume continues from here", **e.summary}
     except Skipped as e:
         print(f"{name}: skipped: {e}", flush=True)
         ctx.events.warning(f"skipped: {e}")

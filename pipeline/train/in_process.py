@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from pipeline.run.events import EventType
@@ -37,7 +38,7 @@ class MetricEvents(logging.Handler):
         self.waits: list[float] = []   # share of each logged step spent waiting for data
         self.total_steps = None
         self.steps_per_epoch = None
-        self.first_step = None
+        self.first_step, self.first_step_at = None, 0.0
         self.last_val: dict = {}
         self.first_loss = self.last_loss = None
 
@@ -78,11 +79,16 @@ class MetricEvents(logging.Handler):
         if "loss" in values:
             self.first_loss = values["loss"] if self.first_loss is None else self.first_loss
             self.last_loss = values["loss"]
+        now = time.monotonic()
         if self.first_step is None:
-            self.first_step = step
+            self.first_step, self.first_step_at = step, now
+        # the rate over the steps this attempt has taken since its first: the model
+        # load, the dataloader's start and a resume's skipped steps are not steps
+        taken = step - self.first_step
+        rate = taken / (now - self.first_step_at) if taken and now > self.first_step_at \
+            else None
         total = max(self.total_steps, step + 1) if self.total_steps else None
-        self.ctx.progress(step + 1, total, "steps",
-                          done_before=self.first_step, epoch=msg.get("epoch"),
+        self.ctx.progress(step + 1, total, "steps", rate=rate, epoch=msg.get("epoch"),
                           steps_per_epoch=self.steps_per_epoch)
 
     def _val(self, msg, step):
@@ -172,8 +178,22 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
                          hint="check [stages.train] in config.toml") from None
     cli_mod.main(cfg)
     if hooks.interrupted_at is not None:
-        at = hooks.interrupted_at
-        print(f"train: stopped at epoch {at['epoch']} step {at['global_step']}; "
-              "checkpoint saved, resume continues from it", flush=True)
-        raise Interrupted()
+        raise Interrupted(_interrupted_summary(hooks.interrupted_at, argv))
     return metrics
+
+
+def _interrupted_summary(at: dict, argv: list[str]) -> dict:
+    """Where a stopped training can be resumed from, said in the log (where
+    speculators' own line names an `interrupted` folder it does not keep)
+    and in the stage's summary."""
+    from pipeline.train.checkpoints import complete_checkpoint
+    from pipeline.train.mla_draft import argv_value
+    save = Path(argv_value(argv, "--save-path") or "")
+    done = [d for d in save.iterdir() if d.name.isdigit() and complete_checkpoint(d)] \
+        if save.is_dir() else []
+    ckpt = max(done, key=lambda d: int(d.name)) if done else None   # the one resume takes
+    where = f"checkpoint {ckpt}" if ckpt else "no checkpoint yet (resume starts the epoch over)"
+    print(f"train: stopped at epoch {at['epoch'] + 1} step {at['global_step']}; {where}; "
+          "`eagle-panel resume` (r in the panel) continues from it", flush=True)
+    return {"checkpoint": str(ckpt) if ckpt else None, "checkpoint_step": at["global_step"],
+            "resume": "eagle-panel resume (r in the panel)"}
