@@ -222,6 +222,34 @@ async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
         await pilot.press("escape")
 
 
+async def test_a_followed_log_is_at_its_end_after_a_tab_switch(tmp_path, stagekit):
+    """A 3,000-line log selected while the GPUs tab is shown: back on Logs it
+    shows its last line (follow on), End goes there again after Home."""
+    stagekit({})
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    with open(rd.log_path("vocab"), "a") as f:
+        f.write("".join(f"vocab line {i}\n" for i in range(3000)))
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("2")
+        await select_stage(app, pilot, "vocab")   # its log is read while hidden
+        await pilot.press("1")
+        await pilot.pause(0.3)
+        log = app.query_one(LogView)
+
+        def at_end():
+            return log.follow and log.max_scroll_y > 0 and log.scroll_offset.y == log.max_scroll_y
+        await until(pilot, at_end, timeout=5, what="the log at its end")
+        assert "vocab line 2999" in screen_text(app)
+        await pilot.press("home")
+        await pilot.pause(0.2)
+        assert log.scroll_offset.y == 0 and not log.follow
+        await pilot.press("end")
+        await until(pilot, at_end, timeout=5, what="End back at the end")
+        assert "vocab line 2999" in screen_text(app)
+
+
 def test_log_tail_reads_only_the_end(tmp_path):
     p = tmp_path / "big.log"
     with open(p, "wb") as f:

@@ -7,6 +7,7 @@ selected stage's log through its vLLM servers' logs; `status` and
 import json
 
 import pytest
+from textual.widgets import TabbedContent
 
 from app.panel import PanelApp
 from pipeline.run.events import EventWriter
@@ -95,10 +96,14 @@ async def test_l_cycles_through_the_servers_logs_and_status_shows_their_starts(t
             await until(pilot, lambda: "vLLM 22s" in str(app.query_one("#row-extract").render()),
                         timeout=10, what="its time counted on between reports")
             log = app.query_one(LogView)
-            for want in ("server 0 says hello", "server 1 says hello", "stagekit extract"):
+            tab = app.query_one(TabbedContent).get_tab("logs")
+            for want, title in (("server 0 says hello", "1 Logs: extract · vLLM 0"),
+                                ("server 1 says hello", "1 Logs: extract · vLLM 1"),
+                                ("stagekit extract", "1 Logs: extract")):
                 await pilot.press("l")
                 await until(pilot, lambda w=want: any(w in line for line in log.lines),
                             what=want)
+                assert str(tab.label) == title   # which log it is stays on the tab
     finally:
         cli("cancel", "--grace", "5", cwd=tmp_path)
     assert json.loads(cli("status", "--json", cwd=tmp_path, check=0).stdout)["stages"]

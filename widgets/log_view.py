@@ -185,3 +185,23 @@ class LogView(ScrollView, can_focus=True):
         if on:
             self.scroll_end(animate=False, immediate=True)
 
+    def jump(self, end: bool) -> None:
+        """End: to the last line, following again; Home: to the first, not following."""
+        self.set_follow(end)
+        if not end:
+            self.scroll_home(animate=False, immediate=True)
+
+    # A log drawn while its tab was hidden (or before its first layout) scrolled
+    # to the end of a zero-height view: once shown it sat a screenful or a
+    # thousand lines short of the end while "follow" was on. Following means the
+    # end whenever the view gets its size.
+    def on_resize(self, _event) -> None:
+        self._to_end_if_following()
+
+    def on_show(self, _event) -> None:
+        self._to_end_if_following()
+
+    def _to_end_if_following(self) -> None:
+        if self.follow:
+            self.call_after_refresh(self.scroll_end, animate=False, immediate=True)
+

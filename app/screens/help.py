@@ -21,13 +21,14 @@ HELP = """\
 [b]Views[/b]
   1 2 3 4  logs · GPUs · KV cache · training
   z        full-screen log           f  follow the log on/off
+  End      the log's end (follow)    Home  its start
   /        search the log            n  next match
   l        the selected stage's log -> its vLLM servers' logs, one by one
   e        training: EMA smoothing   o  log scale
-  a        loss / accuracy           v  train / validation
+  a        loss -> accuracy -> acceptance (vLLM)   v  train / validation
   d        doctor: environment, GPUs, model, vLLM, KV and disk checks
   g        GPUs of a Slurm run: one node's GPUs, the next node, all nodes
-  ?        this help                 q  quit (stages keep running)
+  ?        this help (Esc closes it) q  quit (stages keep running)
 """
 
 

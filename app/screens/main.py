@@ -70,6 +70,8 @@ class MainScreen(Screen):
         Binding("4", "tab('training')", "Train", show=False),
         Binding("z", "fullscreen", "Full log"),
         Binding("f", "follow", "Follow", show=False),
+        Binding("end", "log_end(True)", "Log end", show=False),
+        Binding("home", "log_end(False)", "Log start", show=False),
         Binding("slash", "search", "Search", show=False),
         Binding("n", "next_match", "Next", show=False),
         Binding("e", "chart('smooth')", "EMA", show=False),
@@ -327,6 +329,10 @@ class MainScreen(Screen):
             self.notify(str(e), severity="error", timeout=8)
             return
         self.query_one(LogView).watch_file(path)
+        # which log this is stays on the tab (a pop-up said it once, then went)
+        server = f" · vLLM {self._log_server}" if self._log_server is not None else ""
+        self.query_one(TabbedContent).get_tab("logs").label = \
+            f"1 Logs: {self._log_stage}{server}"
 
     def action_next_log(self) -> None:
         """l: the selected stage's log -> its vLLM server 0's -> server 1's ... -> back."""
@@ -370,6 +376,11 @@ class MainScreen(Screen):
     def action_fullscreen(self) -> None:
         self.toggle_class("fullscreen")
         self.query_one(TabbedContent).active = "logs"
+
+    def action_log_end(self, end: bool) -> None:
+        """End / Home: the log's last line (following) or its first (not)."""
+        self.query_one(TabbedContent).active = "logs"
+        self.query_one(LogView).jump(end)
 
     def action_follow(self) -> None:
         log = self.query_one(LogView)
