@@ -47,6 +47,8 @@ def progress_text(ev: dict | None, running: bool = True) -> str:
     parts = [f"{done}/{total} {unit}".rstrip() if total else f"{done} {unit}".rstrip()]
     if not running:
         return parts[0]
+    if ev.get("phase"):
+        return f"{parts[0]}  {ev['phase']}"
     if ev.get("rate"):
         parts.append(f"{ev['rate']:.1f} {unit or 'items'}/s")
     if ev.get("eta_s") is not None and not (total and done == total):

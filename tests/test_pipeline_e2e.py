@@ -248,6 +248,9 @@ def test_events_follow_the_protocol(run):
     assert prog["done"] == prog["total"] == 400
     for key in ("tokens_per_s", "bytes_written", "bytes_per_token", "disk_free_bytes"):
         assert key in prog
+    phases = {e.get("phase") for e in read_events(rd.events_path("train"))
+              if e["type"] == "progress"}
+    assert {"validating", "saving checkpoint"} <= phases   # an epoch's end, named
     val = [e for e in read_events(rd.events_path("train"))
            if e["type"] == "metric" and e["split"] == "val"]
     assert val and {"loss", "full_acc_0", "full_acc_2"} <= set(val[-1]["values"])

@@ -30,3 +30,9 @@ def test_train_progress_rate_counts_steps_since_this_attempts_first(monkeypatch)
     assert progress[0]["rate"] is None and progress[0]["eta_s"] is None   # one step: no rate yet
     assert progress[1]["rate"] == 1.0 and progress[2]["rate"] == 1.0     # 10 steps in 10 s
     assert progress[2]["eta_s"] == 600 - 321
+
+    m.phase("validating")   # the epoch's end: the count stands, the phase is named
+    last = [e for e in emitted if "done" in e][-1]
+    assert last["done"] == 321 and last["phase"] == "validating" and last["rate"] is None
+    from pipeline.fmt import progress_text
+    assert progress_text(last) == "321/600 steps  validating"

@@ -157,6 +157,8 @@ class StageTable(Vertical, can_focus=True):
     def _rate(ev, status) -> str:
         if not ev or status != Status.RUNNING:
             return ""
+        if ev.get("phase"):   # between counted units: validating, saving a checkpoint
+            return ev["phase"]
         parts = []
         if ev.get("rate"):
             parts.append(f"{ev['rate']:.1f}/s")

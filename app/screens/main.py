@@ -290,7 +290,9 @@ class MainScreen(Screen):
             t.append(f"step {prog.done}/{prog.total}  ")
             if prog.epoch is not None:
                 t.append(f"epoch {prog.epoch}  ")
-            if prog.eta_s is not None and train.running:
+            if prog.event.get("phase") and train.running:
+                t.append(f"{prog.event['phase']}  ", style="cyan")
+            elif prog.eta_s is not None and train.running:
                 t.append(f"ETA {fmt.duration(prog.eta_s)}  ")
         lr = view.metrics.get(("train", "lr")) or view.metrics.get(("train", "lr_AdamW"))
         if lr is not None and len(lr):

@@ -55,6 +55,7 @@ class _ProgressExtra(TypedDict, total=False):
     rate: float | None
     eta_s: float | None
     epoch: Any
+    phase: str            # what the stage does between counted units ("validating", ...)
     tokens_per_s: float
     bytes_written: int
     bytes_per_token: int

@@ -39,6 +39,7 @@ class MetricEvents(logging.Handler):
         self.total_steps = None
         self.steps_per_epoch = None
         self.first_step, self.first_step_at = None, 0.0
+        self.last_progress: dict | None = None
         self.last_val: dict = {}
         self.first_loss = self.last_loss = None
 
@@ -88,8 +89,17 @@ class MetricEvents(logging.Handler):
         rate = taken / (now - self.first_step_at) if taken and now > self.first_step_at \
             else None
         total = max(self.total_steps, step + 1) if self.total_steps else None
+        self.last_progress = {"done": step + 1, "total": total, "epoch": msg.get("epoch")}
         self.ctx.progress(step + 1, total, "steps", rate=rate, epoch=msg.get("epoch"),
                           steps_per_epoch=self.steps_per_epoch)
+
+    def phase(self, name: str) -> None:
+        """A progress event naming what training does between steps (the count
+        stands still; the next step's event has no phase)."""
+        last = self.last_progress
+        if last is not None:
+            self.ctx.progress(last["done"], last["total"], "steps", rate=None, phase=name,
+                              epoch=last["epoch"], steps_per_epoch=self.steps_per_epoch)
 
     def _val(self, msg, step):
         values = {(k[:-6] if k.endswith("_epoch") else k): v for k, v in msg["val"].items()
@@ -124,6 +134,9 @@ class Hooks:
                   flush=True)
             return True
         return False
+
+    def on_phase(self, name: str) -> None:
+        self.metrics.phase(name)
 
     def on_total_steps(self, n: int, per_epoch: int) -> None:
         self.metrics.total_steps, self.metrics.steps_per_epoch = n, per_epoch

@@ -26,10 +26,12 @@ def panel_trainer(base, hooks):
     """A subclass of speculators' Trainer `base` reporting to `hooks`: an
     object with `on_total_steps(n, per_epoch)`, `should_stop()` and
     `on_interrupted(epoch, local_step, global_step)`, and optionally
+    `on_phase(name)` (validating, saving checkpoint: between steps),
     `on_validation(epoch, val_metrics) -> bool` (True: stop after this
     epoch) and `stopped_before(epoch) -> bool` (a stop already decided)."""
     on_validation = getattr(hooks, "on_validation", None)
     stopped_before = getattr(hooks, "stopped_before", None)
+    on_phase = getattr(hooks, "on_phase", lambda name: None)
 
     class PanelTrainer(base):
         def __init__(self, *args, **kwargs):
@@ -69,6 +71,10 @@ def panel_trainer(base, hooks):
             except PlateauStop:
                 return None
 
+        def val_epoch(self, epoch):
+            on_phase("validating")   # an epoch's end: no step for a while, and why
+            return super().val_epoch(epoch)
+
         def maybe_update_best(self, epoch, val_metrics):
             super().maybe_update_best(epoch, val_metrics)
             # every rank sees the same all-reduced metrics: all stop together
@@ -77,6 +83,7 @@ def panel_trainer(base, hooks):
                 raise PlateauStop()
 
         def maybe_save_checkpoint(self, epoch, local_step=0):
+            on_phase("saving checkpoint")
             if epoch != "interrupted":
                 return super().maybe_save_checkpoint(epoch, local_step)
             local = self.global_step - self._epoch_origin
