@@ -58,6 +58,36 @@ def test_phases_in_order_from_a_real_log():
     assert w.took == {"Loading weights took": 0.10,
                       "init engine (profile, create kv cache, warmup model) took": 0.79}
     assert describe(w.fields()) == "ready in 11s"
+    # every phase it went through, timed (what the next start is told to expect)
+    assert set(w.phase_times) == {startup.STARTING, startup.LOADING, startup.DRAFT,
+                                  startup.PROFILING, startup.WARMUP}
+    assert sum(w.phase_times.values()) == w.elapsed_s() == 11
+
+
+def test_the_last_start_here_is_the_expectation(tmp_path):
+    from pipeline.vllm import start_history as h
+    path = tmp_path / "starts.jsonl"
+    argv = ["python", "-m", "pipeline.vllm.launch", "serve", "/m/kimi", "--dtype", "float32",
+            "--tensor-parallel-size", "8"]
+    key = h.start_key(argv)
+    assert key == "/m/kimi|tp=8|"
+    assert h.start_key([*argv, "--speculative-config", '{"method": "eagle3"}']).endswith("|draft")
+    assert h.last(key, path) is None                      # no file: no history
+    h.record(key, 660.0, {startup.LOADING: 600.0}, path)
+    h.record("/m/other|tp=1|", 30.0, {}, path)
+    with open(path, "a") as f:
+        f.write("{damaged\n")                              # a torn line is skipped
+    assert h.last(key, path)["elapsed_s"] == 660.0
+    clock = Clock()
+    w = StartupWatch(clock=clock, expected_s=h.last(key, path)["elapsed_s"])
+    w.feed(REAL_LOG[1])
+    clock.t += 250
+    assert describe(w.fields()) == "loading weights (4m10s of ~11m00s last time)"
+    for i in range(2 * h.KEEP + 50):                        # bounded: cut to its last KEEP
+        h.record(f"k{i}", 1.0, {startup.LOADING: 0.5, startup.WARMUP: 0.5}, path)
+    h.record(key, 700.0, {}, path)
+    lines = path.read_text().splitlines()
+    assert len(lines) <= 2 * h.KEEP and h.last(key, path)["elapsed_s"] == 700.0
 
 
 def test_a_quiet_start_is_stalled_and_a_gpu_memory_change_is_life():
@@ -97,6 +127,7 @@ def test_a_real_server_start_phase_by_phase_and_a_frozen_one_stalled(tmp_path):
     server = make_server(0, probe(str(py)), sharded, [], server_log(tmp_path, 0), "float32",
                          256, False, [], kv_tokens=512, kv_bytes_per_token=1 << 14,
                          report=lambda kind, f: events.append(f), stall_after_s=3)
+    began = time.time()
     server.start()
     done = threading.Event()
     thread = threading.Thread(target=lambda: (server.wait_ready(600, lambda: False),
@@ -129,4 +160,9 @@ def test_a_real_server_start_phase_by_phase_and_a_frozen_one_stalled(tmp_path):
     assert loading and loading[-1] == (shards, shards), loading
     assert not events[-1].get("stalled_s") and events[-1]["server"] == 0
     assert events[-1]["log"] == str(server_log(tmp_path, 0))
+    # the start is kept in the project's cache: the next one of this target expects it
+    from pipeline.vllm import start_history
+    kept = start_history.last(start_history.start_key(server.argv))
+    assert kept and kept["at"] >= began and kept["elapsed_s"] >= stalled[0]["stalled_s"]
+    assert startup.LOADING in kept["phases"]
     print("real start:", [(e["phase"], e.get("done"), e["elapsed_s"]) for e in events])

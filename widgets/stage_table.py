@@ -151,6 +151,9 @@ class StageTable(Vertical, can_focus=True):
         what = "loading" if ev.get("phase") == startup.LOADING else "vLLM"
         # the time since the start, counted on from the last report (every 10 s)
         elapsed = (ev.get("elapsed_s") or 0) + max(0.0, now - ev.get("t", now))
+        if ev.get("expected_s"):   # beside the last start of this target here
+            return Text(f"{fmt.duration(elapsed)} of ~{fmt.duration(ev['expected_s'])}",
+                        style="cyan")
         return Text(f"{what} {fmt.duration(elapsed)}", style="cyan")
 
     @staticmethod

@@ -130,6 +130,7 @@ class _ServerExtra(TypedDict, total=False):
     stalled_s: float      # no log line, no GPU memory change for this long while starting
     took: dict            # vLLM's own timings ("Loading weights took" -> s)
     label: str            # what the server is for ("vLLM server", "checkpoint 2", ...)
+    expected_s: float     # the last start of this target on this machine, whole
     log: str              # its log file
     devices: list[int]
 

@@ -30,7 +30,7 @@ from pipeline.run.events import tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
 from pipeline.run.proctree import TOKEN_VAR, stop_tree
 from pipeline.stage_error import StageError
-from pipeline.vllm import compat
+from pipeline.vllm import compat, start_history
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
 from pipeline.vllm.kv import KvLogReader, cache_config, parse_metrics
@@ -105,7 +105,10 @@ class VllmServer:
         return f"{self.what} {self.k}"
 
     def start(self) -> None:
-        self.startup = StartupWatch(self.startup.stall_after_s)   # a restart starts over
+        # a restart starts over; the last start of this target here is the expectation
+        last = start_history.last(start_history.start_key(self.argv))
+        self.startup = StartupWatch(self.startup.stall_after_s,
+                                    expected_s=last["elapsed_s"] if last else None)
         self._reported = None
         self.ready = self.stopped = False
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +229,8 @@ class VllmServer:
         self.startup.ready()
         self.report_startup(force=True)
         self.ready = True
+        start_history.record(start_history.start_key(self.argv), self.startup.elapsed_s(),
+                             self.startup.phase_times)
 
     def post(self, path: str, body: dict, timeout: float) -> dict:
         req = urllib.request.Request(

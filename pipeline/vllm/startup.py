@@ -48,6 +48,8 @@ class StartupWatch:
     started: float = 0.0
     phase_since: float = 0.0
     moved_at: float = 0.0      # the last new line or memory change
+    expected_s: float | None = None   # the last start of this target here, whole
+    phase_times: dict = field(default_factory=dict)   # phase -> seconds, the ones left
     _memory: object = None
 
     def __post_init__(self):
@@ -75,6 +77,7 @@ class StartupWatch:
                 if ORDER.index(phase) > ORDER.index(self.phase) or \
                         (phase == LOADING and self.phase == LOADING):
                     if phase != self.phase:
+                        self._leave(now)
                         self.phase, self.phase_since, changed = phase, now, True
                         if phase == DRAFT:
                             self.shards = None
@@ -87,9 +90,18 @@ class StartupWatch:
             self._memory = used
             self.moved_at = self.clock()
 
+    def _leave(self, now: float) -> None:
+        self.phase_times[self.phase] = self.phase_times.get(self.phase, 0.0) + \
+            now - self.phase_since
+
     def ready(self) -> None:
         if self.phase != READY:
-            self.phase, self.phase_since = READY, self.clock()
+            now = self.clock()
+            self._leave(now)
+            self.phase, self.phase_since = READY, now
+
+    def elapsed_s(self) -> float:
+        return self.clock() - self.started
 
     def stalled_s(self) -> float:
         """Seconds without a sign of life while starting (0 when not stalled)."""
@@ -111,11 +123,14 @@ class StartupWatch:
             out["stalled_s"] = round(stalled, 1)
         if self.took:
             out["took"] = dict(self.took)
+        if self.expected_s:
+            out["expected_s"] = round(self.expected_s, 1)
         return out
 
 
 def describe(ev: dict) -> str:
-    """One server's start in words: `loading weights 8/64 (2m10s)`,
+    """One server's start in words: `loading weights 8/64 (2m10s)`, with the
+    last start here as the expectation `(2m10s of ~11m last time)`,
     `stalled 6m in loading weights`, `ready in 1m20s`."""
     from pipeline.fmt import duration
     phase = ev.get("phase", STARTING)
@@ -126,4 +141,5 @@ def describe(ev: dict) -> str:
     if phase == STOPPED:
         return "stopped"
     shards = f" {ev['done']}/{ev['total']}" if ev.get("total") else ""
-    return f"{phase}{shards} ({duration(ev.get('elapsed_s'))})"
+    expected = f" of ~{duration(ev['expected_s'])} last time" if ev.get("expected_s") else ""
+    return f"{phase}{shards} ({duration(ev.get('elapsed_s'))}{expected})"

@@ -1,0 +1,100 @@
+"""How long a vLLM server took to start on this machine, kept per target in
+the project's cache (outside any run): what the panel, `status` and
+`run --wait` show as the expectation while the next one starts ("loading
+weights 3/16 (4m10s of ~11m last time)"). On the user's target a start is
+10-20 minutes of nothing else happening; a person watching wants to know
+whether 4 minutes is early or stuck.
+
+One JSON line per finished start in `<cache>/server-starts.jsonl`
+(`EAGLE_PANEL_CACHE`, else .cache/ in the project), appended in one write,
+newest last, cut to its last KEEP lines now and then (an atomic rewrite). A
+start's key is what changes its cost: the model, the tensor-parallel size
+and whether a draft loads with it. A damaged or missing file is no history,
+never an error: the expectation is a nicety. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from pipeline.vllm import contract_strings as vs
+
+FILE = "server-starts.jsonl"
+KEEP = 200
+
+
+def _path() -> Path:
+    from pipeline.paths import cache_dir
+    return cache_dir() / FILE
+
+
+def start_key(argv: list[str]) -> str:
+    """`model|tp=N|draft` from a `vllm serve` command line (ours: the model
+    follows `serve`)."""
+    model = argv[argv.index("serve") + 1] if "serve" in argv[:-1] else "?"
+    tp = _flag(argv, vs.FLAG_TENSOR_PARALLEL) or "1"
+    spec = _flag(argv, vs.FLAG_SPECULATIVE_CONFIG)
+    draft = "extract" if spec and "extract_hidden_states" in spec else ("draft" if spec else "")
+    return f"{model}|tp={tp}|{draft}"
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def last(key: str, path: Path | None = None) -> dict | None:
+    """The newest finished start with this key: {"elapsed_s", "phases", "at"}."""
+    path = path or _path()
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (256 << 10)))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for raw in reversed(lines):
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("key") == key and \
+                isinstance(rec.get("elapsed_s"), (int, float)):
+            return rec
+    return None
+
+
+def record(key: str, elapsed_s: float, phases: dict[str, float],
+           path: Path | None = None) -> None:
+    """Append one finished start; cut the file to its last KEEP lines when
+    it has twice as many. Never raises (a read-only cache keeps no history)."""
+    path = path or _path()
+    line = json.dumps({"key": key, "elapsed_s": round(elapsed_s, 1),
+                       "phases": {k: round(v, 1) for k, v in phases.items()},
+                       "at": round(time.time(), 1)}) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        if path.read_bytes().count(b"\n") > 2 * KEEP:   # (once per start: a small file)
+            _compact(path)
+    except OSError:
+        pass
+
+
+def _compact(path: Path) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    if len(lines) <= KEEP:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(b"".join(lines[-KEEP:]))
+    os.replace(tmp, path)
