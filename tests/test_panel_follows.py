@@ -81,6 +81,13 @@ async def test_l_cycles_through_the_servers_logs_and_status_shows_their_starts(t
             row = str(app.query_one("#row-extract").render())
             assert "servers 0/2 up" in row and "STALLED 6m" in row
             assert "stalled 6m00s in loading weights" in str(app.query_one("#detail").render())
+            # ...and each starting server on its own line once none is stalled
+            with EventWriter(rd.events_path("extract")) as ev:
+                ev.emit("server", server=1, phase="loading weights", elapsed_s=410.0,
+                        phase_s=400.0, last_line="", done=3, total=64, label="vLLM server")
+            await until(pilot, lambda: "vLLM server 1: loading weights 3/64" in
+                        str(app.query_one("#detail").render()), what="each server's line")
+            assert "vLLM server 0: loading weights 8/64" in str(app.query_one("#detail").render())
             # both stopped, a third starting (evaluate's servers come one after another):
             # that one alone is counted, its time since the start counted on between reports
             with EventWriter(rd.events_path("extract")) as ev:

@@ -272,6 +272,17 @@ class MainScreen(Screen):
             t.append(f"{stalled[0].label} {stalled[0].name}: {startup.describe(ev)}",
                      style="bold red")
             t.append(f"\n  last log line: {stalled[0].last_line[-150:]}", style="dim")
+        elif starting := [v for v in info.servers if info.running
+                          and v.phase not in (startup.READY, startup.STOPPED)]:
+            # each server its own line while they start (the row counts them); the
+            # detail has 3 lines: beyond them, `status` lists every one
+            shown = starting if len(starting) <= 3 else starting[:2]
+            for i, v in enumerate(shown):
+                t.append(("\n  " if i else "") + f"{v.label} {v.name}: "
+                         f"{startup.describe(v.event)}", style="cyan")
+            if len(shown) < len(starting):
+                t.append(f"\n  ... and {len(starting) - 2} more starting (eagle-panel status "
+                         "lists them)", style="dim")
         elif info.warnings:
             t.append(info.warnings[-1].get("message", ""), style="yellow")
         elif info.finished:
