@@ -158,8 +158,9 @@ class PanelApp(App):
 
     def _send(self, focus: str | None = None) -> None:
         """The snapshot to the main screen, with what changed since the last."""
-        changes = self._transitions(focus)
-        self.main.post_message(RunRead(self.view, self.rundir, self.extract_backend(), changes))
+        view = self.view   # once: the file worker may swap it meanwhile
+        changes = self._transitions(view, focus)
+        self.main.post_message(RunRead(view, self.rundir, self.extract_backend(view), changes))
 
     def _apply_snapshot(self, snap) -> None:
         self.snapshot = snap
@@ -172,11 +173,11 @@ class PanelApp(App):
             self._dirty = False
             self._send()
 
-    def extract_backend(self) -> str | None:
+    def extract_backend(self, view) -> str | None:
         """The backend extract runs: what the stage resolved (its `backend`
         event: "auto" may become hf), else the run's frozen config when it
         names one; re-read only when that config changes."""
-        said = self.view.stages["extract"].backend
+        said = view.stages["extract"].backend
         if said:
             return said
         try:
@@ -188,12 +189,12 @@ class PanelApp(App):
         except Exception:  # noqa: BLE001 - shown as "no report yet"
             return None
 
-    def _transitions(self, focus: str | None) -> Transitions:
+    def _transitions(self, view, focus: str | None) -> Transitions:
         """Ring and say what ended badly; tell the screen what started and
         failed, which the selection follows (a start unless the user moved it
         in the last minute; a failure always, its error under the table)."""
         started, failed = [], []
-        for s, info in self.view.stages.items():
+        for s, info in view.stages.items():
             status = info.status
             before = self._statuses.get(s)
             self._statuses[s] = status
@@ -209,7 +210,7 @@ class PanelApp(App):
         # A finished pipeline rings once, when the statuses turn all done (not
         # when the launcher is seen to end: a quick run can start and end
         # between two redraws).
-        done = all_done(self.view)
+        done = all_done(view)
         if done and self._all_done is False:
             self.bell()
             self.notify("pipeline finished: all stages succeeded", timeout=10)

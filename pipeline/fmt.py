@@ -130,7 +130,7 @@ def summary_text(stage: str, s: dict) -> str:
         if s.get("prompts"):
             parts.append(f"{s['prompts']} prompts")
     elif stage == "train" and s.get("checkpoint_step") is not None:   # cancelled mid-training
-        name = str(s.get("checkpoint") or "").rstrip("/").rsplit("/", 1)[-1]
+        name = str(s.get("resume_checkpoint") or "").rstrip("/").rsplit("/", 1)[-1]
         parts += [f"stopped at step {s['checkpoint_step']}",
                   f"checkpoint {name}" if name else "no checkpoint yet",
                   "r (eagle-panel resume) continues from it"]

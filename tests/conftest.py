@@ -6,6 +6,7 @@ run the files on two pytest-xdist workers (`-n 0` runs them in this process)."""
 
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -20,6 +21,10 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 # instead of ~1.5; spinning pools sharing cores are the usual cause). OpenMP reads it
 # when it starts: in every process the tests start too.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The tests' vLLM starts are not the project's history of starts (what a user's next
+# start of a target is told to expect: pipeline.vllm.start_history): their own file.
+os.environ.setdefault("EAGLE_PANEL_START_HISTORY", os.path.join(
+    tempfile.gettempdir(), f"eagle-panel-test-starts-{os.getuid()}.jsonl"))
 
 
 @pytest.fixture

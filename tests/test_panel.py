@@ -248,6 +248,12 @@ async def test_a_followed_log_is_at_its_end_after_a_tab_switch(tmp_path, stageki
         await pilot.press("end")
         await until(pilot, at_end, timeout=5, what="End back at the end")
         assert "vocab line 2999" in screen_text(app)
+        log.focus()   # with the log focused, its own End/Home do the same
+        await pilot.press("home")
+        await pilot.pause(0.2)
+        assert log.scroll_offset.y == 0 and not log.follow
+        await pilot.press("end")
+        await until(pilot, at_end, timeout=5, what="End (log focused) at the end, following")
 
 
 def test_log_tail_reads_only_the_end(tmp_path):

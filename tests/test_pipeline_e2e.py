@@ -234,7 +234,9 @@ def test_training_loss_decreases_and_steps_continue_across_resumes(run):
     ended = [e for e in read_events(rd.events_path("train")) if e["type"] == "stage_finished"]
     cancelled = next(e["summary"] for e in ended if e["status"] == "cancelled")
     assert cancelled["checkpoint_step"] in (attempts[1][-1]["step"], attempts[1][-1]["step"] + 1)
-    assert Path(cancelled["checkpoint"]).is_dir() and "interrupted" not in cancelled["checkpoint"]
+    resume_from = cancelled["resume_checkpoint"]
+    assert Path(resume_from).is_dir() and "interrupted" not in resume_from
+    assert "checkpoint" not in cancelled   # (that key names a trained draft)
 
 
 def test_events_follow_the_protocol(run):

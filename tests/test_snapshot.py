@@ -49,6 +49,42 @@ def test_an_engine_report_without_a_server_is_shown(tmp_path):
     assert r.snapshot().stages["extract"].kv_cache()["source"] == "engine"
 
 
+def test_a_snapshot_never_changes_after_it_is_handed_out(tmp_path):
+    """The panel draws a snapshot on its UI thread while the file worker reads
+    on: the snapshot's series and dict stay as they were (copy on write)."""
+    r = _reader(tmp_path)
+    metric = {"t": 1.0, "type": "metric", "split": "train", "values": {"loss": 1.0}}
+    for step in range(5):
+        r._apply("train", {**metric, "step": step})
+    first = r.snapshot()
+    series = first.metrics[("train", "loss")]
+    x_buffer = memoryview(series.x)   # what a chart's np.frombuffer holds
+    for step in range(5, 9):
+        r._apply("train", {**metric, "step": step, "values": {"loss": 0.5, "acc": 0.1}})
+    assert len(series) == 5 and ("train", "acc") not in first.metrics
+    second = r.snapshot()
+    assert len(second.metrics[("train", "loss")]) == 9 and ("train", "acc") in second.metrics
+    x_buffer.release()
+
+
+def test_an_attempt_shows_its_own_summary_and_time_since_the_last_success(tmp_path):
+    r = _reader(tmp_path)
+    ev = lambda t, **kw: r._apply("train", {"t": kw.pop("at", 0.0), "type": t, **kw})  # noqa: E731
+    ev("stage_started", attempt=1, at=0.0)
+    ev("stage_finished", status="succeeded", duration_s=100.0, summary={"acceptance_length": 3.1})
+    assert r.snapshot().stages["train"].summary["acceptance_length"] == 3.1
+    ev("stage_started", attempt=2, at=200.0)   # a forced re-run: its own summary, none yet
+    assert dict(r.snapshot().stages["train"].summary) == {}
+    ev("stage_started", attempt=3, at=300.0)   # attempt 2 never finished: killed
+    ev("stage_finished", status="cancelled", duration_s=20.0, summary={})
+    ev("stage_started", attempt=4, at=400.0)
+    attempts = r.snapshot().stages["train"].attempts
+    assert [a.status for a in attempts] == ["succeeded", "killed", "cancelled", "running"]
+    from pipeline.run.snapshot import _earlier_s
+    assert _earlier_s(attempts, 4) == 20.0     # since the success: the cancelled 20 s
+    assert _earlier_s(attempts, 5) == 20.0     # attempt 5 queued, not started: the same
+
+
 @pytest.mark.integration
 def test_status_counts_every_attempt_and_json_has_the_outcome(tmp_path, stagekit):
     """train cancelled 2 s into its first attempt, then resumed: its time in

@@ -191,6 +191,14 @@ class LogView(ScrollView, can_focus=True):
         if not end:
             self.scroll_home(animate=False, immediate=True)
 
+    # With the log focused, Textual's own End/Home bindings of a scroll view
+    # come first: they do what the screen's do.
+    def action_scroll_end(self) -> None:
+        self.jump(True)
+
+    def action_scroll_home(self) -> None:
+        self.jump(False)
+
     # A log drawn while its tab was hidden (or before its first layout) scrolled
     # to the end of a zero-height view: once shown it sat a screenful or a
     # thousand lines short of the end while "follow" was on. Following means the

@@ -43,7 +43,8 @@ class Series:
     them the mean of dozens. At 200,000 a stage logging 4 metrics 50 times a
     second grew the panel's RSS for over an hour (56 -> 67 MiB in 30 minutes,
     bench/bench_panel.py); at 20,000: 61 MiB from the 10th minute to the 30th.
-    The reader appends; whoever holds a snapshot only reads."""
+    The reader appends; a series a snapshot holds is copied before it changes
+    (RunReader), so whoever draws a snapshot reads it on any thread."""
 
     def __init__(self, cap: int = 20_000):
         self.x, self.y, self.cap, self.stride, self._skip = array("d"), array("d"), cap, 1, 0
@@ -63,6 +64,12 @@ class Series:
 
     def __len__(self) -> int:
         return len(self.x)
+
+    def copy(self) -> Series:
+        twin = Series(self.cap)
+        twin.x, twin.y, twin.stride = array("d", self.x), array("d", self.y), self.stride
+        twin._skip, twin.added = self._skip, self.added
+        return twin
 
 
 # -- the snapshot's values -------------------------------------------------------------
@@ -126,7 +133,7 @@ class StageView:
     backend: str | None               # what "auto" resolved to in this attempt
     last_error: Mapping | None
     warnings: tuple[Mapping, ...]
-    summary: Mapping                  # the last stage_finished's summary ({} before one)
+    summary: Mapping                  # this attempt's stage_finished summary ({} before it)
     finished: Mapping | None          # the current attempt's stage_finished event
     state: Mapping                    # state.json's entry (fmt.exit_text reads it)
 
@@ -270,6 +277,9 @@ class RunReader:
         self._stages = {s: _Stage() for s in STAGE_NAMES}
         self._tails = {s: EventTail(run.events_path(s)) for s in STAGE_NAMES}
         self._metrics: dict[tuple[str, str], Series] = {}
+        # series a snapshot holds: the reader copies one before it changes it
+        # (copy on write), so a thread drawing a snapshot never sees one change
+        self._shared: set[tuple[str, str]] = set()
         self._state: dict = {}
         self._state_error: str | None = None
         self._state_exc: RunDirError | None = None   # state.json unreadable: read_run raises it
@@ -375,15 +385,23 @@ class RunReader:
             step = loss.added if loss is not None else 0
         for k, v in (ev.get("values") or {}).items():
             if isinstance(v, (int, float)):
-                self._metrics.setdefault((split, k), Series()).add(step, float(v))
+                key = (split, k)
+                if key in self._shared:
+                    self._shared.discard(key)
+                    self._metrics[key] = self._metrics[key].copy()
+                self._metrics.setdefault(key, Series()).add(step, float(v))
 
     @staticmethod
     def _started(info: _Stage, ev: dict) -> None:
-        """A new attempt: what the last one showed goes (its time stays)."""
+        """A new attempt: what the last one showed goes (its time stays). An
+        attempt still open had no stage_finished: it was killed."""
+        if info.attempts and info.attempts[-1][2] == Status.RUNNING:
+            info.attempts[-1][2] = "killed"
         info.attempts.append([ev.get("attempt") or len(info.attempts) + 1,
                               ev.get("t") or 0.0, Status.RUNNING, None])
         del info.attempts[:-50]   # bounded: a stage re-run all day keeps its last 50
         info.finished = info.last_error = info.progress = info.kv_usage = None
+        info.summary = {}
         info.servers.clear()
         info.kv.clear()
         info.backend = None
@@ -402,8 +420,14 @@ class RunReader:
         return RunSnapshot(
             run_id=self.run.id, path=str(self.run.path),
             driver_pid=d.get("pid") if self._state and driver_alive(self._state) else None,
-            stages=MappingProxyType(stages), metrics=MappingProxyType(self._metrics),
+            stages=MappingProxyType(stages), metrics=self._hand_out_metrics(),
             state_error=self._state_error, version=self.version)
+
+    def _hand_out_metrics(self) -> Mapping[tuple[str, str], Series]:
+        """The series as they are now, for a snapshot: the reader changes none
+        of them again (it copies one first), and the dict is the snapshot's own."""
+        self._shared = set(self._metrics)
+        return MappingProxyType(dict(self._metrics))
 
     def _stage_view(self, name: str) -> StageView:
         st = (self._state.get("stages") or {}).get(name) or {}
@@ -412,7 +436,7 @@ class RunReader:
         return StageView(
             name=name, status=st.get("status", Status.PENDING), attempt=st.get("attempt", 0),
             attempts=attempts,
-            earlier_s=sum(a.seconds or 0.0 for a in attempts[:-1]) if st.get("attempt") else 0.0,
+            earlier_s=_earlier_s(attempts, st.get("attempt") or 0),
             exit_code=st.get("exit_code"), signal=st.get("signal"), pid=st.get("pid"),
             devices=tuple(st.get("devices") or ()), reason=st.get("reason"),
             slurm_job=st.get("slurm_job"), progress=_progress(info.progress),
@@ -430,6 +454,15 @@ def _size(path) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0
+
+
+def _earlier_s(attempts: tuple[Attempt, ...], current: int) -> float:
+    """The attempts before the current one that led to it: those since the
+    last success (a forced re-run starts the count over), the current one
+    (started or still queued) left out."""
+    earlier = [a for a in attempts if a.number != current]
+    done = [i for i, a in enumerate(earlier) if a.status == Status.SUCCEEDED]
+    return sum(a.seconds or 0.0 for a in earlier[done[-1] + 1 if done else 0:])
 
 
 def _progress(ev: dict | None) -> Progress | None:

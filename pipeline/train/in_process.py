@@ -208,5 +208,7 @@ def _interrupted_summary(at: dict, argv: list[str]) -> dict:
     where = f"checkpoint {ckpt}" if ckpt else "no checkpoint yet (resume starts the epoch over)"
     print(f"train: stopped at epoch {at['epoch'] + 1} step {at['global_step']}; {where}; "
           "`eagle-panel resume` (r in the panel) continues from it", flush=True)
-    return {"checkpoint": str(ckpt) if ckpt else None, "checkpoint_step": at["global_step"],
+    # not `checkpoint`: that key names a trained draft (status' outcome, evaluate)
+    return {"resume_checkpoint": str(ckpt) if ckpt else None,
+            "checkpoint_step": at["global_step"],
             "resume": "eagle-panel resume (r in the panel)"}

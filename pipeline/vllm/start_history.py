@@ -7,7 +7,8 @@ whether 4 minutes is early or stuck.
 
 One JSON line per finished start in `<cache>/server-starts.jsonl`
 (`EAGLE_PANEL_CACHE`, else .cache/ in the project), appended in one write,
-newest last, cut to its last KEEP lines now and then (an atomic rewrite). A
+newest last; past 2 x KEEP lines (all targets together) it is cut to its last
+KEEP (an atomic rewrite). A
 start's key is what changes its cost: the model, the tensor-parallel size
 and whether a draft loads with it. A damaged or missing file is no history,
 never an error: the expectation is a nicety. Standard library only.
@@ -27,6 +28,10 @@ KEEP = 200
 
 
 def _path() -> Path:
+    """EAGLE_PANEL_START_HISTORY names the file (the tests keep their own
+    starts out of the project's), else the cache's."""
+    if os.environ.get("EAGLE_PANEL_START_HISTORY"):
+        return Path(os.environ["EAGLE_PANEL_START_HISTORY"])
     from pipeline.paths import cache_dir
     return cache_dir() / FILE
 
