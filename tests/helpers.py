@@ -122,6 +122,16 @@ def hs_files(rd):
     return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))
 
 
+async def select_stage(app, pilot, stage: str) -> None:
+    """Move the panel's stage cursor with the keys a user presses."""
+    from pipeline.stage_graph import STAGE_NAMES
+    key = "down" if STAGE_NAMES.index(stage) > STAGE_NAMES.index(
+        app.main.selected_stage) else "up"
+    while app.main.selected_stage != stage:
+        await pilot.press(key)
+    await pilot.pause(0.2)
+
+
 async def kv_tab_text(app, pilot) -> str:
     """What the panel's KV-cache tab shows, as text."""
     await pilot.press("3")

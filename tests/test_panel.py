@@ -7,9 +7,8 @@ import pytest
 from app.panel import PanelApp
 from pipeline.run.events import EventWriter
 from pipeline.run.rundir import RunDir, pid_running
-from pipeline.stage_graph import STAGE_NAMES
 from pipeline.telemetry import Telemetry
-from tests.helpers import cli, kv_tab_text, screen_text, until, wait_for
+from tests.helpers import cli, kv_tab_text, screen_text, select_stage, until, wait_for
 from widgets.gpu_table import GpuTable
 from widgets.log_view import LogTail, LogView, collapse_cr
 from widgets.loss_chart import LossChart
@@ -431,15 +430,6 @@ def finished_run_events(tmp_path, stagekit):
     cli("run", "--wait", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs/t")
     return rd, EventWriter(rd.events_path("extract"))
-
-
-async def select_stage(app, pilot, stage: str) -> None:
-    """Move the stage table's cursor with the keys a user presses."""
-    key = "down" if STAGE_NAMES.index(stage) > STAGE_NAMES.index(
-        app.main.selected_stage) else "up"
-    while app.main.selected_stage != stage:
-        await pilot.press(key)
-    await pilot.pause(0.2)
 
 
 async def test_kv_tab_shows_the_selected_stages_servers(tmp_path, stagekit):

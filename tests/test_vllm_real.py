@@ -26,7 +26,15 @@ from pipeline.run.proctree import environ, live_pids
 from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import SERVER_TOKEN_VAR
-from tests.helpers import ROOT, finished, hs_files, kv_tab_text, prepared_once, wait_for
+from tests.helpers import (
+    ROOT,
+    finished,
+    hs_files,
+    kv_tab_text,
+    prepared_once,
+    select_stage,
+    wait_for,
+)
 
 pytestmark = pytest.mark.vllm
 N = 24
@@ -159,8 +167,10 @@ async def test_kv_tab_shows_the_real_report(extracted):
     kv = [e for e in extracted["events"] if e["type"] == "kv_cache"][-1]
     app = PanelApp(rd, telemetry=Telemetry(simulate=0, host=False), interval=3600)
     async with app.run_test(size=(100, 30)) as pilot:
+        await select_stage(app, pilot, "extract")   # the tab is the selected stage's
         text = await kv_tab_text(app, pilot)
-    assert f"{kv['tokens_capacity']:,}" in text and "live use" in text
+    # the server has stopped: its allocation stays, its live use is history, not shown
+    assert f"{kv['tokens_capacity']:,}" in text and "live use" not in text
     assert "log+metrics, CPU memory" in text and f"{kv['max_concurrency']:.2f}x" in text
     # nothing the server reports is shown as "-"
     for row in ("blocks", "block size", "bytes per block", "total", "bytes per token",
