@@ -108,7 +108,7 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
     try:
         while True:
             reader.poll()
-            driving = reader.snapshot().driver_pid is not None or \
+            driving = reader.driver_pid() is not None or \
                 (proc is not None and proc.poll() is None)
             if not driving and time.monotonic() - started > 2:
                 reader.read_all()   # the last events, printed
@@ -215,7 +215,7 @@ def status_rows(snap, ex, now: float | None = None) -> list[dict]:
             "attempts": [{"attempt": a.number, "status": a.status, "duration_s": a.seconds}
                          for a in st.attempts],
             "servers": [dict(v.event) for v in st.servers] if st.running else [],
-            "kv_cache": dict(st.kv_cache()) if st.kv_cache() else None,
+            "kv_cache": dict(kv) if (kv := st.kv_cache()) else None,
             "summary": dict(st.summary),
         })
     return rows

@@ -140,12 +140,10 @@ class PanelApp(App):
 
     # -- what was read -> the screen --------------------------------------------------
     def _read(self) -> bool:
-        """Poll the run's files; a change makes a new snapshot (the caller
-        holds the lock). True if anything changed."""
-        changed = self.reader.poll()
-        if changed or self.view is None:
-            self.view = self.reader.snapshot()
-        return changed
+        """Poll the run's files (the caller holds the lock); True if anything
+        changed. The snapshot is taken when it is sent, at most once a tick:
+        each one makes the reader copy the metric series it changes next."""
+        return self.reader.poll()
 
     def on_screen_ready(self, _message: ScreenReady) -> None:
         """The main screen is up: read the run, have it select the stage a
@@ -154,12 +152,13 @@ class PanelApp(App):
             return
         with self.lock:
             self._read()
-        self._send(focus=self.view.focus_stage())
+        self._send(first=True)
 
-    def _send(self, focus: str | None = None) -> None:
-        """The snapshot to the main screen, with what changed since the last."""
-        view = self.view   # once: the file worker may swap it meanwhile
-        changes = self._transitions(view, focus)
+    def _send(self, first: bool = False) -> None:
+        """A new snapshot to the main screen, with what changed since the last."""
+        with self.lock:
+            view = self.view = self.reader.snapshot()
+        changes = self._transitions(view, view.focus_stage() if first else None)
         self.main.post_message(RunRead(view, self.rundir, self.extract_backend(view), changes))
 
     def _apply_snapshot(self, snap) -> None:
@@ -169,7 +168,7 @@ class PanelApp(App):
     def _tick(self) -> None:
         """The one redraw timer: at most once per UI_INTERVAL however fast a
         stage writes (what reaches the terminal over SSH is what users feel)."""
-        if self.view is not None and self._dirty:
+        if self.view is not None and self._dirty:   # (after the first look)
             self._dirty = False
             self._send()
 

@@ -414,12 +414,16 @@ class RunReader:
             info.attempts[-1][2:] = [ev.get("status"), ev.get("duration_s")]
 
     # -- the snapshot --------------------------------------------------------------------
+    def driver_pid(self) -> int | None:
+        """The launcher's pid while it is alive (`run --wait` asks this every
+        0.3 s: no snapshot, which would have the reader copy its series)."""
+        d = self._state.get("driver") or {}
+        return d.get("pid") if self._state and driver_alive(self._state) else None
+
     def snapshot(self) -> RunSnapshot:
         stages = {s: self._stage_view(s) for s in STAGE_NAMES}
-        d = self._state.get("driver") or {}
         return RunSnapshot(
-            run_id=self.run.id, path=str(self.run.path),
-            driver_pid=d.get("pid") if self._state and driver_alive(self._state) else None,
+            run_id=self.run.id, path=str(self.run.path), driver_pid=self.driver_pid(),
             stages=MappingProxyType(stages), metrics=self._hand_out_metrics(),
             state_error=self._state_error, version=self.version)
 
