@@ -71,7 +71,8 @@ def test_the_last_start_here_is_the_expectation(tmp_path):
             "--tensor-parallel-size", "8"]
     key = h.start_key(argv)
     assert key == "/m/kimi|tp=8|"
-    assert h.start_key([*argv, "--speculative-config", '{"method": "eagle3"}']).endswith("|draft")
+    assert h.start_key([*argv, "--speculative-config", '{"method": "eagle3"}']).endswith("|eagle3")
+    assert h.start_key([*argv, "--speculative-config=not json"]).endswith("|draft")
     assert h.last(key, path) is None                      # no file: no history
     h.record(key, 660.0, {startup.LOADING: 600.0}, path)
     h.record("/m/other|tp=1|", 30.0, {}, path)

@@ -8,9 +8,9 @@ whether 4 minutes is early or stuck.
 One JSON line per finished start in `<cache>/server-starts.jsonl`
 (`EAGLE_PANEL_CACHE`, else .cache/ in the project), appended in one write,
 newest last; past 2 x KEEP lines (all targets together) it is cut to its last
-KEEP (an atomic rewrite). A
-start's key is what changes its cost: the model, the tensor-parallel size
-and whether a draft loads with it. A damaged or missing file is no history,
+KEEP (an atomic rewrite). A start's key is what changes its cost: the
+model, the tensor-parallel size and the speculative method loaded with it
+(a draft, or extract's capture). A damaged or missing file is no history,
 never an error: the expectation is a nicety. Standard library only.
 """
 
@@ -37,13 +37,23 @@ def _path() -> Path:
 
 
 def start_key(argv: list[str]) -> str:
-    """`model|tp=N|draft` from a `vllm serve` command line (ours: the model
+    """`model|tp=N|method` from a `vllm serve` command line (ours: the model
     follows `serve`)."""
     model = argv[argv.index("serve") + 1] if "serve" in argv[:-1] else "?"
     tp = _flag(argv, vs.FLAG_TENSOR_PARALLEL) or "1"
-    spec = _flag(argv, vs.FLAG_SPECULATIVE_CONFIG)
-    draft = "extract" if spec and "extract_hidden_states" in spec else ("draft" if spec else "")
-    return f"{model}|tp={tp}|{draft}"
+    return f"{model}|tp={tp}|{_method(_flag(argv, vs.FLAG_SPECULATIVE_CONFIG))}"
+
+
+def _method(spec: str | None) -> str:
+    """The speculative method a server loads beside the target ("" none): a
+    draft, or extract's hidden-state capture, each a start of its own cost."""
+    if not spec:
+        return ""
+    try:
+        parsed = json.loads(spec)
+    except ValueError:
+        return "draft"
+    return str(parsed.get("method") or "draft") if isinstance(parsed, dict) else "draft"
 
 
 def _flag(argv: list[str], name: str) -> str | None:
