@@ -194,8 +194,12 @@ def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
 
 
 def outcome_lines(snap) -> list[str]:
-    return fmt.outcome_lines(snap.stages["train"].summary, snap.stages["evaluate"].summary,
-                             snap.stages["evaluate"].state)
+    lines = fmt.outcome_lines(snap.stages["train"].summary, snap.stages["evaluate"].summary,
+                              snap.stages["evaluate"].state)
+    loads = fmt.target_loads_line([(s.name, s.target_loads, s.loading_s,
+                                    sum(a.seconds or 0.0 for a in s.attempts))
+                                   for s in snap.stages.values()])
+    return (lines or [""]) + [loads] if loads else lines
 
 
 def status_rows(snap, ex, now: float | None = None) -> list[dict]:

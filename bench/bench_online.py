@@ -1,7 +1,10 @@
 """Online vs offline training on the same data (the real vLLM server).
 
-    python bench/bench_online.py [--samples 0] [--epochs 2] [--workers 2]
-    python bench/bench_online.py --samples 16 --epochs 1   # the smallest (CI, ~3 min on 2 cores)
+    python bench/bench_online.py [--samples 0] [--epochs 2] [--workers 2] [--work DIR]
+    python bench/bench_online.py --samples 16 --epochs 1   # the smallest (~3 min on 2 cores)
+
+(CI runs it from tests/test_vllm_online.py, at 64 samples, keeping both runs
+in --work as the test's offline reference.)
 
 offline: extract (backend auto: the vLLM server writes every sample's hidden
 states) then train reads the files; online: train asks the vLLM server for
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--gpus", nargs=2, metavar=("EXTRACT", "TRAIN"), default=None)
+    ap.add_argument("--work", type=Path, default=None,
+                    help="keep both runs here (default: a temporary folder, removed)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON",
                                                             str(VLLM_VENV / "bin" / "python")))
     a = ap.parse_args()
@@ -84,7 +89,8 @@ def main() -> None:
     if a.gpus:
         devices = ",".join(sorted(set(a.gpus[0].split(",")) | set(a.gpus[1].split(","))))
         split = f"extract = [{a.gpus[0]}]\ntrain = [{a.gpus[1]}]"
-    tmp = Path(tempfile.mkdtemp(prefix="bench-online-"))
+    tmp = a.work or Path(tempfile.mkdtemp(prefix="bench-online-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     try:
         out = {}
         for mode in ("offline", "online"):
@@ -111,7 +117,8 @@ def main() -> None:
         print(f"\nonline / offline wall time: {on / off:.2f}x; online disk peak "
               f"{on_disk / off_disk:.1%} of offline's hidden states")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if a.work is None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -256,6 +256,9 @@ class EvaluateSection(ServerCommon):
     seed: int = 0
     concurrency: int = 1        # requests in flight: the decode speed is measured at this load
     baseline: bool = True       # also serve without the draft: the speedup
+    # every checkpoint on one server: the next drafts loaded into it (draft_swap);
+    # false: a server per checkpoint (a restart is also the fallback where a swap cannot work)
+    one_server: bool = True
     # below this measured acceptance length the stage fails (0 = no gate)
     min_acceptance: float = 0.0
 

@@ -21,6 +21,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline import fmt
 from pipeline.cluster import slurm
 from pipeline.config import Config
 from pipeline.data.prompt_sets import MT_BENCH, MT_BENCH_PACKAGE
@@ -37,7 +38,7 @@ from pipeline.model.info import (
 )
 from pipeline.paths import PROJECT_ROOT
 from pipeline.run.rundir import RunDir
-from pipeline.vllm import compat, contract, contract_strings
+from pipeline.vllm import compat, contract, contract_strings, draft_swap, start_history
 from pipeline.vllm.environment import VllmEnv, choose_backend, cpu_kv_space_gib
 from pipeline.vllm.environment import probe as probe_vllm
 from pipeline.vllm.target_flags import has_cpu_mla
@@ -357,6 +358,17 @@ def check_hybrid(x: Inputs) -> list[Finding]:
                                "here" + (f" ({', '.join(stages)} would fail)" if stages else ""),
                                'extract with backend = "hf" or "auto" (it picks hf here); '
                                "disable regenerate / evaluate, or run them on a GPU build"))
+    if x.vllm is not None and x.vllm.cpu_build and x.source is not None and \
+            m.linear and m.linear["kind"] != "KDA":
+        devices = x.cfg.stage_devices("extract")
+        why = compat.cpu_gdn_dtype_problem(x.source, x.cfg.dtype_name(bool(devices)))
+        uses = ([f"extract (backend {x.backend})"] if x.uses_vllm else []) + \
+            [s for s in ("regenerate", "evaluate") if x.cfg.enabled(s)]
+        if why and uses:
+            out.append(Finding("layers", BLOCK, f"{why}: {', '.join(uses)} would fail at the "
+                               "first request, after a whole server start",
+                               '[model] dtype = "bfloat16" (or extract with backend = "hf" and '
+                               "disable regenerate / evaluate)"))
     if x.backend == "vllm-engine" and x.source is not None:
         bad = compat.decoder_layer_mismatch(x.source, m.architecture)
         if bad:
@@ -620,6 +632,67 @@ def check_startup(x: Inputs) -> list[Finding]:
     return [Finding("startup", OK, msg + "; startup_timeout_s leaves room")]
 
 
+def evaluated_checkpoints(cfg: Config) -> int:
+    """How many checkpoints evaluate measures (at most: train may stop early)."""
+    which, train = cfg.stages.evaluate.checkpoints, cfg.stages.train
+    if which == "all":   # one per epoch (epochs = 0: the budget rule's, up to max_epochs)
+        return max(1, train.epochs or train.max_epochs)
+    return int(which[5:]) if which.startswith("best-") else 1
+
+
+def planned_loads(x: Inputs) -> list[tuple[str, int, int, str]]:
+    """(what, loads, tensor-parallel size, speculative method) of the target
+    loads the run makes: a vLLM server's each (regenerate, extract's per
+    data-parallel group, online train's, evaluate's and its baseline's)."""
+    cfg, out = x.cfg, []
+    every = max(1, len(cfg.stage_devices("regenerate")))
+    if cfg.enabled("regenerate"):
+        out.append(("regenerate", 1, every, ""))
+    if x.uses_vllm:
+        tp = max(1, cfg.stages.extract.tensor_parallel)
+        groups = max(1, len(cfg.stage_devices("extract")) // tp)
+        out.append(("train (online)" if cfg.online else "extract", groups, tp,
+                    "" if cfg.online else "extract_hidden_states"))
+    if cfg.enabled("evaluate"):
+        sec, n = cfg.stages.evaluate, evaluated_checkpoints(cfg)
+        tp = max(1, len(cfg.stage_devices("evaluate")))
+        one = sec.one_server and draft_swap.unavailable(x.source, sec.server_args) is None
+        upto = "up to " if sec.checkpoints == "all" and not cfg.stages.train.epochs else ""
+        out.append((f"evaluate ({upto}{n} checkpoint{'s' * (n > 1)}"
+                    + (", the next ones swapped in)" if one and n > 1 else ")"),
+                    1 if one else n, tp, "eagle3"))
+        if sec.baseline:
+            out.append(("evaluate's baseline", 1, tp, ""))
+    return out
+
+
+def check_target_loads(x: Inputs) -> list[Finding]:
+    """The number a user pays for on a large target: how many times the run
+    loads it into a vLLM server, and how long the last such start took on
+    this machine (pipeline.vllm.start_history)."""
+    if not serves_vllm(x):
+        return []
+    plan = planned_loads(x)
+    target = str(x.cfg.target_path())
+    total, known, parts = 0, 0.0, []
+    for what, n, tp, method in plan:
+        last = start_history.last(f"{target}|tp={tp}|{method}")
+        total += n
+        took = f", ~{fmt.duration(last['elapsed_s'])} each here last time" if last else ""
+        known += n * last["elapsed_s"] if last else 0.0
+        parts.append(f"{what} {n}{took}")
+    msg = f"{total} target load{'s' * (total != 1)}: " + "; ".join(parts)
+    if known:
+        msg += f" (~{fmt.duration(known)} of loading measured here)"
+    out = [Finding("servers", OK, msg)]
+    sec = x.cfg.stages.evaluate
+    why = draft_swap.unavailable(x.source, sec.server_args) if sec.one_server else None
+    if x.cfg.enabled("evaluate") and why and evaluated_checkpoints(x.cfg) > 1:
+        out.append(Finding("servers", WARN, f"evaluate: a server per checkpoint ({why})",
+                           "vLLM >= 0.32 loads a new draft into its running server"))
+    return out
+
+
 def check_kv_cache(x: Inputs) -> list[Finding]:
     """The plan is for where the stages will run: the CPU build's KV space
     when the config names no GPU, else the GPUs the config names (bf16) —
@@ -820,9 +893,10 @@ def check_server_overrides(x: Inputs) -> list[Finding]:
 
 
 CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
-          check_layers, check_hybrid, check_shapes, check_eagle3, check_adaptations, check_target_flags,
-          check_cpu_attention, check_startup, check_kv_cache, check_disk, check_versions,
-          check_privacy, check_server_overrides, check_survivors, check_cluster)
+          check_layers, check_hybrid, check_shapes, check_eagle3, check_adaptations,
+          check_target_flags, check_cpu_attention, check_startup, check_target_loads,
+          check_kv_cache, check_disk, check_versions, check_privacy, check_server_overrides,
+          check_survivors, check_cluster)
 # What `run`, `resume` and the panel's `r` check before anything is created or
 # started: the checks that need no probe of an environment (but one `python -c`
 # of an interpreter the config names), no vLLM source and no network — from the
@@ -892,8 +966,9 @@ def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool 
     if cfg.online:
         x.backend, x.backend_why = "vllm-server", "online mode: train asks vLLM servers"
     elif sec.backend == "auto":
-        x.backend, x.backend_why = choose_backend("auto", vllm_env, cfg.stage_devices("extract"),
-                                                  x.model)
+        devices = cfg.stage_devices("extract")
+        x.backend, x.backend_why = choose_backend("auto", vllm_env, devices, x.model,
+                                                  cfg.dtype_name(bool(devices)))
     else:
         x.backend = sec.backend
     return x
@@ -927,10 +1002,13 @@ def cpu_kv_plan(m: ModelInfo, cfg: Config, layer_ids: list[int] | None) -> Findi
     hs = hs_bytes_per_token(m, len(layer_ids or [0]), elem)
     per_tok = kv_bytes_per_token(m, 1, elem) + hs
     max_len = cfg.stages.prepare.seq_length + 8
-    gib = cpu_kv_space_gib(sec.max_inflight * max_len, per_tok)
+    # a linear-attention layer's state is per sequence, whatever its length
+    per_seq = recurrent_bytes_per_seq(m, 1, elem)
+    gib = cpu_kv_space_gib(sec.max_inflight, max_len * per_tok + per_seq)
     avail = _mem_available()
+    state = f" + {_size(per_seq)} of fixed state each" if per_seq else ""
     msg = (f"KV cache on the CPU: VLLM_CPU_KVCACHE_SPACE={gib} GiB for {sec.max_inflight} "
-           f"requests x {max_len} tokens x {per_tok:,} B/token (K,V + hidden states); "
+           f"requests x {max_len} tokens x {per_tok:,} B/token (K,V + hidden states){state}; "
            + (f"{avail / GIB:.1f} GiB of RAM available" if avail else "RAM unknown"))
     if avail is not None and gib * GIB > avail:
         return Finding("kv_cache", BLOCK, msg, "lower [stages.extract] max_inflight or "
@@ -1047,7 +1125,9 @@ def _sizes(sizes: list) -> str:
 
 
 def _size(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB" if n >= GIB else f"{n / (1 << 20):,.1f} MiB"
+    if n >= GIB:
+        return f"{n / GIB:,.1f} GiB"
+    return f"{n / (1 << 20):,.1f} MiB" if n >= 1 << 20 else f"{n / 1024:,.1f} KiB"
 
 
 def blocking(findings: list[Finding]) -> bool:

@@ -85,6 +85,9 @@ def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str
             lines.append(f"decode: {evaluate['decode_tokens_per_s']:.0f} tokens/s with the draft, "
                          f"{evaluate['baseline_tokens_per_s']:.0f} without: "
                          f"{evaluate['speedup']:.2f}x")
+        if evaluate.get("drafts_swapped"):
+            lines.append(f"evaluate: {evaluate['drafts_swapped']} of {evaluate['measured']} "
+                         "checkpoints measured on a running server, their drafts swapped in")
     elif est is not None:
         lines.append(f"estimated acceptance length (greedy chain, validation): {est:.2f}")
         if evaluate.get("skipped"):
@@ -92,6 +95,18 @@ def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str
         elif str(evaluate_state.get("reason") or "").startswith("off"):
             lines.append(f"not measured: evaluate is {evaluate_state['reason']}")
     return lines
+
+
+def target_loads_line(stages: list[tuple[str, int, float, float]]) -> str | None:
+    """(stage, target loads, seconds loading, seconds the stage ran) -> the
+    line a big target's user reads first: how much of the run was loading."""
+    stages = [s for s in stages if s[1]]
+    if not stages:
+        return None
+    loads = sum(s[1] for s in stages)
+    each = ", ".join(f"{name} {n}" for name, n, _, _ in stages)
+    return (f"vLLM target loads: {loads} ({each}); {duration(sum(s[2] for s in stages))} "
+            f"loading of {duration(sum(s[3] for s in stages))} in those stages")
 
 
 def num(v, digits: int = 3) -> str:

@@ -121,12 +121,20 @@ CASES = {
          rf"^disk.*: ours {NUM} B, theirs {NUM} B: {NUM}x",
          rf"^acceptance length \(vLLM, 4 held-out prompts\): ours {NUM}, theirs {NUM}: "
          rf"ours / theirs {NUM}"], timeout=900, vllm=True),
+    "target_loads.py": Case(
+        ["--samples", "24", "--epochs", "2", "--prompts", "8"],
+        [rf"^(before|after)\s+server starts \d+, {NUM} s in starts, wall {NUM} s; acceptance "
+         rf"per checkpoint {NUM}(?: {NUM})*$",
+         rf"^after / before: starts \d+ / \d+, wall {NUM}x; drafts swapped in: \d+$",
+         r"^identical per request \(greedy\): True$"], timeout=900, vllm=True,
+        run_by="tests/test_vllm_pipeline.py (on its trained run)"),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"
            rf"last train loss {NUM}\s+val loss {NUM}" for m in ("offline", "online")),
          rf"^online / offline wall time: {NUM}x; online disk peak {NUM}% of offline's"],
-        timeout=900, vllm=True),
+        timeout=900, vllm=True,
+        run_by="tests/test_vllm_online.py (its offline reference, at 64 samples)"),
 }
 
 

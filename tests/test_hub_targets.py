@@ -321,28 +321,13 @@ def test_download_true_names_a_gated_repository_before_any_stage(tmp_path, fake_
     assert not (tmp_path / "runs" / "gated").exists()
 
 
-# -- the real vLLM on a hub id -------------------------------------------------
+# -- what a hub id gives vLLM -----------------------------------------------------
 
-@pytest.mark.vllm
-def test_the_real_vllm_serves_a_hub_id_from_the_cache(tmp_path, in_cache):
+def test_a_hub_id_resolves_to_its_cached_snapshot(tmp_path, in_cache):
+    """What vLLM is then given (tests/test_vllm_real.py serves such a snapshot)."""
     from pipeline import config as config_mod
-    from pipeline.paths import VLLM_VENV
-    from pipeline.vllm.environment import probe
-    from pipeline.vllm.server import make_server, serving
-    py = VLLM_VENV / "bin" / "python"
-    if not py.exists():
-        pytest.skip(f"no real vLLM: {VLLM_VENV} is missing (scripts/install.sh makes it)")
-    env = probe(str(py))
-    if env.unusable([]):
-        pytest.skip(f"the installed vLLM cannot run here: {env.unusable([])}")
     cache = tmp_path / "hf-cache"
     snap = lay_out(cache, REPO, SHA_A, target_files())
     in_cache(cache)
     cfg = config_mod.load(config(tmp_path, "served"), gpu_count=None)
-    assert cfg.target_path() == snap
-    server = make_server(0, env, cfg.target_path(), [], tmp_path / "vllm.log", "float32", 512,
-                         False, [], kv_tokens=1024, kv_bytes_per_token=1 << 14)
-    with serving(server, 600, lambda: False) as s:
-        out = s.post("/v1/completions", {"model": str(snap), "prompt": "Hello",
-                                         "max_tokens": 4, "temperature": 0.0}, 120)
-    assert out["choices"][0]["text"], out
+    assert cfg.target_path() == snap and (snap / "model.safetensors").is_symlink()

@@ -9,9 +9,10 @@ evaluate with vLLM serving tiny-kimi plus that draft, gated at 2.5.
 Checked on what it leaves: measured acceptance >= 2.5 at 3 draft tokens and
 train's estimate within 10% of it; every hidden-state slot (the last layer's
 included) against the hf backend; the adaptations doctor predicted are the
-ones that fired; doctor's KV bytes per token against the real server's; the
-masks prepare makes with the local template against vLLM's render endpoint
-on agentic rows. Skipped, with the reason, without a usable vLLM."""
+ones that fired; doctor's KV bytes per token against the real server's.
+(The masks prepare makes with Kimi's template against vLLM's render
+endpoint: tests/test_tiny_kimi.py, on its server.) Skipped, with the
+reason, without a usable vLLM."""
 
 import json
 import os
@@ -123,33 +124,3 @@ def test_doctor_predicted_what_fired_and_the_kv_bytes(kimi_run):
     served = kv["bytes_per_block"] / kv["block_size"]
     print(f"KV bytes per token: doctor {planned:,}, vLLM {served:,.1f}")
     assert planned == 9216 and abs(served - planned) / planned < 1e-3
-
-
-def test_kimi_masks_equal_vllms_render_endpoint(kimi_run):
-    """Agentic rows (tools, tool calls, tool results) through vLLM's own render
-    endpoint serving tiny-kimi: the same token ids and loss masks as prepare's
-    local renderer with Kimi's template."""
-    from transformers import AutoTokenizer
-
-    from pipeline.builtin import tiny_kimi
-    from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, normalize
-    from pipeline.vllm.server import make_server, serving
-    from tests.data_corpus import AGENTIC, AGENTIC_STRING_ARGS
-    tmp, rd, _ = kimi_run
-    folder = tiny_kimi.ensure_built()
-    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
-    rows = [normalize(r)[1:] for r in (AGENTIC, AGENTIC_STRING_ARGS)]
-    server = make_server(9, probe(str(PY)), folder, [], tmp / "vllm-render.log", "float32", 512,
-                         True, ["--enable-scale-out"], kv_tokens=2048,
-                         kv_bytes_per_token=1 << 14)
-    with serving(server, 600, lambda: False) as s:
-        remote = EndpointRenderer(s.url, 60, api_key=s.api_key)
-        local = LocalRenderer(tok)
-        for msgs, tools in rows:
-            a, b = local.rows(msgs, tools), remote.rows(msgs, tools)
-            assert [(r.input_ids, r.loss_mask) for r in a] == \
-                [(r.input_ids, r.loss_mask) for r in b], msgs
-            # the tool-call section's tokens are supervised
-            call = tok.convert_tokens_to_ids("<|tool_call_begin|>")
-            assert any(i == call and m for r in a for i, m in zip(r.input_ids, r.loss_mask, strict=True))
-    assert not server_pids()

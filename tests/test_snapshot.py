@@ -42,6 +42,30 @@ def test_attempts_servers_and_the_report_to_show(tmp_path):
     assert r.snapshot().stages["extract"].kv_cache() is None   # another stage's stay its own
 
 
+def test_target_loads_and_their_time_over_every_attempt(tmp_path):
+    """Each server that came up is one target load (a `ready` said again while
+    another server starts is not a second); a new attempt's add to the last's."""
+    from pipeline import fmt
+    r = _reader(tmp_path)
+    ev = lambda t, **kw: r._apply("evaluate", {"t": kw.pop("at", 0.0), "type": t, **kw})  # noqa: E731
+    ev("stage_started", attempt=1, at=100.0)
+    ev("server", server=1, phase="starting", elapsed_s=0.0)
+    ev("server", server=1, phase="ready", elapsed_s=40.0)
+    ev("server", server=0, phase="ready", elapsed_s=45.0)
+    ev("server", server=1, phase="ready", elapsed_s=40.0)     # BaselineAhead's watch, again
+    ev("stage_finished", status="failed", duration_s=120.0, summary={}, at=220.0)
+    ev("stage_started", attempt=2, at=300.0)
+    ev("server", server=2, phase="ready", elapsed_s=50.0)
+    ev("stage_finished", status="succeeded", duration_s=80.0, summary={}, at=380.0)
+    st = r.snapshot().stages["evaluate"]
+    assert (st.target_loads, st.loading_s) == (3, 135.0)
+    line = fmt.target_loads_line([("regenerate", 1, 30.0, 90.0),
+                                  ("evaluate", st.target_loads, st.loading_s, 200.0),
+                                  ("train", 0, 0.0, 500.0)])
+    assert line == "vLLM target loads: 4 (regenerate 1, evaluate 3); 2m45s loading of 4m50s " \
+        "in those stages"
+
+
 def test_an_engine_report_without_a_server_is_shown(tmp_path):
     r = _reader(tmp_path)
     r._apply("extract", {"t": 1.0, "type": "stage_started", "attempt": 1})

@@ -190,16 +190,22 @@ PY = VLLM_VENV / "bin" / "python"
 
 
 @pytest.mark.vllm
-def test_vllm_serves_it_text_only_with_transformers_greedy_tokens(folder, tok, model, tmp_path):
+def test_vllm_serves_it_text_only_greedy_as_transformers_and_renders_as_prepare(
+        folder, tok, model, tmp_path):
     """vLLM 0.32 (the CPU build in .venv-vllm) serves the folder the way the
     stages start servers (pipeline.vllm.server: --language-model-only and the
     CPU_MLA backend come from the target's config), float32 like
     transformers: chat prompts render to the same ids, and greedy
-    completions are transformers' greedy tokens."""
+    completions are transformers' greedy tokens. Agentic rows (tools, tool
+    calls, tool results) through its render endpoint (--enable-scale-out):
+    the same token ids and loss masks as prepare's local renderer with
+    Kimi's template, the tool-call section supervised."""
     if not PY.exists():
         pytest.skip(f"no real vLLM: {VLLM_VENV} is missing (scripts/install.sh makes it)")
+    from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, normalize
     from pipeline.vllm.environment import probe
     from pipeline.vllm.server import make_server, serving
+    from tests.data_corpus import AGENTIC, AGENTIC_STRING_ARGS
     env = probe(str(PY))
     why = env.unusable([])
     if why:
@@ -214,8 +220,8 @@ def test_vllm_serves_it_text_only_with_transformers_greedy_tokens(folder, tok, m
     out = subprocess.run([str(PY), "-c", code, str(folder)], capture_output=True, text=True,
                          timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert out.stdout.split() == ["ValueError", "KimiTokenizer"], out.stdout + out.stderr
-    server = make_server(0, env, folder, [], tmp_path / "vllm.log", "float32", 512, True, [],
-                         kv_tokens=2048, kv_bytes_per_token=1 << 14)
+    server = make_server(0, env, folder, [], tmp_path / "vllm.log", "float32", 512, True,
+                         ["--enable-scale-out"], kv_tokens=2048, kv_bytes_per_token=1 << 14)
     flags = " ".join(server.argv)
     assert "--language-model-only" in flags and "--attention-backend CPU_MLA" in flags
     m, _ = model
@@ -234,3 +240,11 @@ def test_vllm_serves_it_text_only_with_transformers_greedy_tokens(folder, tok, m
                 ref = m.generate(torch.tensor([want_prompt]), max_new_tokens=16,
                                  do_sample=False)[0, len(want_prompt):].tolist()
             assert got == ref[:len(got)] and len(got) >= 2, (tok.decode(got), tok.decode(ref))
+        remote, local = EndpointRenderer(s.url, 60, api_key=s.api_key), LocalRenderer(tok)
+        for msgs, tools in [normalize(r)[1:] for r in (AGENTIC, AGENTIC_STRING_ARGS)]:
+            a, b = local.rows(msgs, tools), remote.rows(msgs, tools)
+            assert [(r.input_ids, r.loss_mask) for r in a] == \
+                [(r.input_ids, r.loss_mask) for r in b], msgs
+            call = tok.convert_tokens_to_ids("<|tool_call_begin|>")
+            assert any(i == call and m for r in a
+                       for i, m in zip(r.input_ids, r.loss_mask, strict=True))

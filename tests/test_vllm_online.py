@@ -7,7 +7,9 @@ vLLM; without one, online mode fails before training with one clear error."""
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import textwrap
 
@@ -17,7 +19,7 @@ from pipeline.paths import VLLM_VENV
 from pipeline.run.events import read_events
 from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
-from tests.helpers import cli, run_body, stage_summary, wait_for
+from tests.helpers import ROOT, cli, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids
 
 pytestmark = pytest.mark.vllm
@@ -51,31 +53,40 @@ def disk_bytes(folder):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The offline reference is bench/bench_online.py at this test's size (its
+    smallest run in CI: tests/test_bench.py's case names this file), its runs
+    kept; then an online run of the same config whose server is SIGKILLed."""
     if not PY.exists() or probe(str(PY)).unusable([]):
         pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
+    from tests.test_bench import CASES
     tmp = tmp_path_factory.mktemp("online")
     env = dict(os.environ, RUN_OF=str(os.getpid()))
-    out = {}
-    for mode in ("offline", "online"):
-        d = tmp / mode
-        d.mkdir()
-        (d / "config.toml").write_text(textwrap.dedent(CONFIG.format(name=mode, mode=mode)))
-        rd = RunDir(d / "runs" / mode)
-        if mode == "online":
-            cli("run", cwd=d, check=0, env=env)
-            # SIGKILL the vLLM server once training asks it for samples
-            wait_for(lambda rd=rd: any(e["type"] == "online" for e in read_events(
-                rd.events_path("train"))), timeout=600, poll=0.2, what="online training")
-            for pid in server_pids():
-                os.kill(pid, signal.SIGKILL)
-            p = cli("resume", "--wait", cwd=d, timeout=1200, env=env)
-            if "already driving" in p.stderr:   # the first launcher is still on it
-                wait_for(lambda rd=rd: rd.lock_holder() is None, timeout=1200, poll=1,
-                         what="the online run to end")
-                p = cli("status", cwd=d, env=env)
-        else:
-            p = cli("run", "--wait", cwd=d, timeout=1200, env=env)
-        out[mode] = (d, rd, p)
+    bench = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_online.py"), "--samples",
+                            "64", "--epochs", "1", "--work", str(tmp / "bench")], cwd=tmp,
+                           env=dict(env, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                           timeout=1500, check=False)
+    assert bench.returncode == 0, bench.stdout[-4000:] + bench.stderr[-4000:]
+    missing = [rx for rx in CASES["bench_online.py"].expect
+               if not re.search(rx, bench.stdout, re.M)]
+    assert not missing, f"bench_online.py did not report {missing}:\n{bench.stdout}"
+    out = {"offline": (tmp / "bench" / "offline", RunDir(tmp / "bench/offline/runs/bench"),
+                       bench), "bench": bench.stdout}
+    d = tmp / "online"
+    d.mkdir()
+    (d / "config.toml").write_text(textwrap.dedent(CONFIG.format(name="online", mode="online")))
+    rd = RunDir(d / "runs" / "online")
+    cli("run", cwd=d, check=0, env=env)
+    # SIGKILL the vLLM server once training asks it for samples
+    wait_for(lambda: any(e["type"] == "online" for e in read_events(rd.events_path("train"))),
+             timeout=600, poll=0.2, what="online training")
+    for pid in server_pids():
+        os.kill(pid, signal.SIGKILL)
+    p = cli("resume", "--wait", cwd=d, timeout=1200, env=env)
+    if "already driving" in p.stderr:   # the first launcher is still on it
+        wait_for(lambda: rd.lock_holder() is None, timeout=1200, poll=1,
+                 what="the online run to end")
+        p = cli("status", cwd=d, env=env)
+    out["online"] = (d, rd, p)
     return out
 
 
@@ -104,8 +115,9 @@ def test_online_matches_offline_and_keeps_the_disk_small(runs):
           f"{b['buffer_peak_bytes']:,} B vs offline hidden states {offline_disk:,} B; "
           f"verdicts {sorted({e['verdict'].split(':')[0] for e in ev})}")
     # the same samples and seed; vLLM's kernels differ from nothing (both read vLLM's
-    # hidden states): within noise
+    # hidden states): within noise (the bench's own online run, unkilled, too)
     assert abs(a["val_loss"] - b["val_loss"]) / a["val_loss"] < 0.05
+    print(runs["bench"])
     assert b["buffer_peak_bytes"] < offline_disk / 10
     assert ev and all(e["produced_tokens_per_s"] >= 0 and e["verdict"] for e in ev)
 

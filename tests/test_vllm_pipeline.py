@@ -1,15 +1,19 @@
 """The whole pipeline through the real vLLM of this machine (.venv-vllm):
 regenerate (the target answers the user turns), prepare, extract, vocab,
 train, evaluate (the trained draft served as EAGLE-3: acceptance length from
-the real /metrics), with kills: regenerate SIGKILLed after its first chunk
-and evaluate after its first measurement, each resumed, redoing only what
-was not finished, with no server left behind. Skipped, with the reason,
-when no usable vLLM is installed. Without one, regenerate and evaluate are
-skipped (not failed) and say why — tested with an interpreter that has none."""
+the real /metrics; both checkpoints on one server, the second swapped in),
+with kills: regenerate SIGKILLed after its first chunk and evaluate while
+it measures the baseline, each resumed, redoing only what was not finished,
+with no server left behind. A swapped draft measured against a fresh server
+of it. Skipped, with the reason, when no usable vLLM is installed. Without
+one, regenerate and evaluate are skipped (not failed) and say why — tested
+with an interpreter that has none."""
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import textwrap
 
@@ -18,7 +22,7 @@ import pytest
 from pipeline.paths import VLLM_VENV
 from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
-from tests.helpers import cli, finished, run_body, stage_summary, wait_for
+from tests.helpers import ROOT, cli, finished, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids
 
 pytestmark = pytest.mark.vllm
@@ -81,16 +85,21 @@ def run(tmp_path_factory):
     seen["chunk_mtime"] = chunk.stat().st_mtime_ns
     kill_stage(rd, "regenerate")
     wait_for(lambda: not server_pids(), timeout=30, what="the regenerate server gone")
-    # 2. resume; SIGKILL evaluate once its first measurement is saved; resume to the end.
+    # 2. resume; SIGKILL evaluate once both checkpoints are measured (the second
+    # swapped into the first one's server) and the baseline is being measured;
+    # resume to the end: only the baseline is measured again.
     cli("resume", cwd=tmp, check=0, env=env)
-    first = rd.out_dir("evaluate") / "checkpoints" / "0.json"
-    wait_for(first.exists, timeout=1200, poll=0.05, what="evaluate's first measurement")
-    seen["first_measurement"] = first.read_text()
+    out = rd.out_dir("evaluate")
+    wait_for((out / "checkpoints" / "1.json").exists, timeout=1200, poll=0.05,
+             what="evaluate's second measurement")
+    seen["measured"] = {n: (out / "checkpoints" / f"{n}.json").read_text() for n in "01"}
     kill_stage(rd, "evaluate")
-    wait_for(lambda: not server_pids(), timeout=30, what="the evaluate server gone")
+    assert not (out / "baseline.json").exists(), "the baseline was measured before the kill"
+    wait_for(lambda: not server_pids(), timeout=30, what="the evaluate servers gone")
     p = cli("resume", "--wait", cwd=tmp, timeout=1200, env=env)
     seen["wait_out"] = p.stdout
     assert p.returncode == 0, p.stdout + p.stderr
+    seen["results"] = (out / "results.json").read_text()
     return tmp, rd, seen
 
 
@@ -109,12 +118,21 @@ def test_regenerate_resumed_from_its_chunks(run):
     assert stage_summary(rd, "prepare")["rows_in"] == s["rows"]
 
 
-def test_evaluate_measured_every_checkpoint_and_resumed(run):
+def test_evaluate_measured_every_checkpoint_on_one_server_and_resumed(run):
     tmp, rd, seen = run
-    results = json.loads((rd.out_dir("evaluate") / "results.json").read_text())
+    results = json.loads(seen["results"])
     assert set(results["checkpoints"]) == {"0", "1"}
-    # The measurement saved before the kill was kept, not redone.
-    assert json.loads(seen["first_measurement"]) == results["checkpoints"]["0"]
+    # The measurements saved before the kill were kept, not redone.
+    for n in "01":
+        assert json.loads(seen["measured"][n]) == results["checkpoints"][n]
+    # checkpoint 1 loaded into checkpoint 0's server, its log saying so
+    assert results["checkpoints"]["0"]["served_by"] == "a new server"
+    assert results["checkpoints"]["1"]["served_by"] == "swapped into the running server"
+    log = (rd.stage_dir("evaluate") / "stage.log").read_text()
+    assert "checkpoint 1 loaded into the running server" in log
+    # the resumed attempt started the baseline's server only
+    assert results["servers"] == {"target_loads": 1, "swaps": 0, "restarts": [],
+                                  "one_server": "yes"}
     for name, m in results["checkpoints"].items():
         assert m["drafts"] > 0 and m["draft_tokens"] == 3 * m["drafts"]
         assert 1.0 <= m["acceptance_length"] <= 4.0
@@ -135,8 +153,28 @@ def test_evaluate_measured_every_checkpoint_and_resumed(run):
     # train's estimate and vLLM's measurement of the same checkpoint agree
     assert abs(last["estimate"] - last["acceptance_length"]) / last["acceptance_length"] < 0.25
     assert "measured by vLLM" in seen["wait_out"] and "estimated by train" in seen["wait_out"]
+    assert "evaluate: 1 of 2 checkpoints measured on a running server" in seen["wait_out"]
     st = cli("status", cwd=tmp, check=0)
     assert "acceptance length" in st.stdout and "x" in st.stdout
+    assert not server_pids()
+
+
+def test_a_swapped_draft_measures_what_a_fresh_server_does(run):
+    """bench/target_loads.py on this run's two checkpoints (its smallest size
+    in CI): a server each, then both on one server, checkpoint 1 swapped in:
+    greedy, the same prompts, the same accepted tokens in every request."""
+    tmp, rd, seen = run
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "target_loads.py"), "--run-dir",
+                        str(rd.path), "--config", str(tmp / "config.toml"), "--prompts", "12"],
+                       cwd=tmp, capture_output=True, text=True, timeout=900, check=False)
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from tests.test_bench import CASES
+    missing = [rx for rx in CASES["target_loads.py"].expect if not re.search(rx, p.stdout, re.M)]
+    assert not missing, missing
+    assert re.search(r"^before\s+server starts 2,", p.stdout, re.M)
+    assert re.search(r"^after\s+server starts 1,", p.stdout, re.M)
+    assert "drafts swapped in: 1" in p.stdout and "identical per request (greedy): True" in p.stdout
     assert not server_pids()
 
 

@@ -11,12 +11,14 @@ the KV-cache events from the real log and /metrics, the KV tab showing
 them, doctor's predicted adaptations against the ones that fired, and that
 no vLLM process is left."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ import torch
 from pipeline.paths import VLLM_VENV
 from pipeline.run.proctree import environ, live_pids
 from pipeline.run.rundir import RunDir
+from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import SERVER_TOKEN_VAR
 from tests.helpers import (
@@ -214,15 +217,56 @@ def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
 @pytest.fixture(scope="module")
 def served(vllm_env, tmp_path_factory):
     """One real server for the tests that only talk to one (each start is
-    ~25 s on 2 cores). vLLM 0.32 serves /v1/chat/completions/render only
-    with --enable-scale-out."""
-    from pipeline.builtin.tiny_model import ensure_built
+    ~45 s on 2 cores): the built-in target laid out as a Hugging Face cache
+    snapshot (blobs, the snapshot's files links to them: what a hub id
+    resolves to), with evaluate's draft-swap flags and development routes
+    (draft_swap: the run's key on them). vLLM 0.32 serves
+    /v1/chat/completions/render only with --enable-scale-out."""
+    from pipeline.vllm import draft_swap
     from pipeline.vllm.server import make_server, serving
-    log = tmp_path_factory.mktemp("served") / "vllm.log"
-    server = make_server(0, vllm_env, ensure_built(), [], log, "float32", 512, False,
-                         ["--enable-scale-out"], kv_tokens=2048, kv_bytes_per_token=1 << 14)
+    from tests.test_hub_targets import REPO, SHA_A, lay_out, target_files
+    tmp = tmp_path_factory.mktemp("served")
+    snap = lay_out(tmp / "hf-cache", REPO, SHA_A, target_files())
+    server = make_server(0, vllm_env, snap, [], tmp / "vllm.log", "float32", 512, False,
+                         ["--enable-scale-out", *draft_swap.SERVER_FLAGS], kv_tokens=2048,
+                         kv_bytes_per_token=1 << 14, extra_env=draft_swap.SERVER_ENV)
     with serving(server, 600, lambda: False) as s:
+        s.snapshot = snap
         yield s
+
+
+def test_the_real_vllm_serves_a_hub_snapshot_from_the_cache(served):
+    """A hub id resolves to a snapshot folder of links into blobs (the
+    resolution: tests/test_hub_targets.py); vLLM loads and serves it."""
+    assert (served.snapshot / "config.json").is_symlink()
+    out = served.post(vs.ROUTE_COMPLETIONS, {"model": str(served.snapshot), "prompt": "Hello",
+                                             "max_tokens": 4, "temperature": 0.0}, 120)
+    assert out["choices"][0]["text"], out
+
+
+def test_the_development_routes_want_the_runs_key(served):
+    """/collective_rpc calls any worker method and vLLM's own key check leaves
+    it open: route_guard refuses it without the run's key, even from this
+    machine; with the key, our worker extension answers (this server has no
+    draft: nothing to swap, said)."""
+    import urllib.error
+    import urllib.request
+
+    from pipeline.vllm import draft_swap
+    from pipeline.vllm.swap_worker import METHOD
+    for route in (vs.ROUTE_COLLECTIVE_RPC, vs.ROUTE_RESET_PREFIX_CACHE):
+        req = urllib.request.Request(served.url + route, data=json.dumps(
+            {"method": "get_model"}).encode(), headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 401, route
+    with urllib.request.urlopen(served.url + vs.ROUTE_HEALTH, timeout=10) as r:
+        assert r.status == 200   # the read-only ones stay open
+    r = served.post(vs.ROUTE_COLLECTIVE_RPC, {"method": METHOD, "args": ["/nowhere"]}, 60)
+    assert r == {"results": [{"error": "this server has no draft model"}]}
+    with pytest.raises(draft_swap.SwapFailed, match="no draft model"):
+        draft_swap.swap(served, Path("/nowhere"), 60)
+    assert served.post(vs.ROUTE_RESET_PREFIX_CACHE, {}, 60) == {"success": True}
 
 
 def test_servers_listen_on_loopback_only_and_want_the_runs_key(served):
@@ -282,7 +326,7 @@ def test_the_real_server_renders_tool_conversations_as_prepare_does(served):
             [(r.input_ids, r.loss_mask) for r in b], msgs
     msgs, tools = rows[0]
     resp = s.post("/v1/chat/completions",
-                  {"model": str(ensure_built()), "messages": wire_messages(msgs[:3]),
+                  {"model": str(s.snapshot), "messages": wire_messages(msgs[:3]),
                    "max_tokens": 4, "temperature": 0.0, "return_token_ids": True, "tools": tools,
                    "tool_choice": "none"}, 120)
     want = tok(local.text(msgs[:3], True, tools), add_special_tokens=False)["input_ids"]

@@ -41,10 +41,13 @@ LOCK_SUFFIX = ".lock"
 
 
 def extraction_flags(layer_ids: list[int], storage: Path, own_connector: bool,
-                     fp8: bool = False) -> list[str]:
+                     fp8: bool = False, linear_layers: bool = False) -> list[str]:
     """The server's extraction flags. fp8: our connector writes FP8 files
     itself; with the stock connector the stage quantizes as it takes each
-    staged file (take_staged)."""
+    staged file (take_staged). linear_layers (a hybrid target: gated delta
+    net, KDA): no prefix caching, which for them is vLLM's mamba cache mode
+    'align' and requires the chunked prefill turned off here (vLLM 0.32:
+    "Chunked prefill is required for mamba cache mode 'align'")."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
     kv = {"kv_connector": compat.STOCK_CONNECTOR, "kv_role": "kv_producer",
@@ -53,8 +56,9 @@ def extraction_flags(layer_ids: list[int], storage: Path, own_connector: bool,
         kv.update(kv_connector=compat.OWN_CONNECTOR_CLASS,
                   kv_connector_module_path=compat.OWN_CONNECTOR_MODULE)
         kv["kv_connector_extra_config"][compat.FP8_KEY] = fp8
-    return [vs.FLAG_NO_CHUNKED_PREFILL, vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec),
-            vs.FLAG_KV_TRANSFER_CONFIG, json.dumps(kv)]
+    return [vs.FLAG_NO_CHUNKED_PREFILL, *([vs.FLAG_NO_PREFIX_CACHING] if linear_layers else []),
+            vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec), vs.FLAG_KV_TRANSFER_CONFIG,
+            json.dumps(kv)]
 
 
 def wait_written(path: Path) -> bool:
@@ -155,8 +159,9 @@ class Extraction:
         max_len = job.max_len() + 8
         # KV for the requests in flight: the target's K and V plus the hidden
         # states extract_hidden_states caches beside them.
-        per_token = (kv_bytes_per_token(read_model(job.target), sec.tensor_parallel,
-                                        job.dtype.itemsize) + job.bytes_per_token)
+        target = read_model(job.target)
+        per_token = (kv_bytes_per_token(target, sec.tensor_parallel, job.dtype.itemsize)
+                     + job.bytes_per_token)
         self.servers: list[VllmServer] = []
         for k, group in enumerate(job.groups()):
             storage = job.folder if self.own else self.staging / f"server{k}"
@@ -168,7 +173,8 @@ class Extraction:
             self.servers.append(make_server(
                 k, env, job.target, group, server_log(job.log_dir, k), job.dtype_name, max_len,
                 job.trust_remote_code,
-                extraction_flags(job.layer_ids, storage, self.own, job.fp8) + list(sec.server_args),
+                extraction_flags(job.layer_ids, storage, self.own, job.fp8,
+                                 "linear" in target.kinds) + list(sec.server_args),
                 sec.serve_command, sec.max_inflight * max_len, per_token,
                 report=job.on_event, stall_after_s=sec.stall_after_s))
         self.work: queue.Queue = queue.Queue()

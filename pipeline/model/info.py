@@ -73,14 +73,22 @@ def weight_names(folder: Path) -> list[str]:
     try:
         if index.exists():
             return list(json.loads(index.read_text()).get("weight_map", {}))
-        names = []
-        for f in sorted(folder.glob("*.safetensors")):
-            with open(f, "rb") as fh:
-                size = int.from_bytes(fh.read(8), "little")
-                names += [k for k in json.loads(fh.read(size)) if k != "__metadata__"]
-        return names
+        return list(tensor_specs(folder))
     except (OSError, ValueError):
         return []
+
+
+def tensor_specs(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in a folder's *.safetensors,
+    from the files' JSON headers (no tensor is read)."""
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        out.update({k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()
+                    if k != "__metadata__"})
+    return out
 
 
 def model_info(raw: dict, tokenizer_remote_code: bool = False,

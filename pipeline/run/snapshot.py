@@ -131,6 +131,8 @@ class StageView:
     kv_usage: Mapping | None          # the last live-use sample (while a server is up)
     online: Mapping | None            # online training's producer/consumer figures
     backend: str | None               # what "auto" resolved to in this attempt
+    target_loads: int                 # vLLM servers that came up, every attempt
+    loading_s: float                  # the seconds they took to (the cost of a big target)
     last_error: Mapping | None
     warnings: tuple[Mapping, ...]
     summary: Mapping                  # this attempt's stage_finished summary ({} before it)
@@ -262,6 +264,8 @@ class _Stage:
     kv_usage: dict | None = None
     online: dict | None = None
     backend: str | None = None
+    loads: int = 0            # servers that came up, every attempt
+    loading_s: float = 0.0    # and their start times, summed
 
 
 class RunReader:
@@ -376,7 +380,13 @@ class RunReader:
         elif t == EventType.BACKEND:
             info.backend = ev.get("backend")
         elif t == EventType.SERVER:
-            info.servers[str(ev.get("server"))] = ev
+            from pipeline.vllm.startup import READY
+            key = str(ev.get("server"))
+            before = info.servers.get(key)
+            if ev.get("phase") == READY and (before is None or before.get("phase") != READY):
+                info.loads += 1   # (a server's ready may be said again while another starts)
+                info.loading_s += float(ev.get("elapsed_s") or 0.0)
+            info.servers[key] = ev
 
     def _add_metric(self, ev: dict) -> None:
         split, step = ev.get("split", "train"), ev.get("step")
@@ -448,6 +458,7 @@ class RunReader:
                           for k in sorted(info.servers)),
             kv_reports=MappingProxyType(dict(info.kv)),
             kv_usage=info.kv_usage, online=info.online, backend=info.backend,
+            target_loads=info.loads, loading_s=info.loading_s,
             last_error=info.last_error, warnings=tuple(info.warnings),
             summary=MappingProxyType(info.summary), finished=info.finished,
             state=MappingProxyType(st))

@@ -53,10 +53,11 @@ from pipeline.train.mla_draft import (
 )
 from pipeline.train.val_metrics import acceptance_length, read_val_metrics
 from pipeline.vllm import contract_strings as vs
+from pipeline.vllm import draft_swap
 from pipeline.vllm.acceptance import by_category, from_counters, from_response, worst_prompts
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import acceptance, spec_counters
-from pipeline.vllm.server import make_server, server_log, serving
+from pipeline.vllm.server import bring_up, make_server, server_log
 from pipeline.vllm.target_flags import parser_has
 
 
@@ -227,6 +228,12 @@ class Evaluation:
         # each request's acceptance in its response where the vLLM has it
         per_request = parser_has(env.source(), vs.FLAG_PER_REQUEST_SPEC_METRICS)
         self.per_request = "response" if per_request else "metrics"
+        # one server for every checkpoint, the next drafts swapped in (None: it can)
+        self.swap_why = draft_swap.unavailable(env.source(), self.sec.server_args) \
+            if self.sec.one_server else "[stages.evaluate] one_server = false"
+        self.live = None          # the draft's server, kept up for the next checkpoint
+        self.live_served: Path | None = None   # the folder it loaded its drafter from
+        self.starts, self.swaps, self.restarts = 0, 0, []   # target loads; why each restart
 
     def server(self, k: int, draft: Path | None, served: Path | None = None,
                spec_extra: dict | None = None):
@@ -241,39 +248,98 @@ class Evaluation:
             flags = [vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec)] + flags
             if self.per_request == "response":
                 flags = [vs.FLAG_PER_REQUEST_SPEC_METRICS, "summary"] + flags
-        name = draft.name if draft is not None else "baseline"
+            if self.swap_why is None:
+                flags = draft_swap.SERVER_FLAGS + flags
+        swappable = draft is not None and self.swap_why is None
         return make_server(k, self.env, self.target, self.devices,
                            server_log(self.ctx.run.stage_dir("evaluate"), k), self.dtype,
                            self.max_len, self.ctx.cfg.model.trust_remote_code, flags,
                            sec.serve_command, sec.concurrency * self.max_len, self.kv_per_token,
-                           what=f"vLLM server ({'checkpoint ' + name if draft else 'no draft'})",
+                           what=f"vLLM server ({'checkpoint ' + draft.name if draft else 'no draft'})",
                            report=lambda kind, f: self.ctx.events.emit(kind, **f),
-                           stall_after_s=sec.stall_after_s)
+                           stall_after_s=sec.stall_after_s,
+                           extra_env=draft_swap.SERVER_ENV if swappable else None)
+
+    def up(self, server, poll=None) -> None:
+        """Start `server` (unless it was started ahead) and wait for it."""
+        if server.proc is None:
+            self.starts += 1
+        bring_up(server, self.sec.startup_timeout_s, lambda: self.ctx.stop_requested, poll)
+        self.ctx.check_stop()
+
+    def close_live(self) -> None:
+        """Stop the draft's server kept up for the next checkpoint (if any)."""
+        if self.live is not None:
+            self.live.stop(grace=self.ctx.cfg.runtime.term_grace_s)
+            self.live = self.live_served = None
+
+    def draft_server(self, k: int, draft: Path, served: Path, spec_extra: dict | None):
+        """(the server to measure checkpoint `draft` on, how it got the draft):
+        the running one with the draft swapped in where that gives what a
+        fresh server would, else a new one (said, with why)."""
+        if self.live is not None:
+            why = draft_swap.incompatible(self.live_served, served)
+            if why is None:
+                try:
+                    r = draft_swap.swap(self.live, served, self.sec.request_timeout_s)
+                    print(f"evaluate: checkpoint {draft.name} loaded into the running server "
+                          f"({r.get('loaded')} tensors in {r.get('seconds')} s; the target's "
+                          f"{', '.join(r.get('shared') or []) or 'none'} left shared)",
+                          flush=True)
+                    self.swaps += 1
+                    self.live.what = f"vLLM server (checkpoint {draft.name})"
+                    self.live.report_startup(force=True)   # the panel's label follows it
+                    return self.live, "swapped into the running server"
+                except draft_swap.SwapFailed as e:
+                    why = str(e)
+            print(f"evaluate: checkpoint {draft.name} on a new server: the running one "
+                  f"cannot take it ({why})", flush=True)
+            self.restarts.append(f"checkpoint {draft.name}: {why}")
+            self.close_live()
+        server = self.server(k, draft, served, spec_extra)
+        ahead = self.ahead if self.ahead and not self.ahead.waited else None
+        try:
+            self.up(server, poll=ahead.watch if ahead is not None else None)
+            if ahead is not None:
+                ahead.wait()   # up before this one's prompts: it must not share their cores
+        except BaseException:
+            server.stop(grace=self.ctx.cfg.runtime.term_grace_s)
+            raise
+        self.live, self.live_served = server, served
+        return server, "a new server"
 
     def measure(self, k: int, draft: Path | None, served: Path | None = None,
                 spec_extra: dict | None = None, server=None) -> dict:
-        """The prompts through server k (with the draft, or without): `server`
-        when one was started ahead (BaselineAhead), else a new one."""
+        """The prompts through a server with the draft (the running one, the
+        draft swapped in, where it can be) or without (server k: `server`
+        when one was started ahead, BaselineAhead, else a new one)."""
         sec = self.sec
-        if server is None:
-            server = self.server(k, draft, served, spec_extra)
-        command = shlex.join(server.argv)
-        ahead = self.ahead if draft is not None and self.ahead and not self.ahead.waited \
-            else None
-        with serving(server, sec.startup_timeout_s, lambda: self.ctx.stop_requested,
-                     self.ctx.cfg.runtime.term_grace_s,
-                     poll=ahead.watch if ahead is not None else None):
-            if ahead is not None:
-                ahead.wait()   # up before this one's prompts: it must not share their cores
-            self.ctx.check_stop()
+        if draft is not None:
+            server, how = self.draft_server(k, draft, served or draft, spec_extra)
+        else:
+            self.close_live()   # no draft's server beside the baseline's prompts
+            server, how = server or self.server(k, None), "a new server"
+            try:
+                self.up(server)
+            except BaseException:
+                server.stop(grace=self.ctx.cfg.runtime.term_grace_s)
+                raise
+        keep = draft is not None and self.swap_why is None   # for the next checkpoint
+        try:
             before = spec_counters(server.metrics_text() or "")
             run = generate(server, str(self.target), self.prompts, sec,
                            lambda: self.ctx.stop_requested,
                            self.per_request if draft is not None else None,
                            sec.num_speculative_tokens)
             after = spec_counters(server.metrics_text() or "")
+        finally:
+            if not keep:
+                server.stop(grace=self.ctx.cfg.runtime.term_grace_s)
+                if server is self.live:
+                    self.live = self.live_served = None
         self.ctx.check_stop()   # cut short by a stop: not a measurement
-        out = {**run, "vllm_command": command, "prompts": len(self.prompts)}
+        command = shlex.join(fresh_command(server.argv, served or draft))
+        out = {**run, "vllm_command": command, "prompts": len(self.prompts), "served_by": how}
         if draft is not None:
             k_ = sec.num_speculative_tokens
             records = out.pop("records")
@@ -284,6 +350,26 @@ class Evaluation:
         else:
             out.pop("records")
         return out
+
+
+def fresh_command(argv: list[str], served: Path | None) -> list[str]:
+    """The `vllm serve` command that serves `served` from the start: the
+    server's own, its speculative config naming that folder (a swapped-in
+    draft), without the swap's flags (they change nothing measured)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in (vs.FLAG_WORKER_EXTENSION_CLS, vs.FLAG_MIDDLEWARE) and \
+                i + 1 < len(argv) and argv[i + 1] in draft_swap.SERVER_FLAGS:
+            i += 2
+            continue
+        if a == vs.FLAG_SPECULATIVE_CONFIG and served is not None and i + 1 < len(argv):
+            out += [a, json.dumps({**json.loads(argv[i + 1]), "model": str(served)})]
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def served_draft(ctx: StageContext, ckpt: Path, env) -> Path:
@@ -406,6 +492,7 @@ class BaselineAhead:
         self.ev, self.server = ev, ev.server(k, None)
         self.failed = self.waited = False
         self.server.start()
+        ev.starts += 1
 
     def watch(self) -> None:
         """Its start's phases reported while the draft's server starts."""
@@ -476,6 +563,7 @@ def body(ctx: StageContext) -> dict:
                 and not all(measured(ctx, c) for c in chosen) and BaselineAhead.worth_it(ev):
             ev.ahead = BaselineAhead(ev, len(chosen))
             stack.callback(ev.ahead.stop)   # however the stage ends
+        stack.callback(ev.close_live)
         for n, ckpt in enumerate(chosen):
             results[ckpt.name] = measure_checkpoint(ctx, ev, n, ckpt)
             emit_measurement(ctx, ckpt, results[ckpt.name])
@@ -485,7 +573,9 @@ def body(ctx: StageContext) -> dict:
             baseline = measure_baseline(ctx, ev, len(chosen))
             ctx.progress(total, total, "measurements")
     named = best_measured(results) if len(results) > 1 else chosen[-1].name
-    summary = report(ctx, results, named, baseline, len(prompts))
+    servers = {"target_loads": ev.starts, "swaps": ev.swaps, "restarts": ev.restarts,
+               "one_server": ev.swap_why or "yes"}
+    summary = report(ctx, results, named, baseline, len(prompts), servers)
     summary["checkpoint_path"] = str(next(c for c in chosen if c.name == named))
     summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(results)}"
                                        if len(results) > 1 else f"{sec.checkpoints} checkpoint")
@@ -494,7 +584,7 @@ def body(ctx: StageContext) -> dict:
 
 
 def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | None,
-           n_prompts: int) -> dict:
+           n_prompts: int, servers: dict) -> dict:
     """results.json (with its artifact event) and the stage's summary."""
     sec = ctx.section
     last = results[last_name]
@@ -508,7 +598,7 @@ def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | No
               "temperature": sec.temperature, "concurrency": sec.concurrency,
               "prompts": "validation split" if not sec.prompts else sec.prompts,
               "per_category": cats, "worst_prompts": last.get("worst_prompts") or [],
-              "min_acceptance": sec.min_acceptance or None}
+              "min_acceptance": sec.min_acceptance or None, "servers": servers}
     ctx.write_json(ctx.out / "results.json", out)
     ctx.events.emit(EventType.ARTIFACT, path=str(ctx.out / "results.json"), kind="evaluation",
                     bytes=(ctx.out / "results.json").stat().st_size)
@@ -523,6 +613,9 @@ def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | No
         "decode_tokens_per_s": round(last["decode_tokens_per_s"], 1),
         "baseline_tokens_per_s": round(baseline["decode_tokens_per_s"], 1) if baseline else None,
         "speedup": round(speedup, 3) if speedup else None, "prompts": n_prompts,
+        "target_loads": servers["target_loads"],   # (this attempt's)
+        "measured": len(results), "drafts_swapped": sum(
+            str(m.get("served_by", "")).startswith("swapped") for m in results.values()),
         "results": str(ctx.out / "results.json")}
 
 

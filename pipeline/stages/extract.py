@@ -47,7 +47,8 @@ def resolve_backend(ctx: StageContext, devices: list[int]):
         model = read_model(ctx.cfg.target_path())
     except (OSError, ValueError, KeyError):
         model = None
-    backend, why = choose_backend(sec.backend, env, devices, model)
+    backend, why = choose_backend(sec.backend, env, devices, model,
+                                  ctx.cfg.dtype_name(bool(devices)))
     if sec.backend == "auto" and backend == "hf":
         ctx.events.warning(why, hint="scripts/install.sh installs vLLM's CPU build; on a GPU "
                                      "server set [runtime] vllm_python")

@@ -101,13 +101,13 @@ class OnlineServers:
         max_len = lengths_max + 8
         dtype = meta["dtype"]
         elem = 4 if dtype == "float32" else 2
-        per_token = (kv_bytes_per_token(read_model(target), ext.tensor_parallel, elem)
-                     + meta["bytes_per_token"])
+        model = read_model(target)
+        per_token = kv_bytes_per_token(model, ext.tensor_parallel, elem) + meta["bytes_per_token"]
         self.servers: list[VllmServer] = [
             make_server(k, self.env, target, group, server_log(ctx.run.stage_dir("train"), k),
                         dtype, max_len, ctx.cfg.model.trust_remote_code,
                         extraction_flags(meta["layer_ids"], self.buffer, True,
-                                         meta.get("stored") == "fp8")
+                                         meta.get("stored") == "fp8", "linear" in model.kinds)
                         + list(ext.server_args), ext.serve_command,
                         sec.online_max_inflight * max_len, per_token,
                         what="vLLM server (online)", report=self._server_event,

@@ -184,8 +184,11 @@ def contract_findings(src, fires: set[str]) -> list[Adaptation]:
     out = []
     for m in contract.check(src, fires=fires):
         for route in m.use.routes:
-            if route == "doctor" or (route == "server" and not src.has_module(CONNECTOR_MODULE)):
-                continue   # the eagle3 line says it; no server route before 0.17 (said once)
+            if route in ("doctor", "swap") or (route == "server" and
+                                               not src.has_module(CONNECTOR_MODULE)):
+                continue   # the eagle3 line says it; no server route before 0.17 (said once);
+                # evaluate's draft swap is optional: doctor's servers line says why not
+                # (draft_swap.unavailable), and evaluate restarts instead
             out.append(Adaptation(f"contract:{m.use.name}", True, m.line(src.version), route,
                                   blocking=True))
     return out
@@ -364,6 +367,17 @@ def cpu_attention(src, kind: str) -> tuple[list | None, list | None]:
 
 # vLLM's CPU build's linear-attention path (the gated delta net, Qwen3-Next).
 CPU_GDN_MODULE = "model_executor.layers.mamba.ops.cpu.gdn_attention"
+CPU_GDN_BF16 = "CPU GDN attention requires BF16"   # its assertion (0.32), read from the source
+
+
+def cpu_gdn_dtype_problem(src, dtype: str) -> str | None:
+    """Why the CPU build's gated-delta-net kernel cannot run a target in
+    `dtype` (None: it can): 0.32's takes bfloat16 only, said by an
+    assertion at its first forward, after a whole server start."""
+    if dtype != "bfloat16" and CPU_GDN_BF16 in (src.text(CPU_GDN_MODULE) or ""):
+        return (f"vLLM {src.version}'s CPU gated-delta-net kernel takes bfloat16 only "
+                f"(\"{CPU_GDN_BF16}\"), the stages here run {dtype}")
+    return None
 
 
 def decoder_layer_mismatch(src, arch: str) -> str | None:

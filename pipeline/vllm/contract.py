@@ -34,7 +34,7 @@ class Use:
     """One vLLM symbol eagle-panel relies on."""
     name: str                        # "get_kv_cache_configs", "Scheduler.__init__", "ModelConfig"
     modules: tuple[str, ...]         # where it is looked for, under vllm., newest first
-    routes: tuple[str, ...]          # "engine", "server", "doctor"
+    routes: tuple[str, ...]          # "engine", "server", "swap", "doctor"
     passes: tuple[str, ...] | None = None   # parameters (or fields) always passed; None: presence
     adapted: tuple[tuple[str, str], ...] = ()   # (parameter, adaptation key): passed where present
     positional: bool = False         # passed by position: `passes` must stay the first, in order
@@ -133,6 +133,16 @@ USES: tuple[Use, ...] = (
     Use("ExampleHiddenStatesConnector",
         ("distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",),
         ("server",), why="pipeline.vllm.connector extends it (0.29+; else the stock one is used)"),
+    # -- evaluate's draft swap (pipeline/vllm/swap_worker.py, inside the workers) -
+    Use("reload_weights", ("model_executor.model_loader.reload.inplace",), ("swap",),
+        ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format"),
+        why="vLLM's in-place reload, on the drafter: layouts restored, layers reprocessed"),
+    Use("GPUModelRunner.get_draft_model", ("v1.worker.gpu_model_runner",), ("swap",), (),
+        why="the drafter model under Model Runner V1 (the CPU build's runner extends it)"),
+    Use("GPUModelRunner.get_draft_model", ("v1.worker.gpu.model_runner",), ("swap",), (),
+        why="the drafter model under Model Runner V2 (the GPU builds' default from 0.32)"),
+    Use("GPUModelRunner.get_model", ("v1.worker.gpu_model_runner",), ("swap",), (),
+        why="the target: its tensors the drafter shares are left alone"),
     # -- read by doctor from the source ------------------------------------------
     Use("SupportsEagle3", ("model_executor.models.interfaces",), ("doctor",)),
 )

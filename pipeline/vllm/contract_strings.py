@@ -88,6 +88,10 @@ FLAG_NO_CHUNKED_PREFILL = _flag("--no-enable-chunked-prefill", "extract's vllm-s
                                 "backend: a prompt's states in one prefill (a boolean flag: "
                                 "the parser declares --enable-chunked-prefill)",
                                 spelled="--enable-chunked-prefill")
+FLAG_NO_PREFIX_CACHING = _flag("--no-enable-prefix-caching", "extraction servers of a target "
+                               "with linear-attention layers: their prefix caching is mamba "
+                               "cache mode 'align', which requires the chunked prefill "
+                               "extraction turns off", spelled="--enable-prefix-caching")
 FLAG_LANGUAGE_MODEL_ONLY = _flag("--language-model-only", "target_flags: a multimodal wrapper "
                                  "served text-only (where the parser has it)", since="0.17.0")
 FLAG_ATTENTION_BACKEND = _flag("--attention-backend", "target_flags: CPU_MLA for an MLA "
@@ -100,6 +104,10 @@ FLAG_PER_REQUEST_SPEC_METRICS = _flag("--per-request-spec-decode-metrics", "eval
                                       "request's acceptance in its response (where the parser "
                                       "has it, else /metrics around each request)",
                                       since="0.29.0")
+FLAG_WORKER_EXTENSION_CLS = _flag("--worker-extension-cls", "evaluate: the draft swap's "
+                                  "worker methods (pipeline.vllm.swap_worker.DraftSwap)")
+FLAG_MIDDLEWARE = _flag("--middleware", "evaluate: the run's key on the development routes "
+                        "(pipeline.vllm.route_guard)", declared_in=())
 FLAG_ENABLE_SCALE_OUT = _flag("--enable-scale-out", "bench/vs_speculators: the render "
                               "endpoint speculators' prepare-data needs", declared_in=())
 
@@ -116,6 +124,15 @@ ROUTE_CHAT = _declare(ENDPOINTS, "/v1/chat/completions", "regenerate's answers, 
                       "conversations")
 ROUTE_CHAT_RENDER = _declare(ENDPOINTS, "/v1/chat/completions/render", "chat_mask's "
                              "EndpointRenderer: a chat as the server's template renders it")
+
+ROUTE_COLLECTIVE_RPC = _declare(ENDPOINTS, "/collective_rpc", "draft_swap: a worker method on "
+                                "every worker (VLLM_SERVER_DEV_MODE=1; route_guard asks the "
+                                "key)")
+ROUTE_RESET_PREFIX_CACHE = _declare(ENDPOINTS, "/reset_prefix_cache", "draft_swap: the "
+                                    "swapped-out draft's cached KV dropped (development mode)")
+# the prefixes vLLM's own key check guards (entrypoints/serve/middleware/authenticate.py);
+# route_guard asks the same key of every other route but the read-only two above
+KEYED_BY_VLLM = (API_V1, "/v2", "/inference", "/cohere")
 
 # -- Prometheus metrics on /metrics (counters read without their _total: where declared)
 _counter = {"declared_in": (SPEC_METRICS,)}

@@ -106,13 +106,13 @@ def process_env(env: VllmEnv, devices: list[int], kv_space_gib: int | None,
 
 
 def choose_backend(configured: str, env: VllmEnv | None, gpus: list[int],
-                   model=None) -> tuple[str, str]:
+                   model=None, dtype: str = "") -> tuple[str, str]:
     """(backend, why) for `[stages.extract] backend`: "auto" takes vLLM's
     own route (vllm-server) where a usable vLLM is installed, its source
     has a hidden-state connector this machine can run, and (the CPU build)
     a kernel for the target's linear attention; else hf and the reason. A
     named backend is kept (its problems are errors then). `model`: the
-    target's ModelInfo, where known."""
+    target's ModelInfo, where known; `dtype`: the stages' ([model] dtype)."""
     from pipeline.vllm import compat
     from pipeline.vllm.source import VllmSource
     if configured != "auto":
@@ -128,6 +128,11 @@ def choose_backend(configured: str, env: VllmEnv | None, gpus: list[int],
     if env.cpu_build and linear and (linear == "KDA" or not src.has_module(compat.CPU_GDN_MODULE)):
         return "hf", (f"vLLM {env.version}'s CPU build has no {linear} kernel (its CPU linear "
                       "attention is the gated delta net's): the hf backend extracts instead")
+    gdn = compat.cpu_gdn_dtype_problem(src, dtype) if env.cpu_build and linear and dtype \
+        else None
+    if gdn:
+        return "hf", (f"{gdn}: the hf backend extracts instead ([model] dtype = "
+                      '"bfloat16" extracts through vLLM)')
     missing = compat.own_connector_missing(src)
     if env.cpu_build and missing:
         return "hf", (f"vLLM {env.version}'s CPU build lacks {missing[0]}, which eagle-panel's "

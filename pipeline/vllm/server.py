@@ -238,7 +238,8 @@ class VllmServer:
             headers={"Content-Type": "application/json",
                      "Authorization": f"Bearer {self.api_key}"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            body = r.read()
+        return json.loads(body) if body.strip() else {}   # (some routes answer 200 alone)
 
     def metrics_text(self) -> str | None:
         try:
@@ -298,7 +299,7 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
                 dtype: str, max_model_len: int, trust: bool, flags: list[str],
                 serve_command: str = "", kv_tokens: int = 0, kv_bytes_per_token: int = 0,
                 what: str = "vLLM server", report=None,
-                stall_after_s: float = 600.0) -> VllmServer:
+                stall_after_s: float = 600.0, extra_env: dict | None = None) -> VllmServer:
     """A server (not started) the way every stage starts one: the stage's
     own `flags` then the user's server_args in them; tensor parallel over
     its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
@@ -312,7 +313,21 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
     kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
     provenance.note_server(argv, env.version, env.dist, env.python)
     return VllmServer(k, argv, port, key, devices, log_path,
-                      process_env(env, devices, kv_gib), what, report, stall_after_s)
+                      {**process_env(env, devices, kv_gib), **(extra_env or {})}, what, report,
+                      stall_after_s)
+
+
+def bring_up(server: VllmServer, startup_timeout: float, should_stop, poll=None) -> None:
+    """Start the server (unless it was started ahead) and wait until it
+    answers; what it allocated goes out as the stage's kv_cache event. The
+    caller stops it (`serving` does, however its block ends)."""
+    if server.proc is None:
+        server.start()
+    if not server.ready:
+        server.wait_ready(startup_timeout, should_stop, poll)
+    kv = server.kv_report()
+    if kv is not None and server.report is not None:
+        server.report("kv_cache", kv)
 
 
 @contextmanager
@@ -320,14 +335,8 @@ def serving(server: VllmServer, startup_timeout: float, should_stop, term_grace:
             poll=None):
     """Start the server (unless it was started ahead), wait until it answers,
     yield it; its whole process tree is stopped however the block ends."""
-    if server.proc is None:
-        server.start()
     try:
-        if not server.ready:
-            server.wait_ready(startup_timeout, should_stop, poll)
-        kv = server.kv_report()   # what it allocated, as the stage's kv_cache event
-        if kv is not None and server.report is not None:
-            server.report("kv_cache", kv)
+        bring_up(server, startup_timeout, should_stop, poll)
         yield server
     finally:
         left = server.stop(grace=term_grace)

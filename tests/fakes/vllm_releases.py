@@ -106,7 +106,8 @@ def sdist(version: str) -> Path:
 KEEP = ("v1/", "config", "model_executor/models/", "models/", "engine/arg_utils.py", "envs.py",
         "compilation/decorators.py", "distributed/kv_transfer/kv_connector/v1/",
         "entrypoints/cli/main.py", "sampling_params.py", "worker/worker_base.py", "platforms/",
-        "model_executor/layers/mamba/ops/cpu/")
+        "model_executor/layers/mamba/ops/cpu/", "model_executor/model_loader/reload/",
+        "entrypoints/serve/dev/", "entrypoints/openai/api_server.py")
 
 
 def kept(version: str) -> Path:

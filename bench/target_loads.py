@@ -1,0 +1,143 @@
+"""Target loads: evaluate's checkpoints on a server each (before) against all
+on one server, each next draft loaded into it (after: `one_server = true`,
+pipeline/vllm/draft_swap.py), on the same trained run, prompts and settings.
+
+    python bench/target_loads.py [--samples 48] [--epochs 3] [--prompts 12]
+    python bench/target_loads.py --run-dir RUN --config CONFIG   # a trained run's checkpoints
+
+Without --run-dir it first trains one on the built-in target (prepare,
+extract through vLLM, vocab, train: `epochs` checkpoints). Then the
+evaluate stage twice, `checkpoints = "all"`, no baseline: reported per way,
+the server starts and the seconds spent in them (the stage's own `server`
+events), the stage's wall time and the acceptance per checkpoint; and
+whether the two agree request by request (greedy: a swapped-in draft must
+accept exactly what a fresh server with it accepts). CI runs it on
+tests/test_vllm_pipeline.py's trained run (its smallest size there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.paths import pythonpath_with_project  # noqa: E402
+from tests.configs import merged, render, tiny_pipeline  # noqa: E402
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def stage(run: Path, config: Path, name: str) -> float:
+    """One stage as the driver runs it (a subprocess); its wall time."""
+    env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir", str(run),
+                        "--config", str(config)], env=env, capture_output=True, text=True,
+                       check=False)
+    if p.returncode:
+        raise SystemExit(f"the {name} stage exited {p.returncode}:\n{p.stdout[-3000:]}\n"
+                         f"{p.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def server_starts(events: Path, since: float) -> list[float]:
+    """Seconds each server took to come up in evaluate's attempt from `since`."""
+    out, phase = [], {}
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e.get("t", 0) < since or e.get("type") != "server":
+            continue
+        key = e.get("server")
+        if e.get("phase") == "ready" and phase.get(key) != "ready":   # (said again: one start)
+            out.append(float(e.get("elapsed_s") or 0.0))
+        phase[key] = e.get("phase")
+    return out
+
+
+def one_way(run: Path, base: dict, one_server: bool, folder: Path) -> dict:
+    """evaluate with every checkpoint, on one server or a server each."""
+    cfg = merged(base, {"stages": {"evaluate": {"checkpoints": "all", "baseline": False,
+                                                "one_server": one_server}}})
+    config = folder / ("after.toml" if one_server else "before.toml")
+    config.write_text(render(cfg))
+    shutil.rmtree(run / "evaluate" / "out", ignore_errors=True)   # measure again, all of it
+    t0 = time.time()
+    wall = stage(run, config, "evaluate")
+    results = json.loads((run / "evaluate" / "out" / "results.json").read_text())
+    starts = server_starts(run / "evaluate" / "events.jsonl", t0)
+    return {"wall_s": wall, "starts": len(starts), "start_s": sum(starts),
+            "checkpoints": results["checkpoints"], "servers": results.get("servers")}
+
+
+def per_request(m: dict) -> list[tuple]:
+    return [(r["prompt_id"], r["turn"], r["steps"], r["accepted"], r["completion_tokens"])
+            for r in m["requests_measured"]]
+
+
+def train_a_run(folder: Path, samples: int, epochs: int, prompts: int) -> tuple[Path, dict]:
+    """The built-in target's pipeline up to train, `epochs` checkpoints."""
+    cfg = tiny_pipeline("bench", samples, stages={
+        "train": {"epochs": epochs}, "evaluate": {"max_prompts": prompts}})
+    cfg = merged(cfg, {"run": {"runs_dir": str(folder / "runs")}})
+    config = folder / "config.toml"
+    config.write_text(render(cfg))
+    run = folder / "runs" / "bench"
+    for name in ("prepare", "extract", "vocab", "train"):
+        print(f"  {name}: {stage(run, config, name):.0f} s", flush=True)
+    return run, cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", type=Path, help="a trained run (its train/out/checkpoints)")
+    ap.add_argument("--config", type=Path, help="that run's config.toml")
+    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=12, help="[stages.evaluate] max_prompts")
+    a = ap.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="bench-loads-"))
+    try:
+        if a.run_dir:
+            if not a.config:
+                raise SystemExit("--run-dir needs --config (the run's config.toml)")
+            run, base = a.run_dir, tomllib.loads(a.config.read_text())
+            base = merged(base, {"stages": {"evaluate": {"max_prompts": a.prompts}}})
+        else:
+            print(f"training the built-in target's draft: {a.samples} samples, "
+                  f"{a.epochs} epochs", flush=True)
+            run, base = train_a_run(folder, a.samples, a.epochs, a.prompts)
+        before = one_way(run, base, False, folder)
+        after = one_way(run, base, True, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)   # (a run given: only the two configs)
+    names = list(after["checkpoints"])
+    print(f"\nevaluate over {len(names)} checkpoints, {a.prompts} prompts at most, no baseline:")
+    for way, r in (("before", before), ("after", after)):
+        acc = " ".join(f"{r['checkpoints'][n]['acceptance_length']:.4f}" for n in names)
+        print(f"{way:7} server starts {r['starts']}, {r['start_s']:.1f} s in starts, "
+              f"wall {r['wall_s']:.1f} s; acceptance per checkpoint {acc}")
+    same = all(per_request(before["checkpoints"][n]) == per_request(after["checkpoints"][n])
+               for n in names)
+    swapped = sum(str(m.get("served_by", "")).startswith("swapped")
+                  for m in after["checkpoints"].values())
+    print(f"after / before: starts {after['starts']} / {before['starts']}, wall "
+          f"{after['wall_s'] / before['wall_s']:.2f}x; drafts swapped in: {swapped}")
+    print(f"identical per request (greedy): {same}")
+    if not same:
+        raise SystemExit("a swapped-in draft measured differently from a fresh server")
+
+
+if __name__ == "__main__":
+    main()
