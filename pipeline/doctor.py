@@ -640,10 +640,11 @@ def evaluated_checkpoints(cfg: Config) -> int:
     return int(which[5:]) if which.startswith("best-") else 1
 
 
-def planned_loads(x: Inputs) -> list[tuple[str, int, int, str]]:
+def planned_loads(x: Inputs, swap_why: str | None) -> list[tuple[str, int, int, str]]:
     """(what, loads, tensor-parallel size, speculative method) of the target
     loads the run makes: a vLLM server's each (regenerate, extract's per
-    data-parallel group, online train's, evaluate's and its baseline's)."""
+    data-parallel group, online train's, evaluate's and its baseline's);
+    `swap_why`: why evaluate cannot swap drafts (None: one server)."""
     cfg, out = x.cfg, []
     every = max(1, len(cfg.stage_devices("regenerate")))
     if cfg.enabled("regenerate"):
@@ -656,7 +657,7 @@ def planned_loads(x: Inputs) -> list[tuple[str, int, int, str]]:
     if cfg.enabled("evaluate"):
         sec, n = cfg.stages.evaluate, evaluated_checkpoints(cfg)
         tp = max(1, len(cfg.stage_devices("evaluate")))
-        one = sec.one_server and draft_swap.unavailable(x.source, sec.server_args) is None
+        one = swap_why is None
         upto = "up to " if sec.checkpoints == "all" and not cfg.stages.train.epochs else ""
         out.append((f"evaluate ({upto}{n} checkpoint{'s' * (n > 1)}"
                     + (", the next ones swapped in)" if one and n > 1 else ")"),
@@ -672,7 +673,10 @@ def check_target_loads(x: Inputs) -> list[Finding]:
     this machine (pipeline.vllm.start_history)."""
     if not serves_vllm(x):
         return []
-    plan = planned_loads(x)
+    sec = x.cfg.stages.evaluate
+    why = draft_swap.unavailable(x.source, sec.server_args) if sec.one_server else \
+        "[stages.evaluate] one_server = false"
+    plan = planned_loads(x, why)
     target = str(x.cfg.target_path())
     total, known, parts = 0, 0.0, []
     for what, n, tp, method in plan:
@@ -685,9 +689,7 @@ def check_target_loads(x: Inputs) -> list[Finding]:
     if known:
         msg += f" (~{fmt.duration(known)} of loading measured here)"
     out = [Finding("servers", OK, msg)]
-    sec = x.cfg.stages.evaluate
-    why = draft_swap.unavailable(x.source, sec.server_args) if sec.one_server else None
-    if x.cfg.enabled("evaluate") and why and evaluated_checkpoints(x.cfg) > 1:
+    if x.cfg.enabled("evaluate") and sec.one_server and why and evaluated_checkpoints(x.cfg) > 1:
         out.append(Finding("servers", WARN, f"evaluate: a server per checkpoint ({why})",
                            "vLLM >= 0.32 loads a new draft into its running server"))
     return out

@@ -33,16 +33,19 @@ from __future__ import annotations
 METHOD = "eagle_panel_swap_draft"   # what evaluate names in /collective_rpc
 
 
-def read_weights(folder: str) -> dict:
-    """Every tensor of a checkpoint folder's *.safetensors, on the CPU."""
+def read_weights(folder: str, only=None) -> dict:
+    """The tensors of a checkpoint folder's *.safetensors, on the CPU: every
+    one, or those whose names `only(name)` accepts."""
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     out: dict = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    if not out:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
         raise ValueError(f"no *.safetensors in {folder}")
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys() if only is None or only(k)})
     return out
 
 
@@ -95,7 +98,9 @@ class DraftSwap:
                 return {"error": "this server has no draft model"}
             spec = self.vllm_config.speculative_config
             shared = shared_names(drafter, runner.get_model())
-            own, kept = split(read_weights(folder), read_weights(spec.model), shared)
+            # of the checkpoint the server started with, only what is shared is compared
+            started = read_weights(spec.model, lambda n: is_shared(n, shared))
+            own, kept = split(read_weights(folder), started, shared)
         except (ValueError, OSError, AttributeError) as e:
             return {"error": str(e)}
         # the draft's own model config (its dtype for the attention layers'
