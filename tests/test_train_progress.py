@@ -36,3 +36,36 @@ def test_train_progress_rate_counts_steps_since_this_attempts_first(monkeypatch)
     assert last["done"] == 321 and last["phase"] == "validating" and last["rate"] is None
     from pipeline.fmt import progress_text
     assert progress_text(last) == "321/600 steps  validating"
+
+
+def test_saving_checkpoint_is_said_only_when_speculators_saves(tmp_path):
+    """The phase comes from the save itself, so an epoch speculators' own rule
+    does not save (checkpoint_freq 3: epochs 2, 5, ...) names no save."""
+    from speculators.train import trainer as tr_mod
+
+    from pipeline.train.trainer import panel_trainer
+
+    phases, saved = [], []
+
+    class Hooks:
+        def on_phase(self, name):
+            phases.append(name)
+
+    class Checkpointer:
+        path = tmp_path
+
+        def save_checkpoint(self, model, optimizers, epoch):
+            saved.append(epoch)
+
+    cls = panel_trainer(tr_mod.Trainer, Hooks())
+    t = cls.__new__(cls)   # the real maybe_save_checkpoint; nothing else of a Trainer
+    t.config, t.checkpointer, t.schedulers = tr_mod.TrainerConfig(
+        lr=1e-3, num_epochs=6, save_path=str(tmp_path), checkpoint_freq=3), Checkpointer(), None
+    t.model = t.optimizers = None
+    t._save_training_state = lambda epoch, local_step: None
+    t.is_distributed = False
+    for epoch in range(3):
+        phases.clear()
+        t.maybe_save_checkpoint(epoch)
+        assert phases == (["saving checkpoint"] if epoch in saved else []), (epoch, saved)
+    assert saved == [0, 2]

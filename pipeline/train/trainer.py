@@ -83,7 +83,7 @@ def panel_trainer(base, hooks):
                 raise PlateauStop()
 
         def maybe_save_checkpoint(self, epoch, local_step=0):
-            on_phase("saving checkpoint")
+            _announce_saves(self.checkpointer, on_phase)
             if epoch != "interrupted":
                 return super().maybe_save_checkpoint(epoch, local_step)
             local = self.global_step - self._epoch_origin
@@ -101,6 +101,21 @@ def panel_trainer(base, hooks):
                 self.config = saved
 
     return PanelTrainer
+
+
+def _announce_saves(checkpointer, on_phase) -> None:
+    """Say "saving checkpoint" when speculators really saves one: which
+    epochs save is its rule (checkpoint_freq, save_best), kept there rather
+    than repeated here, so the phase is sent from the save itself."""
+    save = checkpointer.save_checkpoint
+    if getattr(save, "announces_phase", False):
+        return
+
+    def announced(*args, **kwargs):
+        on_phase("saving checkpoint")
+        return save(*args, **kwargs)
+    announced.announces_phase = True
+    checkpointer.save_checkpoint = announced
 
 
 def install(cpu: bool, hooks) -> None:
