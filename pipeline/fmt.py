@@ -38,6 +38,15 @@ def exit_text(st: dict) -> str:
     return "-"
 
 
+def rate_text(rate: float, unit: str) -> str:
+    """`1.6 steps/s`; under 0.1 a second (an evaluate's measurements, a slow
+    regenerate) the time each takes, `1m20s per measurement`, never `0.0 x/s`."""
+    if rate >= 0.1:
+        return f"{rate:.1f} {unit}/s"
+    one = unit[:-1] if unit.endswith("s") and not unit.endswith("ss") else unit
+    return f"{duration(1 / rate)} per {one}"
+
+
 def progress_text(ev: dict | None, running: bool = True) -> str:
     """`340/510 steps  1.6 steps/s  ETA 1m46s`; a stage that no longer runs
     has its count only (no rate, no "ETA 0.0s")."""
@@ -50,7 +59,7 @@ def progress_text(ev: dict | None, running: bool = True) -> str:
     if ev.get("phase"):
         return f"{parts[0]}  {ev['phase']}"
     if ev.get("rate"):
-        parts.append(f"{ev['rate']:.1f} {unit or 'items'}/s")
+        parts.append(rate_text(ev["rate"], unit or "items"))
     if ev.get("eta_s") is not None and not (total and done == total):
         parts.append(f"ETA {duration(ev['eta_s'])}")
     return "  ".join(parts)

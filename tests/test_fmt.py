@@ -27,7 +27,9 @@ def test_progress_has_its_unit_and_no_eta_once_done_or_stopped():
     assert progress_text(ev) == "340/510 steps  1.6 steps/s  ETA 1m47s"
     assert progress_text(ev, running=False) == "340/510 steps"
     done = {"done": 2, "total": 2, "unit": "prompts", "rate": 0.04, "eta_s": 0.0}
-    assert progress_text(done) == "2/2 prompts  0.0 prompts/s"   # no "ETA 0.0s"
+    assert progress_text(done) == "2/2 prompts  25s per prompt"   # no "ETA 0.0s", no "0.0/s"
+    slow = {"done": 1, "total": 3, "unit": "measurements", "rate": 1 / 80, "eta_s": 160.0}
+    assert progress_text(slow) == "1/3 measurements  1m20s per measurement  ETA 2m40s"
     assert progress_text({"done": 7, "rate": 2.0}) == "7  2.0 items/s"
     assert progress_text(None) == "-"
 
