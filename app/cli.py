@@ -93,12 +93,14 @@ def _start(begin, wait: bool, where: str = "") -> int:
               f"logs: eagle-panel logs {rd.id} STAGE -f{where}")
         return 0
     return watch(rd, started.driver, expected=[s.stage for s in started.steps
-                                               if s.action == "run"])
+                                               if s.action == "run"], where=where)
 
 
-def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = None) -> int:
+def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = None,
+          where: str = "") -> int:
     """Stream progress until the driver ends; the exit status is the pipeline's
-    (a driver that stopped before the `expected` stages ran is not a success)."""
+    (a driver that stopped before the `expected` stages ran is not a success).
+    `where`: the options that found the run, repeated in the commands hinted."""
     reader = RunReader(rd)
     reader.read_all()   # what happened before: taken in, not printed
     last_progress: dict[str, tuple[float, float]] = {}   # stage -> (when, share done)
@@ -116,7 +118,7 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
             time.sleep(0.3)
     except KeyboardInterrupt:
         print(f"\n{rd.id}: stopped watching; the pipeline goes on. "
-              f"`eagle-panel cancel {rd.id}` stops it.", file=out)
+              f"`eagle-panel cancel {rd.id}{where}` stops it.", file=out)
         return EXIT_CANCELLED
     snap = read_run(rd)   # (state.json as it is now: liveness checked again)
     statuses = [snap.stages[s].status for s in STAGE_NAMES]
@@ -130,7 +132,8 @@ def watch(rd: RunDir, proc=None, out=sys.stdout, expected: list[str] | None = No
         if code == EXIT_DISK_FULL or free_bytes(rd.path) < NEARLY_FULL:
             return _disk_full(rd, out)
         print(f"{rd.id}: the launcher stopped before {left[0]} ran (see "
-              f"{rd.path / 'driver.log'}); `eagle-panel resume` continues.", file=out)
+              f"{rd.path / 'driver.log'}); `eagle-panel resume {rd.id}{where}` continues.",
+              file=out)
         return EXIT_FAILED
     for line in outcome_lines(snap):
         print(line, file=out)

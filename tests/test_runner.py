@@ -345,3 +345,17 @@ def test_a_stage_outliving_its_killed_supervisor(tmp_path, stagekit):
     assert "extract    failed" in p.stdout
     wait_for(lambda: not pid_running(grandchild), timeout=15, what="the orphan stopped")
     assert starts(tmp_path).count("prepare") == 1
+
+
+def test_watch_hints_repeat_the_options_that_found_the_run(tmp_path):
+    """`run --wait --config X` that ends before its stages ran hints a resume
+    with --config X: without it, from another folder, resume reads another run."""
+    import io
+
+    from app.cli import EXIT_FAILED, watch
+    rd = RunDir(tmp_path / "r")
+    rd.create("", tmp_path)   # no driver: the launcher is gone, prepare never ran
+    out = io.StringIO()
+    where = f" --config {tmp_path / 'my.toml'}"
+    assert watch(rd, out=out, expected=["prepare"], where=where) == EXIT_FAILED
+    assert f"`eagle-panel resume {rd.id}{where}` continues" in out.getvalue(), out.getvalue()
