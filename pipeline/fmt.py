@@ -47,6 +47,15 @@ def rate_text(rate: float, unit: str) -> str:
     return f"{duration(1 / rate)} per {one}"
 
 
+def epoch_text(epoch: int | None, total_steps: int | None, steps_per_epoch: int | None) -> str:
+    """`epoch 2/4`: counted from 1, as every other line that names an epoch
+    (speculators' own numbers, the checkpoint folders' names, start at 0)."""
+    if epoch is None:
+        return ""
+    of = f"/{-(-total_steps // steps_per_epoch)}" if total_steps and steps_per_epoch else ""
+    return f"epoch {epoch + 1}{of}"
+
+
 def progress_text(ev: dict | None, running: bool = True) -> str:
     """`340/510 steps  1.6 steps/s  ETA 1m46s`; a stage that no longer runs
     has its count only (no rate, no "ETA 0.0s")."""

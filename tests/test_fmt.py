@@ -43,3 +43,10 @@ def test_a_cancelled_training_says_where_it_resumes():
     # a cancelled training names no trained draft in the outcome
     from pipeline.fmt import outcome_lines
     assert not any("trained draft" in ln for ln in outcome_lines(s, {}, {}))
+
+
+def test_epochs_are_counted_from_one_as_everywhere_else():
+    from pipeline.fmt import epoch_text
+    assert epoch_text(0, 400, 100) == "epoch 1/4"     # speculators' epoch 0
+    assert epoch_text(3, 401, 100) == "epoch 4/5"     # a total re-counted mid-run: rounded up
+    assert epoch_text(1, None, None) == "epoch 2" and epoch_text(None, 10, 5) == ""

@@ -300,7 +300,8 @@ class MainScreen(Screen):
         if prog:
             t.append(f"step {prog.done}/{prog.total}  ")
             if prog.epoch is not None:
-                t.append(f"epoch {prog.epoch}  ")
+                t.append(fmt.epoch_text(prog.epoch, prog.total,
+                                        prog.event.get("steps_per_epoch")) + "  ")
             if prog.event.get("phase") and train.running:
                 t.append(f"{prog.event['phase']}  ", style="cyan")
             elif prog.eta_s is not None and train.running:
