@@ -118,7 +118,7 @@ pip_in "$PY" install -e ".[$extras]" 2>&1 \
 # The built-in target (builtin:tiny-llama, the bundled config's), trained now, beside the
 # rest of this install and vLLM's (it needs only the `ml` extra, installed above, and
 # what follows adds packages without touching any it loads); otherwise the first stage
-# builds it. Its one line goes to stderr.
+# builds it. Its lines (a quarter of its training at a time) go to stderr.
 "$PY" -m pipeline.builtin.tiny_model >/dev/null &
 build_pid=$!
 

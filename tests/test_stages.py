@@ -498,3 +498,22 @@ def test_regenerate_answers_where_the_assistant_answered_in_text():
     assert [len(r["messages"]) for r in rows] == [3, 5]   # each row its own conversation
     assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
     assert [r["loss_mask"] for r in rows] == [[0, 0, 1], [0, 0, 1]]
+
+
+def test_a_builtin_targets_build_says_how_far_its_training_is(capsys):
+    """Building a built-in target trains it for a minute or more (inside
+    install.sh, or the first stage that needs it): a line at each quarter."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.builtin import tiny_model
+    from pipeline.builtin.build import fit
+    tok = AutoTokenizer.from_pretrained(tiny_model.ensure_built())
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=8))
+    fit(model, tok, dict(steps=8, window=16, batch=2, lr=1e-3, warmup=2), 0, "tiny-test")
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split(",")[0] for ln in lines] == [
+        f"built-in target tiny-test: training step {n}/8" for n in (2, 4, 6)], lines

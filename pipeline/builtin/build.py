@@ -25,11 +25,15 @@ def training_tokens(tokenizer) -> list[int]:
     return ids
 
 
-def fit(model, tokenizer, train: dict, seed: int, **forward) -> float:
+def fit(model, tokenizer, train: dict, seed: int, name: str = "", **forward) -> float:
     """Next-token loss on windows of the rendered conversations, cosine
     schedule after a warm-up; returns the last loss. `forward`: extra
-    arguments of the model's forward."""
+    arguments of the model's forward. A line on stderr at each quarter
+    (`name`: which target): a build takes a minute or more on a small CPU,
+    and runs inside install.sh or the first stage that needs it."""
     import math
+    import sys
+    import time
 
     import torch
     data = torch.tensor(training_tokens(tokenizer), dtype=torch.long)
@@ -37,6 +41,7 @@ def fit(model, tokenizer, train: dict, seed: int, **forward) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=train["lr"], weight_decay=0.01)
     model.train()
     loss = torch.tensor(0.0)
+    t0, quarter = time.monotonic(), max(1, train["steps"] // 4)
     for step in range(train["steps"]):
         lr = train["lr"] * min(1.0, (step + 1) / train["warmup"]) * 0.5 * (
             1 + math.cos(math.pi * step / train["steps"]))
@@ -50,6 +55,10 @@ def fit(model, tokenizer, train: dict, seed: int, **forward) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if (step + 1) % quarter == 0 and step + 1 < train["steps"]:
+            print(f"built-in target {name}: training step {step + 1}/{train['steps']}, loss "
+                  f"{float(loss.detach()):.3f}, {time.monotonic() - t0:.0f} s", file=sys.stderr,
+                  flush=True)
     model.eval()
     return float(loss.detach())
 

@@ -261,7 +261,7 @@ def _build_model(out: Path, tokenizer) -> None:
         torch.manual_seed(SEED)
         config = Kimi_K25Config.from_dict(describe())
         model = Kimi_K25ForConditionalGeneration(config).to(torch.float32)
-        loss = fit(model, tokenizer, TRAIN, SEED, use_cache=False)
+        loss = fit(model, tokenizer, TRAIN, SEED, "tiny-kimi", use_cache=False)
         print(f"built-in target tiny-kimi: trained {TRAIN['steps']} steps on the bundled "
               f"conversations, final loss {loss:.3f}", file=sys.stderr, flush=True)
         staging = out / ".hf"

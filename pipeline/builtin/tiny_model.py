@@ -101,9 +101,10 @@ def _build_model(out: Path, tokenizer) -> None:
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             **MODEL_CONFIG)
         model = LlamaForCausalLM(config).to(torch.float32)
-        loss = fit(model, tokenizer, TRAIN, SEED)
-        print(f"built-in target: trained {TRAIN['steps']} steps on the bundled conversations, "
-              f"final loss {loss:.3f}", file=sys.stderr, flush=True)   # stdout may be --json
+        loss = fit(model, tokenizer, TRAIN, SEED, "tiny-llama")
+        print(f"built-in target tiny-llama: trained {TRAIN['steps']} steps on the bundled "
+              f"conversations, final loss {loss:.3f}", file=sys.stderr, flush=True)   # not stdout:
+        # it may be --json
         no_progress_bars()
         model.save_pretrained(out, safe_serialization=True)
 
