@@ -102,9 +102,9 @@ def _build_model(out: Path, tokenizer) -> None:
             **MODEL_CONFIG)
         model = LlamaForCausalLM(config).to(torch.float32)
         loss = fit(model, tokenizer, TRAIN, SEED, "tiny-llama")
+        # on stderr: stdout may be --json
         print(f"built-in target tiny-llama: trained {TRAIN['steps']} steps on the bundled "
-              f"conversations, final loss {loss:.3f}", file=sys.stderr, flush=True)   # not stdout:
-        # it may be --json
+              f"conversations, final loss {loss:.3f}", file=sys.stderr, flush=True)
         no_progress_bars()
         model.save_pretrained(out, safe_serialization=True)
 
