@@ -8,6 +8,7 @@ from app.panel import PanelApp
 from pipeline.run.events import EventWriter
 from pipeline.run.rundir import RunDir, pid_running
 from pipeline.telemetry import Telemetry
+from pipeline.vllm.shutdown_noise import MARK
 from tests.helpers import cli, kv_tab_text, screen_text, select_stage, until, wait_for
 from widgets.gpu_table import GpuTable
 from widgets.log_view import LogTail, LogView, collapse_cr
@@ -195,6 +196,8 @@ async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
     with open(rd.log_path("prepare"), "a") as f:
         for i in range(300):
             f.write(f"line {i}\n")
+        f.write("[shutdown] API server: shutdown triggered\n"   # vLLM's usual stop: hidden
+                "ERROR 12-02 14:34:50 [async_llm.py:906] AsyncLLM output_handler failed.\n")
         f.write("progress 10%\rprogress 50%\rprogress 100%\n\x1b[31mred text\x1b[0m\n")
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -202,6 +205,8 @@ async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
         await pilot.pause(0.3)
         plain = [log.plain(t) for t in log.lines]
         assert "progress 100%" in plain and "progress 10%" not in " ".join(plain)
+        assert MARK in plain and not any("output_handler" in p for p in plain)
+        assert "output_handler failed" in rd.log_path("prepare").read_text()   # the file keeps it
         last = log.line_at(len(log.lines) - 1)
         assert last.plain == "red text"
         assert any(s.style.color and s.style.color.number == 1 for s in last.spans)
@@ -625,3 +630,30 @@ async def test_training_tab_shows_acceptance_per_category(tmp_path, stagekit):
         detail = str(app.query_one("#detail").render())
         assert "acceptance 3.02 measured, 3.00 estimated · lowest: math 1.81 · speedup 0.96x" \
             in detail
+
+
+def test_vllms_usual_shutdown_is_hidden_from_the_view_not_the_file():
+    """A real server's stop (vLLM 0.32, from a run of this suite): the output
+    handler's EngineDeadError traceback and the leak warnings are what every
+    stop prints; the view hides them behind one line, the lines before the
+    stop and a later start are all shown."""
+    from pipeline.vllm.shutdown_noise import ShutdownNoise
+    pre = "(APIServer pid=15531) "
+    log = [pre + "INFO 12-02 14:34:49 [loggers.py:1] Engine 000: Avg prompt throughput",
+           pre + "ERROR 12-02 14:34:49 [async_llm.py:906] before any stop: a real error",
+           pre + "INFO 12-02 14:34:50 [launcher.py:254] [shutdown] API server: shutdown triggered",
+           pre + "WARNING 12-02 14:34:50 [utils.py:648] [shutdown] Process manager: force "
+                 "killing remaining processes count=1",
+           pre + "ERROR 12-02 14:34:50 [async_llm.py:906] AsyncLLM output_handler failed.",
+           pre + "ERROR 12-02 14:34:50 [async_llm.py:906] vllm.v1.engine.exceptions."
+                 "EngineDeadError: EngineCore encountered an issue.",
+           "INFO:     Application shutdown complete.",
+           "/x/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There "
+           "appear to be 1 leaked semaphore objects to clean up at shutdown",
+           "  warnings.warn('resource_tracker: There appear to be %d '",
+           pre + "INFO 12-02 14:40:00 [api_utils.py:286] non-default args: {'model': 'x'}",
+           pre + "ERROR 12-02 14:40:09 [async_llm.py:906] after a new start: shown"]
+    noise = ShutdownNoise()
+    shown = [s for s in (noise.shown(line) for line in log) if s is not None]
+    assert shown == log[:3] + [MARK, "INFO:     Application shutdown complete."] + log[-2:]
+    assert noise.hidden == 5

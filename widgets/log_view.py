@@ -19,6 +19,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from pipeline.run.events import tail_lines
+from pipeline.vllm.shutdown_noise import MARK, ShutdownNoise
 
 
 def collapse_cr(line: str) -> str:
@@ -87,11 +88,13 @@ class LogView(ScrollView, can_focus=True):
         self.search: str = ""
         self.tail: LogTail | None = None
         self._width = 0
+        self.noise = ShutdownNoise()
 
     def watch_file(self, path) -> None:
         self.tail = LogTail(path)
         self.lines.clear()
         self._width = 0
+        self.noise = ShutdownNoise()
         self._add(self.tail.initial, "")
 
     # A log that scrolls more than a screen between draws is redrawn at most
@@ -118,6 +121,11 @@ class LogView(ScrollView, can_focus=True):
 
     def _add(self, lines: list[str], partial: str, draw: bool = True) -> None:
         for line in lines[-self.lines.maxlen:]:
+            line = self.noise.shown(line)
+            if line is None:
+                continue
+            if line is MARK:
+                line = f"\x1b[2m{MARK}\x1b[0m"
             plain_len = len(ANSI.sub("", line)) if "\x1b" in line else len(line)
             self._width = max(self._width, plain_len)
             self.lines.append(line)

@@ -212,6 +212,21 @@ LOG_ERROR_POINTER = _declare(LOG_PATTERNS, r"Failed core proc|EngineDeadError",
                              "root cause (v1.engine.core, v1.engine.exceptions): quoted only "
                              "when nothing else explains the death")
 
+# ...and vLLM's usual shutdown (0.32: the engine killed with timeout 0, its output handler's
+# EngineDeadError traceback, multiprocessing's leak warnings): hidden in the panel's view
+# once the shutdown line has been seen (pipeline/vllm/shutdown_noise.py), kept in the file
+LOG_SHUTDOWN_BEGIN = _declare(LOG_PATTERNS, r"\[shutdown\] API server: shutdown triggered|"
+                              r"Shutting down FastAPI HTTP server",
+                              "panel: the server is stopping (entrypoints launcher, uvicorn)")
+LOG_SERVER_ARGS = _declare(LOG_PATTERNS, r"non-default args: ",
+                           "panel: a server starting (again, in the same log): entrypoints' "
+                           "arguments line")
+LOG_SHUTDOWN_NOISE = _declare(LOG_PATTERNS, r"ERROR [\d: -]+\[async_llm\.py:\d+\]|"
+                              r"\[shutdown\] .*force killing|resource_tracker: There appear to "
+                              r"be|warnings\.warn\('resource_tracker",
+                              "panel: what a stopping server always prints (v1.engine.async_llm's "
+                              "output handler, the process manager, resource_tracker)")
+
 TABLES = {"flag": FLAGS, "endpoint": ENDPOINTS, "metric": METRICS, "log pattern": LOG_PATTERNS}
 
 
