@@ -152,7 +152,7 @@ def check_environment(x: Inputs) -> list[Finding]:
                    f"stages: python {env.get('python')} ({env.get('executable')}); torch "
                    f"{pk.get('torch')}{f' + CUDA {cuda}' if cuda else ' (CPU build)'}, "
                    f"transformers {pk.get('transformers')}, speculators {pk.get('speculators')}"
-                   f", vllm {pk.get('vllm') or 'not installed'}")]
+                   f", {_stages_vllm(x)}")]
     if env.get("torch_error"):
         out.append(Finding("environment", BLOCK, f"torch fails to import in the stage "
                            f"environment: {env['torch_error']}",
@@ -169,6 +169,18 @@ def check_environment(x: Inputs) -> list[Finding]:
                                "run scripts/install.sh, or point [runtime] python at an "
                                "environment that has it"))
     return out
+
+
+def _stages_vllm(x: Inputs) -> str:
+    """The stage environment's vLLM, said the way the vLLM line below says it:
+    one of its own, or the one the stages use from another interpreter (the
+    CPU build's .venv-vllm), never "not installed" when the stages have one."""
+    if x.packages.get("vllm"):
+        return f"vLLM {x.packages['vllm']}"
+    v = x.vllm
+    if v is not None and v.version and not v.error:
+        return "vLLM in its own environment (below)"
+    return "no vLLM found"
 
 
 def check_vllm_environment(x: Inputs) -> list[Finding]:

