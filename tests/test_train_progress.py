@@ -69,3 +69,28 @@ def test_saving_checkpoint_is_said_only_when_speculators_saves(tmp_path):
         t.maybe_save_checkpoint(epoch)
         assert phases == (["saving checkpoint"] if epoch in saved else []), (epoch, saved)
     assert saved == [0, 2]
+
+
+def test_the_step_total_is_each_epochs_own_packing_counted_once():
+    """speculators packs each epoch's batches anew (seeded by the epoch): the
+    total is counted once from every epoch's own packing, so it equals the
+    steps training will take and does not move from epoch to epoch."""
+    import random
+
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from torch.utils.data import DataLoader
+
+    from pipeline.train.trainer import epoch_steps
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 500) for _ in range(300)]
+    sampler = MultipackDistributedBatchSamplerV2(1024, lengths, 1, 0, seed=0)
+    loader = DataLoader(list(range(len(lengths))), batch_sampler=sampler)
+    sampler.set_epoch(0)
+    counts = epoch_steps(loader, 6)
+    assert sampler.epoch == 0   # left at the epoch it was at
+    taken = []
+    for e in range(6):
+        sampler.set_epoch(e)
+        taken.append(sum(1 for _ in loader))
+    assert counts == taken
+    assert len(set(counts)) > 1, counts   # it does change by epoch: a count from epoch 0 alone is off

@@ -36,7 +36,8 @@ def panel_trainer(base, hooks):
     class PanelTrainer(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            steps = len(self.train_loader) * self.config.num_epochs
+            self._per_epoch = epoch_steps(self.train_loader, self.config.num_epochs)
+            steps = sum(self._per_epoch)
             if self.config.max_steps:
                 steps = min(steps, self.config.max_steps)
             hooks.on_total_steps(steps, len(self.train_loader))
@@ -48,13 +49,16 @@ def panel_trainer(base, hooks):
             self._epoch_origin = self.global_step - (
                 self._resume_local_step if epoch == self.current_epoch else 0)
             # The packed batches are drawn anew each epoch and their number
-            # changes with them: the total is re-counted from this epoch's
-            # (later epochs estimated alike), so progress never ends at 118/117.
+            # changes with them: the total is the steps before this epoch and
+            # this epoch's and the later ones' as counted at the start (exact
+            # up to EXACT_ROWS rows: then it never moves; past them later
+            # epochs are counted as the first), so progress never ends at 118/117.
             sampler = self.train_loader.batch_sampler
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             per_epoch = len(self.train_loader)
-            total = self._epoch_origin + per_epoch * (self.config.num_epochs - epoch)
+            later = self._per_epoch[epoch + 1:] if len(self._per_epoch) > epoch else []
+            total = self._epoch_origin + per_epoch + sum(later)
             if self.config.max_steps:
                 total = min(total, self.config.max_steps)
             hooks.on_total_steps(total, per_epoch)
@@ -101,6 +105,27 @@ def panel_trainer(base, hooks):
                 self.config = saved
 
     return PanelTrainer
+
+
+def epoch_steps(loader, epochs: int) -> list[int]:
+    """Each epoch's steps as speculators' sampler packs that epoch (its
+    batches are seeded by the epoch number): counted once, so the total shown
+    is stable. Past EXACT_ROWS rows, where a packing takes seconds, every
+    epoch is counted as the first (the difference is a fraction of a percent)."""
+    from pipeline.train.budget import EXACT_ROWS
+    sampler = getattr(loader, "batch_sampler", None)
+    first = len(loader)
+    if not hasattr(sampler, "set_epoch") or not hasattr(sampler, "epoch") or \
+            len(getattr(loader, "dataset", ())) > EXACT_ROWS:
+        return [first] * epochs
+    keep, counts = sampler.epoch, []
+    try:
+        for e in range(epochs):
+            sampler.set_epoch(e)
+            counts.append(len(loader))
+    finally:
+        sampler.set_epoch(keep)
+    return counts
 
 
 def _announce_saves(checkpointer, on_phase) -> None:
