@@ -104,7 +104,7 @@ async def test_the_panels_r_shows_the_blocking_lines(tmp_path, stagekit):
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("r")
         await pilot.pause(0.5)
-        report = str(app.screen.query_one("#doctor-report").render())
+        report = app.screen.report_text()
         assert "nothing was started" in report
         assert "tensor-parallel size 3 does not fit" in report and "BLOCK" in report
         await pilot.press("escape")

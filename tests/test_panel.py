@@ -422,9 +422,18 @@ async def test_doctor_screen_shows_the_report(tmp_path):
         report = app.screen.query_one("#doctor-report")
         await until(pilot, lambda: "blocking" in str(report.content), timeout=120,
                     what="the doctor's findings")
-        text = str(report.content)
+        text = app.screen.report_text()
         assert "layer id 9 is out of range" in text and "1 blocking" in text
         assert "4 layers, hidden 128" in text
+        # one check a line at 100 columns; the cursor on the blocking one, shown whole below
+        shown = screen_text(app)
+        assert "[BLOCK ] layers" in shown and "fix:" in shown
+        rows = [r for r in shown.splitlines() if "[  ok  ]" in r or "[ WARN ]" in r]
+        assert len(rows) >= 8 and all(len(r.rstrip()) <= 100 for r in rows)
+        detail = str(app.screen.query_one("#doctor-detail").render())
+        assert "layer id 9 is out of range" in detail
+        await pilot.press("down")
+        assert "layer id 9" not in str(app.screen.query_one("#doctor-detail").render())
         await pilot.press("escape")
         assert app.screen.__class__.__name__ != "DoctorScreen"
 

