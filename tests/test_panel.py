@@ -198,6 +198,7 @@ async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
             f.write(f"line {i}\n")
         f.write("[shutdown] API server: shutdown triggered\n"   # vLLM's usual stop: hidden
                 "ERROR 12-02 14:34:50 [async_llm.py:906] AsyncLLM output_handler failed.\n")
+        f.write("START " + "x" * 300 + " THE END\n")   # a vLLM arguments line, say
         f.write("progress 10%\rprogress 50%\rprogress 100%\n\x1b[31mred text\x1b[0m\n")
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -206,6 +207,15 @@ async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
         plain = [log.plain(t) for t in log.lines]
         assert "progress 100%" in plain and "progress 10%" not in " ".join(plain)
         assert MARK in plain and not any("output_handler" in p for p in plain)
+        # a line wider than the view: its start and its end on screen; w: whole, sideways
+        long_row = next(r for r in screen_text(app).splitlines() if "START" in r)
+        assert "THE END" in long_row and " … " in long_row, long_row
+        await pilot.press("w")
+        await pilot.pause(0.1)
+        assert not log.elide and log.virtual_size.width > 300
+        assert "THE END" not in next(r for r in screen_text(app).splitlines() if "START" in r)
+        await pilot.press("w")
+        assert log.elide
         assert "output_handler failed" in rd.log_path("prepare").read_text()   # the file keeps it
         last = log.line_at(len(log.lines) - 1)
         assert last.plain == "red text"

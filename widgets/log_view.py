@@ -68,6 +68,18 @@ class LogTail:
 
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+ELLIPSIS = " … "
+
+
+def elided(text: Text, width: int) -> Text:
+    """`text` in `width` cells: its first two thirds and its end, the middle
+    replaced by an ellipsis (styles kept on both sides)."""
+    head = (width - len(ELLIPSIS)) * 2 // 3
+    tail = width - len(ELLIPSIS) - head
+    out = text[:head]
+    out.append(ELLIPSIS, style="dim")
+    out.append_text(text[len(text) - tail:])
+    return out
 
 
 class LogView(ScrollView, can_focus=True):
@@ -89,6 +101,11 @@ class LogView(ScrollView, can_focus=True):
         self.tail: LogTail | None = None
         self._width = 0
         self.noise = ShutdownNoise()
+        # A line wider than the view shows its start and its end, elided in
+        # the middle (a vLLM arguments line is thousands of characters: cut at
+        # the edge, its end is never seen); `w` shows whole lines, scrolled
+        # sideways, instead.
+        self.elide = True
 
     def watch_file(self, path) -> None:
         self.tail = LogTail(path)
@@ -134,7 +151,10 @@ class LogView(ScrollView, can_focus=True):
             self._draw()
 
     def _draw(self) -> None:
-        self.virtual_size = Size(self._width, len(self.lines) + (1 if self.partial else 0))
+        # eliding, nothing is wider than the view: no sideways scrolling (a
+        # width of 0, not the view's, which the vertical scrollbar then narrows)
+        self.virtual_size = Size(0 if self.elide else self._width,
+                                 len(self.lines) + (1 if self.partial else 0))
         if self.follow:
             self.scroll_end(animate=False, immediate=True)
         self.refresh()
@@ -163,6 +183,8 @@ class LogView(ScrollView, can_focus=True):
         width = self.scrollable_content_region.width
         if text is None:
             return Strip.blank(width, self.rich_style)
+        if self.elide and text.cell_len > width > 20:
+            text = elided(text, width)
         if self.search and self.search.lower() in text.plain.lower():
             text = text.copy()
             text.highlight_words([self.search], style="reverse", case_sensitive=False)
@@ -187,6 +209,11 @@ class LogView(ScrollView, can_focus=True):
                 return True
         self.refresh()
         return False
+
+    def set_elide(self, on: bool) -> None:
+        self.elide = on
+        self.scroll_to(x=0, animate=False, immediate=True)
+        self._draw()
 
     def set_follow(self, on: bool) -> None:
         self.follow = on

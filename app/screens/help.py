@@ -23,6 +23,7 @@ HELP = """\
   z        full-screen log           f  follow the log on/off
   End      the log's end (follow)    Home  its start
   /        search the log            n  next match
+  w        long log lines: elided in the middle <-> whole (scrolled sideways)
   l        the selected stage's log -> its vLLM servers' logs, one by one
   e        training: EMA smoothing   o  log scale
   a        loss -> accuracy -> acceptance (vLLM)   v  train / validation

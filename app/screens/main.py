@@ -70,6 +70,7 @@ class MainScreen(Screen):
         Binding("4", "tab('training')", "Train", show=False),
         Binding("z", "fullscreen", "Full log"),
         Binding("f", "follow", "Follow", show=False),
+        Binding("w", "wide_lines", "Whole lines", show=False),
         Binding("end", "log_end(True)", "Log end", show=False),
         Binding("home", "log_end(False)", "Log start", show=False),
         Binding("slash", "search", "Search", show=False),
@@ -400,6 +401,12 @@ class MainScreen(Screen):
         log = self.query_one(LogView)
         log.set_follow(not log.follow)
         self.notify(f"follow {'on' if log.follow else 'off'}", timeout=2)
+
+    def action_wide_lines(self) -> None:
+        log = self.query_one(LogView)
+        log.set_elide(not log.elide)
+        self.notify("long lines: " + ("elided in the middle" if log.elide else
+                                      "whole (←→ scrolls sideways)"), timeout=2)
 
     def action_search(self) -> None:
         self.query_one(TabbedContent).active = "logs"
