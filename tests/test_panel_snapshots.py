@@ -33,6 +33,20 @@ def snap_run(tmp_path_factory):
             f"===== eagle-panel: {name} attempt 1 =====\nstagekit {name}: working\n"
             + "".join(f"{name} step {k}: ok\n" for k in range(30)))
     atomic_write_json(rd.state_path, state)
+    # extract's two vLLM servers (data parallel), each with its KV report, both stopped
+    with open(rd.events_path("extract"), "a") as f:
+        for k in (0, 1):
+            f.write(json.dumps({
+                "t": T0 + 12 + k, "type": "kv_cache", "num_blocks": 3276, "block_size": 16,
+                "bytes_per_block": 262_656, "total_bytes": 860_461_056, "tokens_capacity": 52_416,
+                "max_concurrency": 26.0, "max_model_len": 2016, "groups": [],
+                "source": "log+metrics", "pool": "CPU", "cache_dtype": "auto", "server": k,
+                "devices": [k]}) + "\n")
+            f.write(json.dumps({"t": T0 + 17, "type": "server", "phase": "stopped", "server": k,
+                                "label": "vLLM server", "elapsed_s": 0.0, "phase_s": 0.0,
+                                "last_line": "", "log": str(rd.stage_dir("extract") /
+                                                            f"vllm-{k}.log"),
+                                "devices": [k]}) + "\n")
     # one validation record so the acceptance estimate shows
     with open(rd.events_path("train"), "a") as f:
         f.write(json.dumps({"t": T0, "type": "metric", "step": 399, "epoch": 0, "split": "val",
@@ -57,6 +71,13 @@ def test_gpu_screen(snap_compare, snap_run, size):
 
 def test_training_screen(snap_compare, snap_run):
     assert snap_compare(app_for(snap_run), press=["4"], terminal_size=(80, 24))
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_kv_screen_of_a_stage_with_two_servers(snap_compare, snap_run, size):
+    """extract selected (up from the stage the run ended on): each of its
+    servers' KV report, both marked stopped, no live use."""
+    assert snap_compare(app_for(snap_run), press=["3", *["up"] * 3], terminal_size=size)
 
 
 def doctor_findings():

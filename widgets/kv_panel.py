@@ -26,6 +26,7 @@ class KVReport:
     backend: str | None = None
     stage: str = "extract"
     has_servers: bool = False
+    stopped: frozenset = frozenset()   # names of the servers that have stopped
 
 
 class KVCachePanel(Static):
@@ -44,11 +45,33 @@ class KVCachePanel(Static):
                 self.update(Text(f"No KV-cache report from {report.stage} yet (it appears "
                                  "when its vLLM engine has allocated its cache).", style="dim"))
             return
+        # the gap after a label is in the label: Textual draws a rich Table
+        # without its cell padding ("bytes per block256.5 KiB")
         t = Table(box=None, show_header=False, pad_edge=False)
-        t.add_column(style="bold")
+        t.add_column(style="bold", no_wrap=True)
         t.add_column()
-        rows = [
-            ("stage", report.stage),
+        gap = "  "
+        # the stage's servers first (what a person looks for at 80x24), then
+        # the figures of the one shown
+        servers = report.servers
+        rows: list[tuple[str, object]] = [("stage", report.stage)]
+        if len(servers) > 1:
+            caps = [e.get("tokens_capacity") or 0 for e in servers.values()]
+            # (whose figures follow: the source row says)
+            rows.append(("servers", f"{len(servers)} (data parallel): {sum(caps):,} tokens in all"))
+        for name, e in sorted(servers.items(), key=lambda item: str(item[0])):
+            if len(servers) < 2 and name not in report.stopped:
+                break   # one server, up: the figures below are all there is
+            line = Text(f"{e.get('tokens_capacity') or 0:,} tokens, "
+                        f"{fmt.nbytes(e.get('total_bytes'))}, GPUs "
+                        f"{list(e.get('devices') or []) or '- (CPU)'}")
+            if name in report.stopped:
+                line.append(" · stopped", style="dim")
+            rows.append((f"server {name}", line))
+        if usage:
+            rows.append(("live use", f"{usage.get('usage_perc', 0) * 100:.1f}%  running "
+                                     f"{usage.get('running')}  waiting {usage.get('waiting')}"))
+        rows += [
             ("blocks", f"{kv.get('num_blocks'):,}" if kv.get("num_blocks") else "-"),
             ("block size", f"{kv.get('block_size')} tokens" if kv.get("block_size") else "-"),
             ("bytes per block", fmt.nbytes(kv.get("bytes_per_block"))),
@@ -65,18 +88,9 @@ class KVCachePanel(Static):
              + (f" (server {kv['server']}, GPUs {kv.get('devices') or '- (CPU)'})"
                 if "server" in kv else "")),
         ]
+        rows += [("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
+                           f"{fmt.nbytes(g.get('page_size_bytes'))}")
+                 for g in kv.get("groups") or []]
         for k, v in rows:
-            t.add_row(k, v)
-        for g in kv.get("groups") or []:
-            t.add_row("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
-                               f"{fmt.nbytes(g.get('page_size_bytes'))}")
-        servers = report.servers
-        if len(servers) > 1:
-            caps = [e.get("tokens_capacity") or 0 for e in servers.values()]
-            t.add_row("servers", f"{len(servers)} (data parallel): {sum(caps):,} tokens in all; "
-                                 "the figures above are server "
-                                 f"{kv.get('server')}'s")
-        if usage:
-            t.add_row("live use", f"{usage.get('usage_perc', 0) * 100:.1f}%  running "
-                                  f"{usage.get('running')}  waiting {usage.get('waiting')}")
+            t.add_row(k + gap, v)
         self.update(t)

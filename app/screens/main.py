@@ -236,7 +236,8 @@ class MainScreen(Screen):
         backend = self.backend if st.name == "extract" else None
         self.query_one(KVCachePanel).update_from(KVReport(
             st.kv_cache(), servers, st.live_kv_usage(), backend, stage=st.name,
-            has_servers=bool(st.servers)))
+            has_servers=bool(st.servers),
+            stopped=frozenset(s.name for s in st.servers if s.stopped)))
 
     def on_tabbed_content_tab_activated(self, _event) -> None:
         self.draw_active_tab(switched=True)
