@@ -31,8 +31,9 @@ the same total_seq_len their trainer takes more, smaller steps over the same sup
 tokens (1.74x as many on the bundled data), which the acceptance after a few epochs shows.
 
 What cannot run on a CPU is run anyway, once, to quote the error and the line of source
-it comes from (`cannot run here:` lines, `cannot_run` in the JSON), and the chain goes on
-with the smallest substitute, named in the output:
+it comes from (`cannot run here:` lines, `cannot_run` in the JSON; `--no-probes` leaves
+those runs out, `probes` false in the JSON), and the chain goes on with the smallest
+substitute, named in the output:
   - generate-offline-data against the stock ExampleHiddenStatesConnector (launch_vllm.py's
     `file` backend) fails on the CPU build; their chain uses eagle-panel's CPU-aware
     connector in the same server instead (`kv_connector_module_path`), with their client;
@@ -711,6 +712,7 @@ def main() -> None:
                 raise results[k]
         their_m, why = results["acc"]
         b.out["cannot_run"] += [results[k] for k, _ in jobs if k != "acc"]
+        b.out["probes"] = a.probes
         for c in b.out["cannot_run"]:
             if c["ran"]:
                 print(f"runs here after all: {c['step']}", flush=True)

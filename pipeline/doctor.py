@@ -178,8 +178,8 @@ def _stages_vllm(x: Inputs) -> str:
     if x.packages.get("vllm"):
         return f"vLLM {x.packages['vllm']}"
     v = x.vllm
-    if v is not None and v.version and not v.error:
-        return "vLLM in its own environment (below)"
+    if v is not None and v.python != x.env.get("executable"):
+        return "vLLM in its own environment (below)"   # (the line below says how it is)
     return "no vLLM found"
 
 

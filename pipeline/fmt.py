@@ -47,13 +47,13 @@ def rate_text(rate: float, unit: str) -> str:
     return f"{duration(1 / rate)} per {one}"
 
 
-def epoch_text(epoch: int | None, total_steps: int | None, steps_per_epoch: int | None) -> str:
+def epoch_text(epoch: int | None, epochs: int | None) -> str:
     """`epoch 2/4`: counted from 1, as every other line that names an epoch
-    (speculators' own numbers, the checkpoint folders' names, start at 0)."""
+    (speculators' own numbers, the checkpoint folders' names, start at 0);
+    `epochs` the planned number (a plateau may stop before)."""
     if epoch is None:
         return ""
-    of = f"/{-(-total_steps // steps_per_epoch)}" if total_steps and steps_per_epoch else ""
-    return f"epoch {epoch + 1}{of}"
+    return f"epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")
 
 
 def progress_text(ev: dict | None, running: bool = True) -> str:

@@ -47,6 +47,13 @@ def test_a_cancelled_training_says_where_it_resumes():
 
 def test_epochs_are_counted_from_one_as_everywhere_else():
     from pipeline.fmt import epoch_text
-    assert epoch_text(0, 400, 100) == "epoch 1/4"     # speculators' epoch 0
-    assert epoch_text(3, 401, 100) == "epoch 4/5"     # a total re-counted mid-run: rounded up
-    assert epoch_text(1, None, None) == "epoch 2" and epoch_text(None, 10, 5) == ""
+    assert epoch_text(0, 4) == "epoch 1/4"     # speculators' epoch 0 of 4 planned
+    assert epoch_text(1, None) == "epoch 2" and epoch_text(None, 4) == ""
+
+
+def test_the_stage_tables_rate_never_reads_zero_per_second():
+    from pipeline.run.rundir import Status
+    from widgets.stage_table import StageTable
+    slow = {"done": 1, "total": 3, "unit": "measurements", "rate": 1 / 80, "eta_s": 160.0}
+    assert StageTable._rate(slow, Status.RUNNING) == "1m20s each ETA 2m40s"
+    assert StageTable._rate({**slow, "rate": 1.58}, Status.RUNNING) == "1.6/s ETA 2m40s"

@@ -3,6 +3,7 @@ from the distribution's packages, as root, no GPUs asked) started by these
 tests on this machine. Skipped, with the reason, only where the packages
 are missing or the daemons cannot run; CI installs them."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -257,19 +258,25 @@ def _freeze_holding_a_chunk(queue, hs, task: str) -> bool:
     written (else they are let go again: SIGCONT)."""
     from pipeline.cluster.workqueue import WorkQueue
     from pipeline.model.hsfile import hs_path
-    pids = _node_worker_pids(task)
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    q = WorkQueue(queue, "test-observer")
-    done, mine = q.done(), (lambda w: w.endswith(f"-{task}") or f"-{task}." in w)
-    held = [k for k, (_, w) in q.owners().items() if k not in done and mine(w)]
-    started = [k for k in held if any(hs_path(hs, i).exists() for i in q.chunks[k])]
-    reported = any(mine(w) and st.get("counters", (0,))[0] > 0 for w, st in q.statuses().items())
-    ok = bool(pids) and bool(started) and reported
-    if not ok:
+    pids, ok = _node_worker_pids(task), False
+    try:
         for pid in pids:
-            os.kill(pid, signal.SIGCONT)
-    return ok
+            os.kill(pid, signal.SIGSTOP)
+        q = WorkQueue(queue, "test-observer")
+        if not q.remaining_rows():
+            raise AssertionError(f"node {task} finished every chunk before it was caught in one")
+        done, mine = q.done(), (lambda w: w.endswith(f"-{task}") or f"-{task}." in w)
+        held = [k for k, (_, w) in q.owners().items() if k not in done and mine(w)]
+        started = [k for k in held if any(hs_path(hs, i).exists() for i in q.chunks[k])]
+        reported = any(mine(w) and st.get("counters", (0,))[0] > 0
+                       for w, st in q.statuses().items())
+        ok = bool(pids) and bool(started) and reported
+        return ok
+    finally:
+        if not ok:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
 
 def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
@@ -294,14 +301,15 @@ def test_extract_over_two_nodes_survives_a_lost_one(cluster, tmp_path):
     # has the rest to do, node 1's unfinished chunk among it.
     node0 = wait_for(lambda: _node_worker_pids("0"), timeout=300, poll=0.005,
                      what="node 0's worker to start")
-    for pid in node0:
-        os.kill(pid, signal.SIGSTOP)
     try:
+        for pid in node0:
+            os.kill(pid, signal.SIGSTOP)
         wait_for(lambda: hs.is_dir() and _freeze_holding_a_chunk(queue, hs, "1"),
                  timeout=300, poll=0.005, what="node 1 frozen in a chunk it has started")
     finally:
         for pid in node0:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     for pid in _node_worker_pids("1"):
         os.kill(pid, 9)
     wait_for(lambda: rd.read_state()["stages"]["extract"]["status"] != "running",

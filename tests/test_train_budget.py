@@ -111,8 +111,9 @@ def test_real_training_stops_at_a_plateau_and_a_resume_keeps_it(tmp_path):
     assert s["epochs_trained"] == 2 and s["epochs_planned"] > 2 and len(s["estimates"]) == 2
     assert "--epochs" in s["train_argv"] and f"--total-seq-len {s['total_seq_len']}" in s["train_argv"]
     assert s["checkpoint_chosen_by"].startswith("highest acceptance estimate")
-    totals = {e["total"] for e in evs if e["type"] == "progress" and e.get("unit") == "steps"}
-    assert len(totals) == 1, totals   # the planned total, counted once: it never moves
+    steps = [e for e in evs if e["type"] == "progress" and e.get("unit") == "steps"]
+    assert len({e["total"] for e in steps}) == 1, steps[-1]   # counted once: it never moves
+    assert {e["epochs"] for e in steps} == {s["epochs_planned"]}   # "epoch 2/6": as planned
     # resumed after the stop: no more epochs are trained
     code, rd, evs = run_body(tmp_path, "train", train.body, cfg)
     s2 = finished(evs)["summary"]

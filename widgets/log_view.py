@@ -71,11 +71,20 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ELLIPSIS = " … "
 
 
-def elided(text: Text, width: int) -> Text:
-    """`text` in `width` cells: its first two thirds and its end, the middle
-    replaced by an ellipsis (styles kept on both sides)."""
+def elided(text: Text, width: int, match: int = -1) -> Text:
+    """`text` in about `width` cells: its first two thirds and its end, the
+    middle replaced by an ellipsis (styles kept on both sides). With `match`
+    (where a searched word starts) in the part left out, its start and the
+    stretch around the match instead."""
     head = (width - len(ELLIPSIS)) * 2 // 3
     tail = width - len(ELLIPSIS) - head
+    if head <= match < len(text) - tail:
+        lead = max(8, width // 4)
+        start = max(lead + len(ELLIPSIS), match - width // 3)
+        out = text[:lead]
+        out.append(ELLIPSIS, style="dim")
+        out.append_text(text[start:start + width - lead - len(ELLIPSIS)])
+        return out
     out = text[:head]
     out.append(ELLIPSIS, style="dim")
     out.append_text(text[len(text) - tail:])
@@ -184,7 +193,8 @@ class LogView(ScrollView, can_focus=True):
         if text is None:
             return Strip.blank(width, self.rich_style)
         if self.elide and text.cell_len > width > 20:
-            text = elided(text, width)
+            text = elided(text, width, text.plain.lower().find(self.search.lower())
+                          if self.search else -1)
         if self.search and self.search.lower() in text.plain.lower():
             text = text.copy()
             text.highlight_words([self.search], style="reverse", case_sensitive=False)

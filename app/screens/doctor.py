@@ -3,8 +3,8 @@ check a line at any width; the highlighted one whole, with its fix, below.
 
 A full report is ~20 findings, some of them three 80-column lines of
 figures: wrapped, they pushed the blocking one off an 80x24 screen. So the
-list says level, area and the start of each message, the blocking ones
-first under the cursor, and the details follow the cursor."""
+list says level, area and the start of each message in doctor's order, the
+cursor starts on the first blocking one, and the details follow the cursor."""
 
 from __future__ import annotations
 

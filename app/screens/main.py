@@ -302,8 +302,7 @@ class MainScreen(Screen):
         if prog:
             t.append(f"step {prog.done}/{prog.total}  ")
             if prog.epoch is not None:
-                t.append(fmt.epoch_text(prog.epoch, prog.total,
-                                        prog.event.get("steps_per_epoch")) + "  ")
+                t.append(fmt.epoch_text(prog.epoch, prog.event.get("epochs")) + "  ")
             if prog.event.get("phase") and train.running:
                 t.append(f"{prog.event['phase']}  ", style="cyan")
             elif prog.eta_s is not None and train.running:

@@ -38,6 +38,7 @@ class MetricEvents(logging.Handler):
         self.waits: list[float] = []   # share of each logged step spent waiting for data
         self.total_steps = None
         self.steps_per_epoch = None
+        self.epochs = None          # planned (a plateau may stop before)
         self.first_step, self.first_step_at = None, 0.0
         self.last_progress: dict | None = None
         self.last_val: dict = {}
@@ -91,7 +92,7 @@ class MetricEvents(logging.Handler):
         total = max(self.total_steps, step + 1) if self.total_steps else None
         self.last_progress = {"done": step + 1, "total": total, "epoch": msg.get("epoch")}
         self.ctx.progress(step + 1, total, "steps", rate=rate, epoch=msg.get("epoch"),
-                          steps_per_epoch=self.steps_per_epoch)
+                          epochs=self.epochs, steps_per_epoch=self.steps_per_epoch)
 
     def phase(self, name: str) -> None:
         """A progress event naming what training does between steps (the count
@@ -99,7 +100,8 @@ class MetricEvents(logging.Handler):
         last = self.last_progress
         if last is not None:
             self.ctx.progress(last["done"], last["total"], "steps", rate=None, phase=name,
-                              epoch=last["epoch"], steps_per_epoch=self.steps_per_epoch)
+                              epoch=last["epoch"], epochs=self.epochs,
+                              steps_per_epoch=self.steps_per_epoch)
 
     def _val(self, msg, step):
         values = {(k[:-6] if k.endswith("_epoch") else k): v for k, v in msg["val"].items()
@@ -140,6 +142,9 @@ class Hooks:
 
     def on_total_steps(self, n: int, per_epoch: int) -> None:
         self.metrics.total_steps, self.metrics.steps_per_epoch = n, per_epoch
+
+    def on_epochs(self, n: int) -> None:
+        self.metrics.epochs = n
 
     def should_stop(self) -> bool:
         return self.ctx.stop_requested

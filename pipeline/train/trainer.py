@@ -27,11 +27,13 @@ def panel_trainer(base, hooks):
     object with `on_total_steps(n, per_epoch)`, `should_stop()` and
     `on_interrupted(epoch, local_step, global_step)`, and optionally
     `on_phase(name)` (validating, saving checkpoint: between steps),
+    `on_epochs(n)` (the epochs planned: what "epoch 2/4" counts to),
     `on_validation(epoch, val_metrics) -> bool` (True: stop after this
     epoch) and `stopped_before(epoch) -> bool` (a stop already decided)."""
     on_validation = getattr(hooks, "on_validation", None)
     stopped_before = getattr(hooks, "stopped_before", None)
     on_phase = getattr(hooks, "on_phase", lambda name: None)
+    on_epochs = getattr(hooks, "on_epochs", lambda n: None)
 
     class PanelTrainer(base):
         def __init__(self, *args, **kwargs):
@@ -41,6 +43,7 @@ def panel_trainer(base, hooks):
             if self.config.max_steps:
                 steps = min(steps, self.config.max_steps)
             hooks.on_total_steps(steps, len(self.train_loader))
+            on_epochs(self.config.num_epochs)
             self._epoch = self.current_epoch
             self._epoch_origin = self.global_step - self._resume_local_step
 
