@@ -682,3 +682,26 @@ def test_vllms_usual_shutdown_is_hidden_from_the_view_not_the_file():
     shown = [s for s in (noise.shown(line) for line in log) if s is not None]
     assert shown == log[:3] + [MARK, "INFO:     Application shutdown complete."] + log[-2:]
     assert noise.hidden == 5
+
+
+def test_the_chart_labels_its_axis_marks_validation_and_refuses_log_of_zero():
+    """y labelled every few rows; validation (a value an epoch) as marked points
+    at its steps over the train curve; a log scale asked for on values that
+    reach 0 stays linear (log10 of 0 drew a cliff at 1e-12) and says so."""
+    import numpy as np
+
+    from widgets.loss_chart import POINT, log_refused, plot
+    x = np.arange(400.0)
+    lines = plot([("loss", x, 1 / (x + 1)), ("val loss", np.array([199.0, 399.0]),
+                                            np.array([0.5, 0.25]), "points")], 78, 14)
+    labels = [ln.plain[:7].strip() for ln in lines[:-1]]
+    assert len([v for v in labels if v]) >= 4 and labels[0] and labels[-1], labels
+    ys = [float(v) for v in labels if v]
+    assert ys == sorted(ys, reverse=True), ys            # top to bottom, decreasing
+    marked = [(i, ln.plain.index(POINT)) for i, ln in enumerate(lines[:-1]) if POINT in ln.plain]
+    assert len(marked) == 2 and marked[0][0] < marked[1][0], marked   # 0.5 above 0.25
+    assert marked[1][1] == len(lines[0].plain) - 1                    # step 399: the right edge
+    assert f"{POINT} val loss" in lines[-1].plain
+    acc = [("full_acc_0", x, x / 500)]
+    assert log_refused(acc) and not log_refused([("loss", x, 1 / (x + 1))])
+    assert plot(acc, 78, 8, log=True)[0].plain == plot(acc, 78, 8)[0].plain

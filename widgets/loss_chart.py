@@ -41,28 +41,41 @@ def bucket_means(x: np.ndarray, y: np.ndarray, x0: float, x1: float, cols: int):
         return sums / counts
 
 
-def plot(series: list[tuple[str, np.ndarray, np.ndarray]], width: int, height: int,
+TICK_EVERY = 4     # a y label every this many rows (top and bottom always)
+POINT = "●"        # a marked point (validation: one value per epoch, not a curve)
+
+
+def log_refused(series) -> bool:
+    """A log scale cannot show a value of 0 or below (an accuracy of 0 at the
+    start, a loss that is not a loss): those series stay linear."""
+    return any(len(y) and float(np.min(y)) <= 0 for _, _, y, *_ in series)
+
+
+def plot(series: list[tuple], width: int, height: int,
          smooth: bool = False, log: bool = False) -> list[Text]:
-    """Render series [(label, x, y)] into `height` lines of `width` cells."""
+    """Render series [(label, x, y)] or [(label, x, y, "points")] into
+    `height` lines of `width` cells: curves in braille dots, "points"
+    series as one marked cell per value, y labelled every TICK_EVERY rows."""
     label_w = 8
     cols, rows = max(1, (width - label_w)) * 2, max(1, height - 1) * 4
-    series = [(n, x, y) for n, x, y in series if len(x)]
+    series = [(s[0], s[1], s[2], s[3] if len(s) > 3 else "line") for s in series if len(s[1])]
     if not series:
         return [Text("no training metrics yet", style="dim")]
-    x0 = min(float(x[0]) for _, x, _ in series)
-    x1 = max(float(x[-1]) for _, x, _ in series)
+    log = log and not log_refused(series)
+    x0 = min(float(x[0]) for _, x, _, _ in series)
+    x1 = max(float(x[-1]) for _, x, _, _ in series)
     reduced = []
-    for name, x, y in series:
+    for name, x, y, kind in series:
         y = np.asarray(y, dtype=float)
         if log:
             y = np.log10(np.clip(y, 1e-12, None))
         m = bucket_means(np.asarray(x, dtype=float), y, x0, x1, cols)
-        if smooth:
+        if smooth and kind == "line":
             ok = ~np.isnan(m)
             if ok.any():
                 m[ok] = ema(m[ok], 0.15)
-        reduced.append((name, m))
-    finite = np.concatenate([m[~np.isnan(m)] for _, m in reduced]) if reduced else np.array([])
+        reduced.append((name, m, kind))
+    finite = np.concatenate([m[~np.isnan(m)] for _, m, _ in reduced]) if reduced else np.array([])
     if not len(finite):
         return [Text("no finite values", style="dim")]
     lo, hi = float(finite.min()), float(finite.max())
@@ -70,7 +83,13 @@ def plot(series: list[tuple[str, np.ndarray, np.ndarray]], width: int, height: i
         hi = lo + 1.0
     grid = np.zeros((rows // 4, cols // 2), dtype=np.int32)
     color = np.full(grid.shape, -1)
-    for k, (_, m) in enumerate(reduced):
+    marks: dict[tuple[int, int], int] = {}
+    for k, (_, m, kind) in enumerate(reduced):
+        if kind == "points":
+            for c in np.flatnonzero(~np.isnan(m)):
+                r = int(round((hi - m[c]) / (hi - lo) * (rows - 1)))
+                marks[(r // 4, int(c) // 2)] = k
+            continue
         prev = None
         for c in range(cols):
             v = m[c]
@@ -85,18 +104,26 @@ def plot(series: list[tuple[str, np.ndarray, np.ndarray]], width: int, height: i
                 color[rr // 4, c // 2] = k
             prev = r
     fmt_v = (lambda v: f"{10 ** v:.3g}") if log else (lambda v: f"{v:.3g}")
+    n_rows = grid.shape[0]
     lines = []
-    for i in range(grid.shape[0]):
-        label = fmt_v(hi) if i == 0 else fmt_v(lo) if i == grid.shape[0] - 1 else ""
+    for i in range(n_rows):
+        # the value at the row's middle dot; the last row says the bottom
+        at = lo if i == n_rows - 1 else hi - (i * 4 + 1.5) / max(rows - 1, 1) * (hi - lo)
+        tick = i == 0 or i == n_rows - 1 or (i % TICK_EVERY == 0 and n_rows - 1 - i >= 2)
+        label = fmt_v(hi if i == 0 else at) if tick else ""
         line = Text(f"{label:>{label_w - 1}} ", style="dim")
         for j in range(grid.shape[1]):
+            if (i, j) in marks:
+                line.append(POINT, style="bold " + COLORS[marks[(i, j)] % len(COLORS)])
+                continue
             bits = grid[i, j]
             line.append(chr(BRAILLE + bits) if bits else " ",
                         style=COLORS[color[i, j] % len(COLORS)] if bits else "")
         lines.append(line)
     legend = Text(f"{'step':>{label_w - 1}} {int(x0)}..{int(x1)}  ", style="dim")
-    for k, (name, _) in enumerate(reduced):
-        legend.append(f"■ {name} ", style=COLORS[k % len(COLORS)])
+    for k, (name, _, kind) in enumerate(reduced):
+        legend.append(f"{POINT if kind == 'points' else '■'} {name} ",
+                      style=COLORS[k % len(COLORS)])
     lines.append(legend)
     return lines
 
@@ -134,11 +161,11 @@ class LossChart(Widget):
 
     def series(self):
         m = self.metrics
-        if self.metric == "acceptance":
+        if self.metric == "acceptance":   # a value per checkpoint: marked points
             return [(label, np.frombuffer(m[("eval", k)].x, dtype=float),
-                     np.frombuffer(m[("eval", k)].y, dtype=float))
-                    for k, label in (("acceptance_length", "measured"),
-                                     ("acceptance_estimate", "estimate"))
+                     np.frombuffer(m[("eval", k)].y, dtype=float), "points")
+                    for k, label in (("acceptance_length", "measured (vLLM)"),
+                                     ("acceptance_estimate", "estimate (train)"))
                     if ("eval", k) in m]
         keys = [k for sp, k in m if sp == self.split and k.startswith(self.metric + "_")
                 and k[len(self.metric) + 1:].isdigit()]
@@ -149,14 +176,22 @@ class LossChart(Widget):
         for k in keys:
             s = m[(self.split, k)]
             out.append((k, np.frombuffer(s.x, dtype=float), np.frombuffer(s.y, dtype=float)))
+        # over the train curves, validation's figure of the family (once an epoch)
+        val = next((k for k in keys if ("val", k) in m), None) if self.split == "train" else None
+        if val is not None:
+            s = m[("val", val)]
+            out.append((f"val {val}", np.frombuffer(s.x, dtype=float),
+                        np.frombuffer(s.y, dtype=float), "points"))
         return out
 
     def render(self):
         w, h = self.size.width, self.size.height
+        series = self.series()
         title = Text("acceptance length per checkpoint" if self.metric == "acceptance"
                      else f"{self.split} {self.metric}", style="bold")
-        title.append(f"   [e] EMA {'on' if self.smooth else 'off'}  "
-                     f"[o] log {'on' if self.log else 'off'}"
-                     f"  [a] loss/acc/acceptance  [v] train/val", style="dim")
-        lines = [title, *plot(self.series(), w, max(2, h - 1), self.smooth, self.log)]
+        refused = self.log and log_refused(series)
+        title.append(f"   [e] EMA {'on' if self.smooth else 'off'}  [o] log "
+                     + ("off (values reach 0)" if refused else "on" if self.log else "off")
+                     + "  [a] loss/acc/acceptance  [v] train/val", style="dim")
+        lines = [title, *plot(series, w, max(2, h - 1), self.smooth, self.log)]
         return Text("\n").join(lines[:h])
