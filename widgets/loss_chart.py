@@ -190,8 +190,18 @@ class LossChart(Widget):
         title = Text("acceptance length per checkpoint" if self.metric == "acceptance"
                      else f"{self.split} {self.metric}", style="bold")
         refused = self.log and log_refused(series)
-        title.append(f"   [e] EMA {'on' if self.smooth else 'off'}  [o] log "
-                     + ("off (values reach 0)" if refused else "on" if self.log else "off")
-                     + "  [a] loss/acc/acceptance  [v] train/val", style="dim")
-        lines = [title, *plot(series, w, max(2, h - 1), self.smooth, self.log)]
+        log_state = "off (values reach 0)" if refused else "on" if self.log else "off"
+        hints = (f"   [e] EMA {'on' if self.smooth else 'off'}  [o] log {log_state}"
+                 "  [a] loss/acc/acceptance  [v] train/val")
+        if title.cell_len + len(hints) > w:   # one line at 80 columns: the keys only
+            hints = (f"  e:EMA {'on' if self.smooth else 'off'} o:log {log_state} "
+                     "a:metric v:split")
+        title.append(hints, style="dim")
+        title.truncate(max(1, w), overflow="ellipsis")
+        if self.metric == "acceptance" and not series:
+            body = [Text("no acceptance measured yet: evaluate measures each checkpoint "
+                         "through vLLM (train's estimate comes with it)", style="dim")]
+        else:
+            body = plot(series, w, max(2, h - 1), self.smooth, self.log)
+        lines = [title, *body]
         return Text("\n").join(lines[:h])
