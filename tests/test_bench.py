@@ -129,6 +129,12 @@ CASES = {
          rf"^after / before: starts \d+ / \d+, wall {NUM}x; drafts swapped in: \d+$",
          r"^identical per request \(greedy\): True$"], timeout=900, vllm=True,
         run_by="tests/test_vllm_pipeline.py (on its trained run)"),
+    "draft_steps.py": Case(   # ~1 min: tiny-kimi prepared once, two short trainings
+        ["--samples", "16", "--epochs", "1", "--total-seq-len", "512"],
+        [*(rf"^{d}\s+\d+ steps, {NUM} steps/s \({NUM} ms a step\), {NUM} parameters, "
+           rf"~{NUM} GFLOP a step \(estimate\)" for d in ("llama", "mla")),
+         rf"^mla / llama: time per step {NUM}x, FLOPs per step {NUM}x \(estimate\): "
+         rf"{NUM}x per FLOP"], timeout=600),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"

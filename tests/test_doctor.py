@@ -228,7 +228,7 @@ def test_doctor_reads_installed_vllm_without_importing_it(tmp_path):
                        check=False)
     report = json.loads(r.stdout)
     msgs = {f["area"]: f for f in report["findings"]}
-    assert "vllm 0.22.0" in msgs["environment"]["message"]
+    assert "vLLM 0.22.0" in msgs["environment"]["message"]
     assert msgs["eagle3"]["level"] == "ok" and "implements SupportsEagle3" in msgs["eagle3"]["message"]
     # A GPU build of vLLM and no GPU on this machine: blocking, with the way out.
     assert msgs["backends"]["level"] == "blocking" and r.returncode == 1

@@ -44,6 +44,13 @@ def session():
                               start_new_session=True)
     kids = json.loads(leader.stdout.readline())
     ticks = leftovers.start_ticks(leader.pid)
+    # exec has closed Popen's pipe before the kernel has laid out the new
+    # environment: on a busy machine /proc/PID/environ still reads empty then
+    # (the unrelated child looked "erased" once, in a fresh clone's full suite)
+    from pipeline.run.proctree import environ
+    wait_for(lambda: b"OTHER=1" in environ(kids[2]) and
+             f"{TOKEN_VAR}={TOKEN}".encode() in environ(kids[1]), timeout=30,
+             what="the children's environments")
     yield leader, ticks, kids
     for pid in [leader.pid, *kids]:
         try:
