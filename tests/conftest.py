@@ -54,11 +54,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
-# The longest files (seconds on one of two busy workers, 2026-12-02): the tiny-kimi
-# pipeline 1415, every bench script 1691, online training 894, the tiny-llama pipeline 572,
-# Slurm 477. Only the order depends on it: a stale list costs time, never a result.
-LONGEST = ["test_kimi_pipeline.py", "test_bench.py", "test_vllm_online.py",
-           "test_vllm_pipeline.py", "test_slurm.py"]
+# The longest files (seconds on one of two busy workers, a fresh clone, 2026-12-02
+# afternoon): every bench script ~560, online training ~380, the tiny-llama pipeline ~280,
+# Slurm ~260, the tiny-kimi pipeline ~220. Only the order depends on it: a stale list costs
+# time, never a result.
+LONGEST = ["test_bench.py", "test_vllm_online.py", "test_vllm_pipeline.py",
+           "test_slurm.py", "test_kimi_pipeline.py"]
 
 
 def _has_gpu() -> bool:
