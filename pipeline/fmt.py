@@ -123,8 +123,11 @@ def target_loads_line(stages: list[tuple[str, int, float, float]]) -> str | None
         return None
     loads = sum(s[1] for s in stages)
     each = ", ".join(f"{name} {n}" for name, n, _, _ in stages)
+    # summed over servers: two that start side by side (evaluate's draft and
+    # baseline) count twice, so the sum can pass the stages' own time
     return (f"vLLM target loads: {loads} ({each}); {duration(sum(s[2] for s in stages))} "
-            f"loading of {duration(sum(s[3] for s in stages))} in those stages")
+            f"of server starts (summed) in {duration(sum(s[3] for s in stages))} of those "
+            "stages")
 
 
 def num(v, digits: int = 3) -> str:

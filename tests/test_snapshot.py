@@ -62,8 +62,8 @@ def test_target_loads_and_their_time_over_every_attempt(tmp_path):
     line = fmt.target_loads_line([("regenerate", 1, 30.0, 90.0),
                                   ("evaluate", st.target_loads, st.loading_s, 200.0),
                                   ("train", 0, 0.0, 500.0)])
-    assert line == "vLLM target loads: 4 (regenerate 1, evaluate 3); 2m45s loading of 4m50s " \
-        "in those stages"
+    assert line == "vLLM target loads: 4 (regenerate 1, evaluate 3); 2m45s of server starts " \
+        "(summed) in 4m50s of those stages"
 
 
 def test_an_engine_report_without_a_server_is_shown(tmp_path):
