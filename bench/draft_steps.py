@@ -22,33 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.paths import pythonpath_with_project  # noqa: E402
+import stage_process  # noqa: E402
+
 from tests.configs import merged, render  # noqa: E402
 
 TTT_STEPS = 3   # the train stage's default, what both drafts unroll
-
-
-def stage(run: Path, config: Path, name: str) -> float:
-    env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir", str(run),
-                        "--config", str(config)], env=env, capture_output=True, text=True,
-                       check=False)
-    if p.returncode:
-        raise SystemExit(f"the {name} stage exited {p.returncode}:\n{p.stdout[-3000:]}\n"
-                         f"{p.stderr[-3000:]}")
-    return time.perf_counter() - t0
 
 
 def events(run: Path, name: str) -> list[dict]:
@@ -67,7 +55,6 @@ def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int) -> floa
     """6 x parameters passed per token (not the embedding, not the vocab
     maps) x tokens x TTT steps, plus attention (QK^T and PV, forward and
     backward: 3 x 2 x 2 x seq x head dims per token, layer and head)."""
-    import math
     passed = sum(math.prod(s) for n, s in shapes.items()
                  if "embed_tokens" not in n and not n.endswith(("t2d", "d2t")) and len(s) > 1)
     heads = layer_cfg.get("num_attention_heads", 1)
@@ -88,7 +75,7 @@ def one_layer(base_run: Path, folder: Path, base: dict, layer: str) -> dict:
     cfg = merged(base, {"stages": {"train": {"draft_layer": layer}}})
     config = folder / f"{layer}.toml"
     config.write_text(render(cfg))
-    wall = stage(run, config, "train")
+    wall = stage_process.run(run, config, "train")
     evs = events(run, "train")
     summary = [e for e in evs if e["type"] == "stage_finished"][-1]["summary"]
     rates = [e["rate"] for e in evs if e["type"] == "progress" and e.get("rate")]
@@ -122,7 +109,7 @@ def main() -> None:
         config.write_text(render(base))
         run = folder / "runs" / "base"
         for name in ("prepare", "extract", "vocab"):
-            print(f"  {name}: {stage(run, config, name):.0f} s", flush=True)
+            print(f"  {name}: {stage_process.run(run, config, name):.0f} s", flush=True)
         out = {name: one_layer(run, folder, base, name) for name in ("llama", "mla")}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -132,7 +119,7 @@ def main() -> None:
         r["flops_per_step"] = flops_per_step(r["shapes"], r["layer_cfg"], a.total_seq_len,
                                              a.total_seq_len)
         r["s_per_step"] = 1 / r["steps_per_s"] if r["steps_per_s"] else None
-        params = sum(__import__("math").prod(s) for s in r.pop("shapes").values())
+        params = sum(math.prod(s) for s in r.pop("shapes").values())
         r["params"] = params
         print(f"{name:6} {r['steps']} steps, {r['steps_per_s']:.2f} steps/s "
               f"({r['s_per_step'] * 1000:.0f} ms a step), {params:,} parameters, "

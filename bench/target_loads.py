@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,26 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.paths import pythonpath_with_project  # noqa: E402
+import stage_process  # noqa: E402
+
 from tests.configs import merged, render, tiny_pipeline  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-def stage(run: Path, config: Path, name: str) -> float:
-    """One stage as the driver runs it (a subprocess); its wall time."""
-    env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir", str(run),
-                        "--config", str(config)], env=env, capture_output=True, text=True,
-                       check=False)
-    if p.returncode:
-        raise SystemExit(f"the {name} stage exited {p.returncode}:\n{p.stdout[-3000:]}\n"
-                         f"{p.stderr[-3000:]}")
-    return time.perf_counter() - t0
 
 
 def server_starts(events: Path, since: float) -> list[float]:
@@ -74,7 +60,7 @@ def one_way(run: Path, base: dict, one_server: bool, folder: Path) -> dict:
     config.write_text(render(cfg))
     shutil.rmtree(run / "evaluate" / "out", ignore_errors=True)   # measure again, all of it
     t0 = time.time()
-    wall = stage(run, config, "evaluate")
+    wall = stage_process.run(run, config, "evaluate")
     results = json.loads((run / "evaluate" / "out" / "results.json").read_text())
     starts = server_starts(run / "evaluate" / "events.jsonl", t0)
     return {"wall_s": wall, "starts": len(starts), "start_s": sum(starts),
@@ -95,7 +81,7 @@ def train_a_run(folder: Path, samples: int, epochs: int, prompts: int) -> tuple[
     config.write_text(render(cfg))
     run = folder / "runs" / "bench"
     for name in ("prepare", "extract", "vocab", "train"):
-        print(f"  {name}: {stage(run, config, name):.0f} s", flush=True)
+        print(f"  {name}: {stage_process.run(run, config, name):.0f} s", flush=True)
     return run, cfg
 
 

@@ -38,11 +38,14 @@ def exit_text(st: dict) -> str:
     return "-"
 
 
-def rate_text(rate: float, unit: str) -> str:
+def rate_text(rate: float, unit: str | None = None) -> str:
     """`1.6 steps/s`; under 0.1 a second (an evaluate's measurements, a slow
-    regenerate) the time each takes, `1m20s per measurement`, never `0.0 x/s`."""
+    regenerate) the time each takes, `1m20s per measurement`, never `0.0 x/s`.
+    Without a unit (the stage table's column): `1.6/s`, `1m20s each`."""
     if rate >= 0.1:
-        return f"{rate:.1f} {unit}/s"
+        return f"{rate:.1f} {unit}/s" if unit else f"{rate:.1f}/s"
+    if not unit:
+        return f"{duration(1 / rate)} each"
     one = unit[:-1] if unit.endswith("s") and not unit.endswith("ss") else unit
     return f"{duration(1 / rate)} per {one}"
 

@@ -43,7 +43,7 @@ def test_saving_checkpoint_is_said_only_when_speculators_saves(tmp_path):
     does not save (checkpoint_freq 3: epochs 2, 5, ...) names no save."""
     from speculators.train import trainer as tr_mod
 
-    from pipeline.train.trainer import panel_trainer
+    from pipeline.train.trainer import announce_saves, panel_trainer
 
     phases, saved = [], []
 
@@ -61,6 +61,7 @@ def test_saving_checkpoint_is_said_only_when_speculators_saves(tmp_path):
     t = cls.__new__(cls)   # the real maybe_save_checkpoint; nothing else of a Trainer
     t.config, t.checkpointer, t.schedulers = tr_mod.TrainerConfig(
         lr=1e-3, num_epochs=6, save_path=str(tmp_path), checkpoint_freq=3), Checkpointer(), None
+    announce_saves(t.checkpointer, Hooks().on_phase)   # as the trainer's __init__ does
     t.model = t.optimizers = None
     t._save_training_state = lambda epoch, local_step: None
     t.is_distributed = False

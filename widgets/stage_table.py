@@ -163,9 +163,8 @@ class StageTable(Vertical, can_focus=True):
         if ev.get("phase"):   # between counted units: validating, saving a checkpoint
             return ev["phase"]
         parts = []
-        if ev.get("rate"):   # (slow: the time each takes, never "0.0/s")
-            r = ev["rate"]
-            parts.append(f"{r:.1f}/s" if r >= 0.1 else f"{fmt.duration(1 / r)} each")
+        if ev.get("rate"):
+            parts.append(fmt.rate_text(ev["rate"]))
         if ev.get("eta_s") is not None:
             parts.append(f"ETA {fmt.duration(ev['eta_s'])}")
         return " ".join(parts)

@@ -38,6 +38,7 @@ def panel_trainer(base, hooks):
     class PanelTrainer(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            announce_saves(self.checkpointer, on_phase)
             self._per_epoch = epoch_steps(self.train_loader, self.config.num_epochs)
             steps = sum(self._per_epoch)
             if self.config.max_steps:
@@ -90,7 +91,6 @@ def panel_trainer(base, hooks):
                 raise PlateauStop()
 
         def maybe_save_checkpoint(self, epoch, local_step=0):
-            _announce_saves(self.checkpointer, on_phase)
             if epoch != "interrupted":
                 return super().maybe_save_checkpoint(epoch, local_step)
             local = self.global_step - self._epoch_origin
@@ -131,18 +131,15 @@ def epoch_steps(loader, epochs: int) -> list[int]:
     return counts
 
 
-def _announce_saves(checkpointer, on_phase) -> None:
+def announce_saves(checkpointer, on_phase) -> None:
     """Say "saving checkpoint" when speculators really saves one: which
     epochs save is its rule (checkpoint_freq, save_best), kept there rather
     than repeated here, so the phase is sent from the save itself."""
     save = checkpointer.save_checkpoint
-    if getattr(save, "announces_phase", False):
-        return
 
     def announced(*args, **kwargs):
         on_phase("saving checkpoint")
         return save(*args, **kwargs)
-    announced.announces_phase = True
     checkpointer.save_checkpoint = announced
 
 

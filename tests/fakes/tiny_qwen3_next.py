@@ -29,7 +29,7 @@ def build(out: Path) -> Path:
     special = json.loads((llama / "config.json").read_text())
     cfg = Qwen3NextConfig(
         vocab_size=special["vocab_size"], hidden_size=128, intermediate_size=256,
-        num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, full_attention_interval=2,
+        num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         linear_num_value_heads=2, linear_num_key_heads=1,
         linear_key_head_dim=128, linear_value_head_dim=128,
