@@ -381,6 +381,19 @@ def cmd_doctor(args) -> int:
     return EXIT_FAILED if doctor.blocking(findings) else 0
 
 
+def cmd_export(args) -> int:
+    from pipeline.export import ExportError, export
+    rd = resolve_run(args, args.run)
+    try:
+        to = export(rd, args.checkpoint, Path(args.to) if args.to else None)
+    except ExportError as e:
+        print(f"eagle-panel: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"exported to {to} (model card: {to / 'README.md'})")
+    print(f"publish it: hf upload <user>/<repo> {to}")
+    return 0
+
+
 def cmd_ui(args) -> int:
     try:
         from app.panel import run_panel
@@ -486,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("doctor", cmd_doctor, "check the environments, GPUs, target model, vLLM "
                                       "compatibility, KV-cache and disk plans; exit 1 if blocked")
     p.add_argument("--json", action="store_true", help="machine-readable findings")
+
+    p = command("export", cmd_export, "the measured draft as a folder to ship: the files vLLM "
+                                      "served, d2t/t2d, a README.md model card; uploads nothing")
+    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
+    p.add_argument("--checkpoint", metavar="N", help="a measured checkpoint (default: the one "
+                                                     "evaluate chose)")
+    p.add_argument("--to", metavar="DIR", help="where (default: <run>/export/<checkpoint>)")
 
     p = sub.add_parser("ui", parents=[common, panel], help="open the panel",
                        description="open the panel")

@@ -28,6 +28,7 @@ from pipeline.builtin import conversations_path
 from pipeline.data.prompt_sets import MT_BENCH
 from pipeline.paths import PROJECT_ROOT, VLLM_VENV
 from pipeline.stage_graph import STAGE_INPUTS
+from pipeline.tracking import TRACKERS
 from pipeline.vllm import contract_strings as vs
 
 GPU_STAGES = ("regenerate", "extract", "train", "evaluate")
@@ -122,6 +123,15 @@ class ClusterSection:
     gpus_per_node: int = 0      # --gpus-per-node for the GPU stages (0: none asked)
     time_limit: str = ""        # --time, e.g. "24:00:00" ("" = the partition's default)
     sbatch_args: list[str] = field(default_factory=list)   # any other sbatch flags
+
+
+@dataclass
+class TrackingSection:
+    # speculators' metric loggers for train, and evaluate's measured acceptance
+    # in the same run (pipeline.tracking): any of "tensorboard", "mlflow",
+    # "wandb", "trackio"; local, under <run>/tracking/, unless the stage's
+    # environment names a server (MLFLOW_TRACKING_URI, WANDB_MODE).
+    loggers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -282,6 +292,7 @@ class Config:
     gpus: GpusSection = field(default_factory=GpusSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
     stages: StagesSection = field(default_factory=StagesSection)
     source: Path | None = None
     base_dir: Path = PROJECT_ROOT
@@ -540,6 +551,8 @@ def _check_choices(cfg: Config, src: str) -> None:
             "stages.train.draft_layer", src)
     _choice(cfg.pipeline.mode, ("offline", "online", "hybrid"), "pipeline.mode", src)
     _choice(cfg.cluster.scheduler, SCHEDULERS, "cluster.scheduler", src)
+    for i, name in enumerate(cfg.tracking.loggers):
+        _choice(name, TRACKERS, f"tracking.loggers[{i}]", src)
     if cfg.cluster.nodes > 1 and cfg.online:
         raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes} with `pipeline.mode = "
                           '"online"`: online training runs its vLLM servers beside the trainer '

@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline import fmt
+from pipeline import fmt, tracking
 from pipeline.cluster import slurm
 from pipeline.config import Config
 from pipeline.data.prompt_sets import MT_BENCH, MT_BENCH_PACKAGE
@@ -181,6 +181,26 @@ def _stages_vllm(x: Inputs) -> str:
     if v is not None and v.python != x.env.get("executable"):
         return "vLLM in its own environment (below)"   # (the line below says how it is)
     return "no vLLM found"
+
+
+def check_trackers(x: Inputs) -> list[Finding]:
+    """[tracking] loggers: each importable in the stages' environment (as
+    envprobe found it), or the install command — before train, not at its
+    first figure."""
+    loggers = x.cfg.tracking.loggers
+    mods = x.env.get("modules")
+    if not loggers or mods is None:
+        return []
+    gone = tracking.missing(loggers, have=lambda m: mods.get(m, False))
+    if gone:
+        pip = " ".join(p for _, p in gone)
+        return [Finding("tracking", BLOCK, f"[tracking] loggers {', '.join(n for n, _ in gone)}: "
+                        f"not installed in the stage environment ({x.env.get('executable')})",
+                        f"{x.env.get('executable')} -m pip install {pip} (or scripts/install.sh "
+                        "--trackers), or take it out of [tracking] loggers")]
+    return [Finding("tracking", OK, f"{', '.join(loggers)}: train's curves and evaluate's "
+                    f"measured acceptance, one run named after the run id, under "
+                    f"<run>/tracking/ unless the stage environment names a server")]
 
 
 def check_vllm_environment(x: Inputs) -> list[Finding]:
@@ -906,8 +926,8 @@ def check_server_overrides(x: Inputs) -> list[Finding]:
                     "that way") for what in overridden_server_flags(x.cfg)]
 
 
-CHECKS = (check_environment, check_vllm_environment, check_backends, check_gpus, check_model,
-          check_layers, check_hybrid, check_shapes, check_eagle3, check_adaptations,
+CHECKS = (check_environment, check_trackers, check_vllm_environment, check_backends, check_gpus,
+          check_model, check_layers, check_hybrid, check_shapes, check_eagle3, check_adaptations,
           check_target_flags, check_cpu_attention, check_startup, check_target_loads,
           check_kv_cache, check_disk, check_versions, check_privacy, check_server_overrides,
           check_survivors, check_cluster)

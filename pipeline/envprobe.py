@@ -20,6 +20,8 @@ import json
 import platform
 import sys
 
+# what the trackers need (pipeline.tracking.TRACKERS): looked up, not imported
+TRACKER_MODULES = ("tensorboard", "mlflow", "sqlalchemy", "alembic", "wandb", "trackio")
 PACKAGES = ("torch", "transformers", "speculators", "hs-connectors", "vllm", "datasets",
             "safetensors", "nvidia-ml-py", "triton", "nvidia-mtbench-evaluator")
 
@@ -49,6 +51,7 @@ def probe(quick: bool = False) -> dict:
            "machine": platform.machine(), "cpu_flags": cpu_flags()}
     for name in PACKAGES:
         out["packages"][name] = _version(name)
+    out["modules"] = {m: importlib.util.find_spec(m) is not None for m in TRACKER_MODULES}
     out["vllm_dist"] = None
     if out["packages"]["vllm"]:
         out["vllm_dist"] = "vllm"

@@ -6,6 +6,9 @@
 #                                 packages the tests use (tmux, a one-node Slurm: slurmctld,
 #                                 slurmd, slurm-client, munge) through apt where this user may
 #                                 (root or sudo without a password; EAGLE_PANEL_NO_APT=1 skips)
+#   scripts/install.sh --trackers also the [tracking] loggers' packages: TensorBoard, MLflow
+#                                 (skinny, with SQLite's SQLAlchemy/Alembic), W&B, Trackio
+#                                 (--dev installs the first two: the tests read them back)
 #   scripts/install.sh --no-vllm  without .venv-vllm (the pipeline then extracts with hf and
 #                                 skips the stages that need vLLM, saying why)
 #   scripts/install.sh --vllm016  also .venv-vllm016: vLLM 0.16's CPU build, the release
@@ -36,7 +39,8 @@ want_vllm=1
 want_vllm016=0
 for arg in "$@"; do
   case "$arg" in
-    --dev) extras="ml,dev"; dev=1 ;;
+    --dev) extras="$extras,dev"; dev=1 ;;
+    --trackers) extras="$extras,trackers" ;;
     --no-vllm) want_vllm=0 ;;
     --vllm016) want_vllm016=1 ;;
     *) echo "install.sh: unknown option $arg (see the top of this script)" >&2; exit 2 ;;

@@ -51,6 +51,8 @@ total_seq_len = 1024
 checkpoints = "all"
 max_prompts = 12
 max_tokens = 48
+[tracking]
+loggers = ["tensorboard", "mlflow"]
 """
 
 
@@ -176,6 +178,47 @@ def test_a_swapped_draft_measures_what_a_fresh_server_does(run):
     assert re.search(r"^after\s+server starts 1,", p.stdout, re.M)
     assert "drafts swapped in: 1" in p.stdout and "identical per request (greedy): True" in p.stdout
     assert not server_pids()
+
+
+def test_trackers_hold_train_and_measured_and_export_ships_the_draft(run):
+    """[tracking]: speculators' TensorBoard and MLflow loggers for train, and
+    evaluate's measured acceptance in the same run, read back with the
+    libraries' own readers; `export`: the served draft, d2t/t2d and a model
+    card with the measured figures and the command that serves the folder."""
+    import mlflow
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tmp, rd, seen = run
+    results = json.loads(seen["results"])
+    chosen = stage_summary(rd, "evaluate")["checkpoint"]
+    m = results["checkpoints"][chosen]
+    ea = EventAccumulator(str(rd.path / "tracking" / "tensorboard" / rd.id))
+    ea.Reload()
+    tags = ea.Tags()["scalars"]
+    assert "train/loss" in tags and "val/loss_epoch" in tags
+    measured = {e.step: e.value for e in ea.Scalars("eval/acceptance_length")}
+    assert measured[m["checkpoint"]["global_step"]] == pytest.approx(m["acceptance_length"])
+    assert "eval/accept_rate_0" in tags
+    mlflow.set_tracking_uri(f"sqlite:///{rd.path / 'tracking' / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["eagle-panel"])
+    assert runs["tags.mlflow.runName"].tolist() == [rd.id]   # one run: train's and evaluate's
+    client = mlflow.MlflowClient()
+    run_id = runs["run_id"][0]
+    assert client.get_metric_history(run_id, "train/loss")
+    hist = {x.step: x.value for x in client.get_metric_history(run_id, "eval/acceptance_length")}
+    assert hist[m["checkpoint"]["global_step"]] == pytest.approx(m["acceptance_length"])
+    # export: the default checkpoint is evaluate's choice; an unmeasured one is refused
+    p = cli("export", "--checkpoint", "9", cwd=tmp, check=2)
+    assert "not measured by evaluate (measured: 0, 1)" in p.stderr
+    cli("export", cwd=tmp, check=0)
+    out = rd.path / "export" / chosen
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    assert not (out / "optimizer_state_dict.pt").exists()
+    assert (out / "d2t-256.npy").exists() and (out / "t2d-256.npy").exists()
+    card = (out / "README.md").read_text()
+    assert f"acceptance length **{m['acceptance_length']:.3f}**" in card
+    assert f'"model": "{out}"' in card and "vllm serve " in card and "--port" not in card
+    assert f"hf upload <user>/<repo> {out}" in card
+    assert cli("export", cwd=tmp, check=2).stderr.count("already exists") == 1
 
 
 def test_mt_bench_per_category_the_gate_and_provenance(run):

@@ -38,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline import tracking
 from pipeline.data.prompt_sets import Prompt, from_token_ids, take
 from pipeline.data.prompt_sets import load as load_prompts
 from pipeline.model.info import kv_bytes_per_token, read_model
@@ -549,6 +550,7 @@ def body(ctx: StageContext) -> dict:
     why = env.unusable(ctx.cfg.stage_devices("evaluate"))
     if why:
         raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
+    tracking.require(ctx.cfg.tracking.loggers, StageError)
     save = ctx.out_of("train") / "checkpoints"
     chosen = checkpoints(save, sec.checkpoints)
     if not chosen:
@@ -579,8 +581,34 @@ def body(ctx: StageContext) -> dict:
     summary["checkpoint_path"] = str(next(c for c in chosen if c.name == named))
     summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(results)}"
                                        if len(results) > 1 else f"{sec.checkpoints} checkpoint")
+    log_to_trackers(ctx, results, named, summary)
     gate(sec.min_acceptance, summary)
     return summary
+
+
+def log_to_trackers(ctx: StageContext, results: dict, named: str, summary: dict) -> None:
+    """What vLLM measured, into train's run in [tracking]'s trackers: each
+    checkpoint at its step, and the chosen draft's per category and speedup."""
+    loggers = ctx.cfg.tracking.loggers
+    if not loggers:
+        return
+    points = []
+    for m in results.values():
+        values = {"acceptance_length": m["acceptance_length"],
+                  "decode_tokens_per_s": m["decode_tokens_per_s"],
+                  **{f"accept_rate_{k}": r for k, r in enumerate(m["per_position"])
+                     if r is not None}}
+        if m.get("estimate") is not None:
+            values["acceptance_estimate"] = m["estimate"]
+        points.append((m["checkpoint"]["global_step"], {"eval": values}))
+    chosen = {f"category/{c}": v for c, v in summary["per_category"].items()}
+    if summary.get("speedup"):
+        chosen["speedup"] = summary["speedup"]
+    if chosen:
+        points.append((results[named]["checkpoint"]["global_step"], {"eval": chosen}))
+    tracking.log_measured(ctx.run.path, ctx.run.id, loggers, points)
+    print(f"evaluate: measured acceptance logged to {', '.join(loggers)} "
+          f"({tracking.tracking_dir(ctx.run.path)})", flush=True)
 
 
 def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | None,

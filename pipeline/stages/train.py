@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import tracking
 from pipeline.cluster import slurm
 from pipeline.model import fp8
 from pipeline.run import provenance
@@ -86,6 +87,16 @@ def choose_attention(requested: str, device_type: str) -> str:
     return requested
 
 
+def logger_flags(ctx: StageContext) -> list[str]:
+    """speculators' metric loggers: [tracking]'s, local under the run
+    (pipeline.tracking), or none."""
+    loggers = ctx.cfg.tracking.loggers
+    if not loggers:
+        return ["--log-dir", str(ctx.out / "logs"), "--logger", ""]
+    tracking.apply_env(ctx.run.path, ctx.run.id, loggers)   # torchrun's ranks inherit it
+    return tracking.trainer_flags(ctx.run.path, ctx.run.id, loggers)
+
+
 def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
                  budget: Budget) -> list[str]:
     """The `speculators train` flags for this run: a user can replay them
@@ -100,8 +111,8 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
         "--d2t-path", str(vocab / f"d2t-{n}.npy"), "--t2d-path", str(vocab / f"t2d-{n}.npy"),
         "--draft-vocab-size", str(n),
         "--target-layer-ids", *map(str, meta["aux_layer_ids"]),
-        "--save-path", str(ctx.out / "checkpoints"), "--log-dir", str(ctx.out / "logs"),
-        "--logger", "", "--epochs", str(budget.epochs), "--lr", str(sec.lr),
+        "--save-path", str(ctx.out / "checkpoints"), *logger_flags(ctx),
+        "--epochs", str(budget.epochs), "--lr", str(sec.lr),
         "--num-layers", str(sec.num_layers), "--total-seq-len", str(budget.total_seq_len),
         "--ttt-steps", str(sec.ttt_steps), "--train-data-ratio", str(sec.train_ratio),
         "--checkpoint-freq", str(sec.checkpoint_freq), "--log-freq", str(sec.log_freq),
@@ -318,6 +329,7 @@ def body(ctx: StageContext) -> dict:
     import torch
 
     meta = read_meta(ctx)
+    tracking.require(ctx.cfg.tracking.loggers, StageError)
     training = plan_training(ctx, meta, torch.__version__)
     save_path = ctx.out / "checkpoints"
     moved = set_aside_incomplete(save_path)

@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from pipeline import tracking
 from pipeline.run.events import EventType
 from pipeline.run.stage_context import Interrupted, StageContext, StageError
 from pipeline.train.budget import PlateauWatch
@@ -194,7 +195,10 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
     except SystemExit:
         raise StageError("speculators rejected the training flags (see the log above)",
                          hint="check [stages.train] in config.toml") from None
-    cli_mod.main(cfg)
+    try:
+        cli_mod.main(cfg)
+    finally:   # the trackers' last figures written (event files, the MLflow run ended)
+        tracking.close()
     if hooks.interrupted_at is not None:
         raise Interrupted(_interrupted_summary(hooks.interrupted_at, argv))
     return metrics
