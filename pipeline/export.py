@@ -45,7 +45,7 @@ def measured_checkpoint(results: dict, name: str | None, chosen: str | None) -> 
 
 # training state a resume needs and a served draft does not
 NOT_SHIPPED = ("optimizer_state_dict.pt", "scheduler_state_dict.pt", "training_state.json")
-OWN_FLAGS = ("--host", "--port")   # the panel's server address: the user picks their own
+OWN_FLAGS = (vs.FLAG_HOST, vs.FLAG_PORT)   # the panel's server address: the user picks their own
 
 
 def served_command(command: str, to: Path) -> str:
@@ -77,9 +77,13 @@ def export(rd: RunDir, checkpoint: str | None = None, to: Path | None = None) ->
     if not results_path.exists():
         raise ExportError(f"{rd.id}: evaluate has not measured a draft ({results_path} is "
                           "missing); run the pipeline through evaluate first")
-    results = json.loads(results_path.read_text())
+    try:
+        results = json.loads(results_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{results_path} cannot be read ({e}); run evaluate again "
+                          "(`eagle-panel run --stage evaluate`)") from None
     name, m = measured_checkpoint(results, checkpoint, ev.get("checkpoint"))
-    to = Path(to) if to else rd.path / "export" / name
+    to = Path(to) if to is not None else rd.path / "export" / name
     if to.exists():
         raise ExportError(f"{to} already exists; remove it or pass another --to")
     served = Path(m["served"])

@@ -38,6 +38,11 @@ def tracking_dir(run_path: Path) -> Path:
     return Path(run_path) / "tracking"
 
 
+def tensorboard_dir(run_path: Path) -> Path:
+    """speculators' --log-dir: its TensorBoard handler writes <this>/<run name>/."""
+    return tracking_dir(run_path) / "tensorboard"
+
+
 def stage_env(run_path: Path, run_id: str, loggers: list[str]) -> dict[str, str]:
     """The environment defaults that keep each tracker local, in the run."""
     if not loggers:
@@ -63,7 +68,7 @@ def apply_env(run_path: Path, run_id: str, loggers: list[str]) -> None:
 
 def trainer_flags(run_path: Path, run_id: str, loggers: list[str]) -> list[str]:
     """speculators train's logger flags (`--logger ""`: none)."""
-    return ["--logger", ",".join(loggers), "--log-dir", str(tracking_dir(run_path) / "tensorboard"),
+    return ["--logger", ",".join(loggers), "--log-dir", str(tensorboard_dir(run_path)),
             "--run-name", run_id]
 
 
@@ -94,8 +99,7 @@ def log_measured(run_path: Path, run_id: str, loggers: list[str],
         return
     from speculators.train.logger import setup_metric_logger
     apply_env(run_path, run_id, loggers)
-    flags = trainer_flags(run_path, run_id, loggers)
-    setup_metric_logger(loggers=loggers, run_name=run_id, output_dir=flags[3])
+    setup_metric_logger(loggers=loggers, run_name=run_id, output_dir=str(tensorboard_dir(run_path)))
     log = logging.getLogger("speculators.metrics")
     try:
         for step, values in points:
@@ -119,7 +123,7 @@ def where(run_path: Path, loggers: list[str]) -> list[str]:
     out = []
     for name in loggers:
         if name == "tensorboard":
-            out.append(f"tensorboard --logdir {d / 'tensorboard'}")
+            out.append(f"tensorboard --logdir {tensorboard_dir(run_path)}")
         elif name == "mlflow":
             uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{d / 'mlflow.db'}"
             out.append(f"mlflow ui --backend-store-uri {uri}")

@@ -88,6 +88,8 @@ def test_gpu_indices_checked_against_the_machine():
     ("[stages.prepare]\nseq_lenght = 5\n", "Did you mean `stages.prepare.seq_length`?"),
     ('[data]\npath = "missing.jsonl"\n', "does not exist"),
     ("[gpus]\ndevices = [99]\n", "`gpus.devices`"),
+    ('[tracking]\nloggers = ["tensorbord"]\n', "Did you mean 'tensorboard'?"),
+    ('[tracking]\nloggers = ["mlflow", "mlflow"]\n', "names 'mlflow' twice"),
 ])
 def test_cli_bad_config_exits_2_and_launches_nothing(tmp_path, text, needle):
     (tmp_path / "config.toml").write_text(text)

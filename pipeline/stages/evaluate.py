@@ -607,8 +607,8 @@ def log_to_trackers(ctx: StageContext, results: dict, named: str, summary: dict)
     if chosen:
         points.append((results[named]["checkpoint"]["global_step"], {"eval": chosen}))
     tracking.log_measured(ctx.run.path, ctx.run.id, loggers, points)
-    print(f"evaluate: measured acceptance logged to {', '.join(loggers)} "
-          f"({tracking.tracking_dir(ctx.run.path)})", flush=True)
+    print(f"evaluate: measured acceptance logged to {', '.join(loggers)}; to look: "
+          + "; ".join(tracking.where(ctx.run.path, loggers)), flush=True)
 
 
 def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | None,
