@@ -198,7 +198,7 @@ def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
 
 def outcome_lines(snap) -> list[str]:
     lines = fmt.outcome_lines(snap.stages["train"].summary, snap.stages["evaluate"].summary,
-                              snap.stages["evaluate"].state)
+                              snap.stages["evaluate"].state, snap.run_id)
     loads = fmt.target_loads_line([(s.name, s.target_loads, s.loading_s,
                                     sum(a.seconds or 0.0 for a in s.attempts))
                                    for s in snap.stages.values()])

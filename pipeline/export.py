@@ -19,6 +19,7 @@ import shlex
 import shutil
 from pathlib import Path
 
+from pipeline.data.prompt_sets import PROMPTS_FILE
 from pipeline.run import provenance
 from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import read_run
@@ -96,7 +97,10 @@ def export(rd: RunDir, checkpoint: str | None = None, to: Path | None = None) ->
     for f in sorted(rd.out_dir("vocab").glob("*2*-*.npy")):   # d2t/t2d, where used
         if n is None or f.stem.endswith(f"-{n}"):
             shutil.copy2(f, tmp / f.name)
-    card = model_card(rd, snap, results, name, m, to)
+    prompts = rd.out_dir("evaluate") / PROMPTS_FILE   # (evaluates before it kept none)
+    if prompts.is_file():
+        shutil.copy2(prompts, tmp / PROMPTS_FILE)
+    card = model_card(rd, snap, results, name, m, to, prompts.is_file())
     (tmp / "README.md").write_text(card)
     tmp.rename(to)
     return to
@@ -122,7 +126,8 @@ def versions(prov: dict) -> dict:
             "vllm (evaluate's servers)": servers[0].get("vllm") if servers else None}
 
 
-def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path) -> str:
+def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
+               with_prompts: bool) -> str:
     """README.md for the exported draft, from the run's records only."""
     train = snap.stages["train"].summary
     prep = snap.stages["prepare"].summary
@@ -150,7 +155,13 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path) ->
         lines += ["", "| category | acceptance length |", "| --- | --- |"]
         lines += [f"| {c} | {v['acceptance_length']:.3f} |" for c, v in sorted(cats.items())
                   if v.get("acceptance_length") is not None]
-    lines += ["", "## Serve it", "", "```", served_command(m["vllm_command"], to), "```", "",
+    lines += ["", "## Serve it", "", "```", served_command(m["vllm_command"], to), "```", ""]
+    if with_prompts:
+        lines += [f"The prompts measured are in `{PROMPTS_FILE}` (one JSON object per line; "
+                  f"{results.get('concurrency', 1)} request(s) at a time, `max_tokens` "
+                  f"{results.get('max_tokens', '?')}): send them to this server to measure it again, "
+                  f"or give them to eagle-panel as `[stages.evaluate] prompts`.", ""]
+    lines += [
               "## How it was trained", "",
               f"- target: `{target}`" + (f" at revision `{revision}`" if revision else ""),
               f"- data: {prep.get('samples', '?')} samples, {prep.get('tokens', '?')} tokens "

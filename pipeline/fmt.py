@@ -77,9 +77,29 @@ def progress_text(ev: dict | None, running: bool = True) -> str:
     return "  ".join(parts)
 
 
-def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str]:
+def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict,
+                  run_id: str = "") -> list[str]:
     """What a finished pipeline made: the draft, its acceptance length as
-    vLLM measured it beside train's estimate, and the speedup."""
+    vLLM measured it beside train's estimate, and the speedup; then where
+    its trackers are and how to export it."""
+    lines = _made_lines(train, evaluate, evaluate_state)
+    return lines + next_lines(train, evaluate, run_id) if lines else lines
+
+
+def next_lines(train: dict, evaluate: dict, run_id: str) -> list[str]:
+    """After a run: how to look at its trackers, and (a measured draft) the
+    command that exports it for shipping."""
+    lines = []
+    trackers = evaluate.get("trackers") or train.get("trackers") or []
+    if trackers:
+        lines.append("trackers: " + "; ".join(trackers))
+    if evaluate.get("acceptance_length") is not None and run_id:
+        lines.append(f"to ship it: eagle-panel export {run_id} (the draft, its mapping and a "
+                     "model card with what vLLM measured)")
+    return lines
+
+
+def _made_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str]:
     lines = []
     # Where vLLM measured, the draft named is the one it measured (the best of
     # several, or the one `checkpoints` chose), so the acceptance printed below

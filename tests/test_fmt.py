@@ -57,3 +57,17 @@ def test_the_stage_tables_rate_never_reads_zero_per_second():
     slow = {"done": 1, "total": 3, "unit": "measurements", "rate": 1 / 80, "eta_s": 160.0}
     assert StageTable._rate(slow, Status.RUNNING) == "1m20s each ETA 2m40s"
     assert StageTable._rate({**slow, "rate": 1.58}, Status.RUNNING) == "1.6/s ETA 2m40s"
+
+
+def test_a_finished_run_says_where_its_trackers_are_and_how_to_ship_it():
+    from pipeline.fmt import outcome_lines
+    train = {"checkpoint": "2", "trackers": ["tensorboard --logdir /r/tb"]}
+    measured = {"acceptance_length": 2.9, "checkpoint": "2", "checkpoint_path": "/r/2",
+                "prompts": 12, "trackers": ["tensorboard --logdir /r/tb", "mlflow ui x"]}
+    lines = outcome_lines(train, measured, {}, "r1")
+    assert lines[-2] == "trackers: tensorboard --logdir /r/tb; mlflow ui x"
+    assert lines[-1].startswith("to ship it: eagle-panel export r1 ")
+    # not measured: nothing to export; no trackers configured: no line
+    lines = outcome_lines({"checkpoint": "2", "acceptance_length": 2.5}, {}, {}, "r1")
+    assert not any("export" in ln or "trackers" in ln for ln in lines)
+    assert outcome_lines(train, {}, {}, "r1")[-1] == "trackers: tensorboard --logdir /r/tb"

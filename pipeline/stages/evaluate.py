@@ -39,10 +39,11 @@ import time
 from pathlib import Path
 
 from pipeline import tracking
-from pipeline.data.prompt_sets import Prompt, from_token_ids, take
+from pipeline.data.prompt_sets import PROMPTS_FILE, Prompt, as_row, from_token_ids, take
 from pipeline.data.prompt_sets import load as load_prompts
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
+from pipeline.run.rundir import atomic_write_bytes
 from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.train.checkpoints import complete_checkpoint
 from pipeline.train.mla_draft import (
@@ -556,6 +557,8 @@ def body(ctx: StageContext) -> dict:
     if not chosen:
         raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
     prompts, max_len = choose_prompts(ctx)
+    atomic_write_bytes(ctx.out / PROMPTS_FILE,
+                       "".join(json.dumps(as_row(p)) + "\n" for p in prompts).encode())
     (ctx.out / "checkpoints").mkdir(exist_ok=True)
     ev = Evaluation(ctx, env, prompts, max_len)
     total = len(chosen) + int(sec.baseline)
@@ -582,6 +585,8 @@ def body(ctx: StageContext) -> dict:
     summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(results)}"
                                        if len(results) > 1 else f"{sec.checkpoints} checkpoint")
     log_to_trackers(ctx, results, named, summary)
+    if ctx.cfg.tracking.loggers:
+        summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)
     gate(sec.min_acceptance, summary)
     return summary
 
@@ -624,6 +629,7 @@ def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | No
     out = {"checkpoints": results, "baseline": baseline, "speedup": speedup,
               "num_speculative_tokens": sec.num_speculative_tokens,
               "temperature": sec.temperature, "concurrency": sec.concurrency,
+              "max_tokens": sec.max_tokens,
               "prompts": "validation split" if not sec.prompts else sec.prompts,
               "per_category": cats, "worst_prompts": last.get("worst_prompts") or [],
               "min_acceptance": sec.min_acceptance or None, "servers": servers}

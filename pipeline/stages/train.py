@@ -350,6 +350,8 @@ def body(ctx: StageContext) -> dict:
     if chosen.startswith("highest"):   # that epoch's estimate, not the last one's
         summary["acceptance_length"] = max(v for _, v in plateau_watch(ctx).history)
     summary.update(budget_summary(ctx, training.budget, save_path))
+    if ctx.cfg.tracking.loggers:   # how to look (the panel and `status` say it)
+        summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)
     print(f"train: stopped: {summary['stopped']}", flush=True)
     return summary
 
