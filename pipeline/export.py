@@ -25,6 +25,7 @@ from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import read_run
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import contract_strings as vs
+from pipeline.vllm.serve_command import rewritten
 
 
 class ExportError(Exception):
@@ -35,86 +36,108 @@ def measured_checkpoint(results: dict, name: str | None, chosen: str | None) -> 
     """The checkpoint to export and its measurement: `name` when given,
     else the one evaluate chose."""
     ckpts = results.get("checkpoints") or {}
+    have = ", ".join(sorted(ckpts, key=lambda s: (len(s), s))) or "none"
+    if name is None and chosen is None:
+        raise ExportError(f"evaluate did not finish, so it named no draft (measured: {have}); "
+                          "pass one of them to --checkpoint, or resume the run")
     pick = name if name is not None else chosen
     if pick not in ckpts:
-        have = ", ".join(sorted(ckpts, key=lambda s: (len(s), s))) or "none"
         raise ExportError(f"checkpoint {pick!r} was not measured by evaluate (measured: {have}); "
                           "pass one of them to --checkpoint, or run evaluate with "
                           '[stages.evaluate] checkpoints = "all"')
+    if ckpts[pick].get("acceptance_length") is None:
+        raise ExportError(f"checkpoint {pick!r}: vLLM proposed no draft tokens with it, so "
+                          "there is no acceptance to ship; see evaluate's server log")
     return pick, ckpts[pick]
 
 
 # training state a resume needs and a served draft does not
 NOT_SHIPPED = ("optimizer_state_dict.pt", "scheduler_state_dict.pt", "training_state.json")
-OWN_FLAGS = (vs.FLAG_HOST, vs.FLAG_PORT)   # the panel's server address: the user picks their own
+OWN_FLAGS = {vs.FLAG_HOST: None, vs.FLAG_PORT: None}   # the panel's address: the user picks
 
 
-def served_command(command: str, to: Path) -> str:
-    """The measured server's command as a user runs it: `vllm serve`
-    (not the panel's launcher), without the panel's address, its
-    speculative config naming the exported folder instead of the run's."""
+def served_command(command: str, to: Path, pin: dict | None) -> str:
+    """The measured server's command as a user runs it: `vllm serve` (not
+    the panel's launcher), without the panel's address, its speculative
+    config naming the exported folder; a hub target by its id at the commit
+    measured, not this machine's cache path."""
     argv = shlex.split(command)
     argv = ["vllm", *argv[argv.index("serve"):]] if "serve" in argv else argv
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a in OWN_FLAGS and i + 1 < len(argv):
-            i += 2
-            continue
-        if a == vs.FLAG_SPECULATIVE_CONFIG and i + 1 < len(argv):
-            out += [a, json.dumps({**json.loads(argv[i + 1]), "model": str(to)})]
-            i += 2
-            continue
-        out.append(a)
-        i += 1
-    return shlex.join(out)
+    argv = rewritten(argv, OWN_FLAGS, str(to))
+    if pin and "serve" in argv:
+        at = argv.index("serve") + 1
+        argv[at:at + 1] = [pin["repo_id"], vs.FLAG_REVISION, pin["commit"]]
+    return shlex.join(argv)
+
+
+def read_results(rd: RunDir) -> dict:
+    path = rd.out_dir("evaluate") / "results.json"
+    if not path.exists():
+        raise ExportError(f"{rd.id}: evaluate has not measured a draft ({path} is missing); "
+                          "run the pipeline through evaluate first")
+    try:
+        results = json.loads(path.read_text())
+        if not isinstance(results, dict):
+            raise ValueError("not a JSON object")
+        return results
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path} cannot be read ({e}); run evaluate again "
+                          "(`eagle-panel run --stage evaluate`)") from None
 
 
 def export(rd: RunDir, checkpoint: str | None = None, to: Path | None = None) -> Path:
-    """Write the export folder; returns where it is."""
+    """Write the export folder; returns where it is (absolute: the card's
+    commands name it)."""
     snap = read_run(rd)
-    ev = snap.stages["evaluate"].summary
-    results_path = rd.out_dir("evaluate") / "results.json"
-    if not results_path.exists():
-        raise ExportError(f"{rd.id}: evaluate has not measured a draft ({results_path} is "
-                          "missing); run the pipeline through evaluate first")
-    try:
-        results = json.loads(results_path.read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{results_path} cannot be read ({e}); run evaluate again "
-                          "(`eagle-panel run --stage evaluate`)") from None
-    name, m = measured_checkpoint(results, checkpoint, ev.get("checkpoint"))
-    to = Path(to) if to is not None else rd.path / "export" / name
+    results = read_results(rd)
+    name, m = measured_checkpoint(results, checkpoint, snap.stages["evaluate"].summary.get(
+        "checkpoint"))
+    to = (Path(to) if to is not None else rd.path / "export" / name).resolve()
     if to.exists():
         raise ExportError(f"{to} already exists; remove it or pass another --to")
     served = Path(m["served"])
     if not served.is_dir():
         raise ExportError(f"the served draft {served} is gone; run evaluate again")
     tmp = to.with_name(f".{to.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(served, tmp, ignore=shutil.ignore_patterns(*NOT_SHIPPED))
-    n = snap.stages["vocab"].summary.get("draft_vocab_size")
-    for f in sorted(rd.out_dir("vocab").glob("*2*-*.npy")):   # d2t/t2d, where used
-        if n is None or f.stem.endswith(f"-{n}"):
-            shutil.copy2(f, tmp / f.name)
-    prompts = rd.out_dir("evaluate") / PROMPTS_FILE   # (evaluates before it kept none)
-    if prompts.is_file():
-        shutil.copy2(prompts, tmp / PROMPTS_FILE)
-    card = model_card(rd, snap, results, name, m, to, prompts.is_file())
-    (tmp / "README.md").write_text(card)
-    tmp.rename(to)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_folder(rd, snap, results, name, m, served, tmp, to)
+        tmp.rename(to)
+    except BaseException as e:   # never a half folder, whatever stopped it
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ExportError(f"writing {to} failed: {e}; nothing was left there") from None
+        raise
     return to
 
 
-def target_of(rd: RunDir) -> tuple[str, str]:
-    """The run's target as its config names it (id or path) and revision."""
+def write_folder(rd: RunDir, snap, results: dict, name: str, m: dict, served: Path,
+                 tmp: Path, to: Path) -> None:
+    """The served files, the mapping, the prompts and the card, into `tmp`."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(served, tmp, ignore=shutil.ignore_patterns(*NOT_SHIPPED))
+    vocab = snap.stages["vocab"].summary
+    for key in ("d2t", "t2d"):   # the draft vocabulary's mapping, where it has one
+        if vocab.get(key) and Path(vocab[key]).is_file():
+            shutil.copy2(vocab[key], tmp / Path(vocab[key]).name)
+    prompts = rd.out_dir("evaluate") / PROMPTS_FILE   # (evaluates before it kept none)
+    if prompts.is_file():
+        shutil.copy2(prompts, tmp / PROMPTS_FILE)
+    (tmp / "README.md").write_text(model_card(rd, snap, results, name, m, to, prompts.is_file()))
+
+
+def target_of(rd: RunDir) -> tuple[str, str, dict | None]:
+    """The run's target as its config names it (id or path), its revision,
+    and the hub snapshot the run froze (state.json `target`), if any."""
     import tomllib
     try:
         model = tomllib.loads((rd.path / "config.toml").read_text()).get("model", {})
     except (OSError, ValueError):
         model = {}
     from pipeline.config import BUILTIN_MODEL
-    return str(model.get("target", BUILTIN_MODEL)), str(model.get("revision", ""))
+    pin = rd.read_state().get("target")
+    return (str(model.get("target", BUILTIN_MODEL)), str(model.get("revision", "")),
+            pin if isinstance(pin, dict) and pin.get("repo_id") and pin.get("commit") else None)
 
 
 def versions(prov: dict) -> dict:
@@ -129,49 +152,63 @@ def versions(prov: dict) -> dict:
 def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
                with_prompts: bool) -> str:
     """README.md for the exported draft, from the run's records only."""
-    train = snap.stages["train"].summary
-    prep = snap.stages["prepare"].summary
-    prov = provenance.read_run(rd.path, STAGE_NAMES)
-    target, revision = target_of(rd)
-    k = results.get("num_speculative_tokens")
-    base = results.get("baseline") or {}
-    lines = [
-        "---", "tags:", "- speculative-decoding", "- eagle3", "- eagle-panel", "---", "",
-        f"# EAGLE-3 draft from eagle-panel run `{rd.id}` (checkpoint {name})", "",
-        "## Acceptance vLLM measured", "",
-        f"- acceptance length **{m['acceptance_length']:.3f}** at "
-        f"`num_speculative_tokens` {k}, over {m.get('prompts')} prompts "
-        f"({results.get('prompts')}), temperature {results.get('temperature')}",
-        "- per draft position: " + ", ".join(
-            f"{r:.3f}" for r in m.get("per_position") or [] if r is not None),
-        f"- decode {m['decode_tokens_per_s']:.1f} tokens/s with the draft"
-        + (f", {base['decode_tokens_per_s']:.1f} without "
-           f"(speedup {results['speedup']:.2f}x)" if base and results.get("speedup") else ""),
-    ]
-    if m.get("estimate") is not None:
-        lines.append(f"- train's estimate {m['estimate']:.3f}")
-    cats = m.get("per_category") or {}
-    if cats:
-        lines += ["", "| category | acceptance length |", "| --- | --- |"]
-        lines += [f"| {c} | {v['acceptance_length']:.3f} |" for c, v in sorted(cats.items())
-                  if v.get("acceptance_length") is not None]
-    lines += ["", "## Serve it", "", "```", served_command(m["vllm_command"], to), "```", ""]
+    target, revision, pin = target_of(rd)
+    lines = ["---", "tags:", "- speculative-decoding", "- eagle3", "- eagle-panel", "---", "",
+             f"# EAGLE-3 draft from eagle-panel run `{rd.id}` (checkpoint {name})", "",
+             *measured_lines(results, m), "", "## Serve it", "", "```",
+             served_command(m["vllm_command"], to, pin), "```", ""]
     if with_prompts:
         lines += [f"The prompts measured are in `{PROMPTS_FILE}` (one JSON object per line; "
                   f"{results.get('concurrency', 1)} request(s) at a time, `max_tokens` "
-                  f"{results.get('max_tokens', '?')}): send them to this server to measure it again, "
-                  f"or give them to eagle-panel as `[stages.evaluate] prompts`.", ""]
-    lines += [
-              "## How it was trained", "",
-              f"- target: `{target}`" + (f" at revision `{revision}`" if revision else ""),
-              f"- data: {prep.get('samples', '?')} samples, {prep.get('tokens', '?')} tokens "
-              f"({prep.get('supervised_tokens', '?')} supervised)"
-              + ("; the target's own answers (regenerated)"
-                 if snap.stages["regenerate"].summary.get("rows") else ""),
-              f"- training: {train.get('epochs_trained', '?')} epochs "
-              f"(`total_seq_len` {train.get('total_seq_len', '?')}; {train.get('budget', '')}); "
-              f"stopped: {train.get('stopped', '?')}; draft layer {train.get('draft_layer', '?')}",
-              "", "```", str(train.get("train_argv", "")), "```", "",
-              "## Versions", "", "```", json.dumps(versions(prov), indent=1), "```", "",
+                  f"{results.get('max_tokens', '?')}, seed {results.get('seed', '?')}): send "
+                  "them to this server to measure it again, or give them to eagle-panel as "
+                  "`[stages.evaluate] prompts`.", ""]
+    at = f" at revision `{revision}`" if revision else ""
+    if pin:
+        at += f" (commit `{pin['commit']}`)"
+    lines += ["## How it was trained", "", f"- target: `{target}`{at}",
+              *trained_lines(snap, name, m), "",
+              "## Versions", "", "```", json.dumps(versions(provenance.read_run(
+                  rd.path, STAGE_NAMES)), indent=1), "```", "",
               "## Publish", "", "```", f"hf upload <user>/<repo> {to}", "```", ""]
     return "\n".join(lines)
+
+
+def measured_lines(results: dict, m: dict) -> list[str]:
+    """The card's figures: this checkpoint's measurement (its own speedup
+    against the baseline, not the chosen checkpoint's)."""
+    base = (results.get("baseline") or {}).get("decode_tokens_per_s")
+    lines = ["## Acceptance vLLM measured", "",
+             f"- acceptance length **{m['acceptance_length']:.3f}** at "
+             f"`num_speculative_tokens` {results.get('num_speculative_tokens')}, over "
+             f"{m.get('prompts')} prompts ({results.get('prompts')}), temperature "
+             f"{results.get('temperature')}",
+             "- per draft position: " + ", ".join(
+                 f"{r:.3f}" for r in m.get("per_position") or [] if r is not None),
+             f"- decode {m['decode_tokens_per_s']:.1f} tokens/s with the draft"
+             + (f", {base:.1f} without (speedup {m['decode_tokens_per_s'] / base:.2f}x)"
+                if base else "")]
+    if m.get("estimate") is not None:
+        lines.append(f"- train's estimate {m['estimate']:.3f}")
+    cats = {c: v["acceptance_length"] for c, v in sorted((m.get("per_category") or {}).items())
+            if v.get("acceptance_length") is not None}
+    if len(cats) > 1 or set(cats) - {"all", "validation"}:
+        lines += ["", "| category | acceptance length |", "| --- | --- |",
+                  *(f"| {c} | {v:.3f} |" for c, v in cats.items())]
+    return lines
+
+
+def trained_lines(snap, name: str, m: dict) -> list[str]:
+    """Data and training, as the run recorded them."""
+    train, prep = snap.stages["train"].summary, snap.stages["prepare"].summary
+    step = (m.get("checkpoint") or {}).get("global_step")
+    return [f"- data: {prep.get('samples', '?')} samples, {prep.get('tokens', '?')} tokens "
+            f"({prep.get('supervised_tokens', '?')} supervised)"
+            + ("; the target's own answers (regenerated)"
+               if snap.stages["regenerate"].summary.get("rows") else ""),
+            f"- training: this checkpoint is epoch {int(name) + 1 if name.isdigit() else name}"
+            + (f" (step {step})" if step is not None else "")
+            + f" of {train.get('epochs_trained', '?')} trained (`total_seq_len` "
+            f"{train.get('total_seq_len', '?')}; {train.get('budget', '')}); stopped: "
+            f"{train.get('stopped', '?')}; draft layer {train.get('draft_layer', '?')}",
+            "", "```", str(train.get("train_argv", "")), "```"]

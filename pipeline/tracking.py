@@ -7,12 +7,15 @@ run name, so a tracker shows the measured acceptance beside the loss, at the
 step of the checkpoint it was measured for.
 
 Local by default, so nothing needs a network: everything lands in
-`<run>/tracking/` (TensorBoard event files in `tensorboard/<run id>/`, an
-MLflow SQLite store `mlflow.db` — MLflow 3 refuses its old file store — W&B
-in offline mode, Trackio's local store). A variable the user set in the
+`<run>/tracking/` (TensorBoard event files in `logs/<run id>/`, an MLflow
+SQLite store `mlflow.db` — MLflow 3 refuses its old file store — W&B in
+offline mode in `logs/wandb/`, Trackio's local store in `trackio/`). A variable the user set in the
 stage's environment (`MLFLOW_TRACKING_URI` of a team server, `WANDB_MODE`)
 wins over these defaults. MLflow and W&B resume the same run by name / id, so
-train's and evaluate's figures are one run in each.
+train's and evaluate's figures are one run in each; speculators starts
+Trackio's runs with `resume="never"` in its project "speculators", so there
+evaluate's figures may be a second run of the same name (W&B and Trackio are
+not installed here: their paths are read from speculators' handlers, not run).
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ def tracking_dir(run_path: Path) -> Path:
     return Path(run_path) / "tracking"
 
 
-def tensorboard_dir(run_path: Path) -> Path:
-    """speculators' --log-dir: its TensorBoard handler writes <this>/<run name>/."""
-    return tracking_dir(run_path) / "tensorboard"
+def log_dir(run_path: Path) -> Path:
+    """speculators' --log-dir: its TensorBoard handler writes <this>/<run
+    name>/, its W&B handler <this>/wandb/ (`wandb.init(dir=)`, over WANDB_DIR)."""
+    return tracking_dir(run_path) / "logs"
 
 
 def stage_env(run_path: Path, run_id: str, loggers: list[str]) -> dict[str, str]:
@@ -68,7 +72,7 @@ def apply_env(run_path: Path, run_id: str, loggers: list[str]) -> None:
 
 def trainer_flags(run_path: Path, run_id: str, loggers: list[str]) -> list[str]:
     """speculators train's logger flags (`--logger ""`: none)."""
-    return ["--logger", ",".join(loggers), "--log-dir", str(tensorboard_dir(run_path)),
+    return ["--logger", ",".join(loggers), "--log-dir", str(log_dir(run_path)),
             "--run-name", run_id]
 
 
@@ -99,7 +103,7 @@ def log_measured(run_path: Path, run_id: str, loggers: list[str],
         return
     from speculators.train.logger import setup_metric_logger
     apply_env(run_path, run_id, loggers)
-    setup_metric_logger(loggers=loggers, run_name=run_id, output_dir=str(tensorboard_dir(run_path)))
+    setup_metric_logger(loggers=loggers, run_name=run_id, output_dir=str(log_dir(run_path)))
     log = logging.getLogger("speculators.metrics")
     try:
         for step, values in points:
@@ -123,12 +127,12 @@ def where(run_path: Path, loggers: list[str]) -> list[str]:
     out = []
     for name in loggers:
         if name == "tensorboard":
-            out.append(f"tensorboard --logdir {tensorboard_dir(run_path)}")
+            out.append(f"tensorboard --logdir {log_dir(run_path)}")
         elif name == "mlflow":
             uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{d / 'mlflow.db'}"
             out.append(f"mlflow ui --backend-store-uri {uri}")
         elif name == "wandb":
-            out.append(f"wandb sync {d / 'wandb'}")
+            out.append(f"wandb sync {log_dir(run_path) / 'wandb'}")
         elif name == "trackio":
             out.append(f"TRACKIO_DIR={d / 'trackio'} trackio show")
     return out

@@ -642,7 +642,7 @@ async def test_training_tab_shows_acceptance_per_category(tmp_path, stagekit):
             "per_position": [0.84, 0.66, 0.49], "speedup": 0.958, "prompts": 16,
             "per_category": {"math": 1.81, "writing": 3.3, "coding": 2.9},
             "worst_category": {"category": "math", "acceptance_length": 1.81},
-            "trackers": ["tensorboard --logdir /r/tracking/tensorboard"]})
+            "trackers": ["tensorboard --logdir /r/tracking/logs"]})
     app = make_app(rd, tmp_path, gpus=0)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("4")
@@ -657,7 +657,7 @@ async def test_training_tab_shows_acceptance_per_category(tmp_path, stagekit):
         assert "acceptance 3.02 measured, 3.00 estimated · lowest: math 1.81 · speedup 0.96x" \
             in detail
         # the run's next steps: where its trackers are, how to ship the draft
-        assert "trackers: tensorboard --logdir /r/tracking/tensorboard" in detail
+        assert "trackers: tensorboard --logdir /r/tracking/logs" in detail
         assert "to ship it: eagle-panel export t " in detail
 
 

@@ -23,7 +23,7 @@ def test_as_row_reads_back_as_the_same_prompt(tmp_path):
 
 
 @pytest.mark.parametrize("row, says", [
-    ({"prompt": [1, "2"]}, "line 2: no `turns`, `messages` list or `prompt` text"),
+    ({"prompt": [1, "2"]}, "line 2: no `turns`, `messages` list or `prompt` (text or token ids)"),
     ({"prompt": [True]}, "line 2: no `turns`"),
     ({"prompt": []}, "line 2: no `turns`"),
     ({"turns": []}, "line 2: no `turns`"),

@@ -157,7 +157,7 @@ def test_evaluate_measured_every_checkpoint_on_one_server_and_resumed(run):
     assert "measured by vLLM" in seen["wait_out"] and "estimated by train" in seen["wait_out"]
     assert "evaluate: 1 of 2 checkpoints measured on a running server" in seen["wait_out"]
     assert f"to ship it: eagle-panel export {rd.id} " in seen["wait_out"]
-    assert f"trackers: tensorboard --logdir {rd.path / 'tracking' / 'tensorboard'}" \
+    assert f"trackers: tensorboard --logdir {rd.path / 'tracking' / 'logs'}" \
         in seen["wait_out"]
     st = cli("status", cwd=tmp, check=0)
     assert "acceptance length" in st.stdout and "x" in st.stdout
@@ -194,7 +194,7 @@ def test_trackers_hold_train_and_measured_and_export_ships_the_draft(run):
     results = json.loads(seen["results"])
     chosen = stage_summary(rd, "evaluate")["checkpoint"]
     m = results["checkpoints"][chosen]
-    ea = EventAccumulator(str(rd.path / "tracking" / "tensorboard" / rd.id))
+    ea = EventAccumulator(str(rd.path / "tracking" / "logs" / rd.id))
     ea.Reload()
     tags = ea.Tags()["scalars"]
     assert "train/loss" in tags and "val/loss_epoch" in tags

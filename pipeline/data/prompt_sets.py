@@ -85,7 +85,8 @@ def from_jsonl(path: Path) -> list[Prompt]:
     return out
 
 
-HINT = "one JSON object per line: `turns` (+ `category`), `messages` or `prompt`"
+HINT = ("one JSON object per line: `turns` (+ `category`), `messages`, or `prompt` (a text or "
+        "a list of token ids)")
 
 
 def as_row(p: Prompt) -> dict:
@@ -113,7 +114,8 @@ def _prompt(row: dict, path: Path, n: int) -> Prompt:
     if isinstance(row.get("prompt"), list) and row["prompt"] and \
             all(isinstance(t, int) and not isinstance(t, bool) for t in row["prompt"]):
         return Prompt(pid, category, [row["prompt"]], "tokens")
-    raise StageError(f"{path} line {n}: no `turns`, `messages` list or `prompt` text", hint=HINT)
+    raise StageError(f"{path} line {n}: no `turns`, `messages` list or `prompt` (text or token "
+                     "ids)", hint=HINT)
 
 
 def from_token_ids(prompts: list[list[int]]) -> list[Prompt]:

@@ -59,6 +59,7 @@ from pipeline.vllm import draft_swap
 from pipeline.vllm.acceptance import by_category, from_counters, from_response, worst_prompts
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import acceptance, spec_counters
+from pipeline.vllm.serve_command import rewritten
 from pipeline.vllm.server import bring_up, make_server, server_log
 from pipeline.vllm.target_flags import parser_has
 
@@ -358,20 +359,9 @@ def fresh_command(argv: list[str], served: Path | None) -> list[str]:
     """The `vllm serve` command that serves `served` from the start: the
     server's own, its speculative config naming that folder (a swapped-in
     draft), without the swap's flags (they change nothing measured)."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a in (vs.FLAG_WORKER_EXTENSION_CLS, vs.FLAG_MIDDLEWARE) and \
-                i + 1 < len(argv) and argv[i + 1] in draft_swap.SERVER_FLAGS:
-            i += 2
-            continue
-        if a == vs.FLAG_SPECULATIVE_CONFIG and served is not None and i + 1 < len(argv):
-            out += [a, json.dumps({**json.loads(argv[i + 1]), "model": str(served)})]
-            i += 2
-            continue
-        out.append(a)
-        i += 1
-    return out
+    swap = tuple(draft_swap.SERVER_FLAGS)
+    return rewritten(argv, {vs.FLAG_WORKER_EXTENSION_CLS: swap, vs.FLAG_MIDDLEWARE: swap},
+                     str(served) if served is not None else None)
 
 
 def served_draft(ctx: StageContext, ckpt: Path, env) -> Path:
@@ -593,27 +583,52 @@ def body(ctx: StageContext) -> dict:
 
 def log_to_trackers(ctx: StageContext, results: dict, named: str, summary: dict) -> None:
     """What vLLM measured, into train's run in [tracking]'s trackers: each
-    checkpoint at its step, and the chosen draft's per category and speedup."""
+    checkpoint at its step, and the chosen draft's per category and speedup.
+    Each once: a resume logs only what no attempt logged (tracked.json), and
+    a tracker that fails is a warning, not a failed stage after the
+    measurements are done."""
     loggers = ctx.cfg.tracking.loggers
     if not loggers:
         return
-    points = []
-    for m in results.values():
-        values = {"acceptance_length": m["acceptance_length"],
-                  "decode_tokens_per_s": m["decode_tokens_per_s"],
-                  **{f"accept_rate_{k}": r for k, r in enumerate(m["per_position"])
-                     if r is not None}}
-        if m.get("estimate") is not None:
-            values["acceptance_estimate"] = m["estimate"]
-        points.append((m["checkpoint"]["global_step"], {"eval": values}))
+    done_path = ctx.out / "tracked.json"
+    try:
+        done = set(json.loads(done_path.read_text()))
+    except (OSError, ValueError, TypeError):
+        done = set()   # none yet (or damaged: logged again, a repeat at the same steps)
+    points, keys = [], []
+    for name, m in results.items():
+        key = f"{name}@{m['checkpoint']['global_step']}"
+        if key not in done:
+            points.append((m["checkpoint"]["global_step"], {"eval": measured_values(m)}))
+            keys.append(key)
     chosen = {f"category/{c}": v for c, v in summary["per_category"].items()}
     if summary.get("speedup"):
         chosen["speedup"] = summary["speedup"]
-    if chosen:
+    key = f"chosen {named}@{results[named]['checkpoint']['global_step']}"
+    if chosen and key not in done:
         points.append((results[named]["checkpoint"]["global_step"], {"eval": chosen}))
-    tracking.log_measured(ctx.run.path, ctx.run.id, loggers, points)
+        keys.append(key)
+    if points:
+        try:
+            tracking.log_measured(ctx.run.path, ctx.run.id, loggers, points)
+        except Exception as e:  # noqa: BLE001 - any tracker's own error: the measurements stand
+            ctx.events.warning(f"the measured acceptance was not logged to {', '.join(loggers)}"
+                               f": {type(e).__name__}: {e}")
+            return
+        ctx.write_json(done_path, sorted(done | set(keys)))
     print(f"evaluate: measured acceptance logged to {', '.join(loggers)}; to look: "
           + "; ".join(tracking.where(ctx.run.path, loggers)), flush=True)
+
+
+def measured_values(m: dict) -> dict:
+    """One checkpoint's figures as tracker scalars."""
+    values = {"acceptance_length": m["acceptance_length"],
+              "decode_tokens_per_s": m["decode_tokens_per_s"],
+              **{f"accept_rate_{k}": r for k, r in enumerate(m["per_position"])
+                 if r is not None}}
+    if m.get("estimate") is not None:
+        values["acceptance_estimate"] = m["estimate"]
+    return values
 
 
 def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | None,
@@ -629,7 +644,7 @@ def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | No
     out = {"checkpoints": results, "baseline": baseline, "speedup": speedup,
               "num_speculative_tokens": sec.num_speculative_tokens,
               "temperature": sec.temperature, "concurrency": sec.concurrency,
-              "max_tokens": sec.max_tokens,
+              "max_tokens": sec.max_tokens, "seed": sec.seed,
               "prompts": "validation split" if not sec.prompts else sec.prompts,
               "per_category": cats, "worst_prompts": last.get("worst_prompts") or [],
               "min_acceptance": sec.min_acceptance or None, "servers": servers}

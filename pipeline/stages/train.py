@@ -93,7 +93,6 @@ def logger_flags(ctx: StageContext) -> list[str]:
     loggers = ctx.cfg.tracking.loggers
     if not loggers:
         return ["--log-dir", str(ctx.out / "logs"), "--logger", ""]
-    tracking.apply_env(ctx.run.path, ctx.run.id, loggers)   # torchrun's ranks inherit it
     return tracking.trainer_flags(ctx.run.path, ctx.run.id, loggers)
 
 
@@ -330,6 +329,8 @@ def body(ctx: StageContext) -> dict:
 
     meta = read_meta(ctx)
     tracking.require(ctx.cfg.tracking.loggers, StageError)
+    # each tracker local, in the run, unless the user named a server (torchrun's ranks inherit it)
+    tracking.apply_env(ctx.run.path, ctx.run.id, ctx.cfg.tracking.loggers)
     training = plan_training(ctx, meta, torch.__version__)
     save_path = ctx.out / "checkpoints"
     moved = set_aside_incomplete(save_path)

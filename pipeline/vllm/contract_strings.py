@@ -80,6 +80,8 @@ FLAG_OPT_LEVEL = _flag("-O", "serve_argv: -O<level> in server_args, the same; fr
                        "parser outside engine.arg_utils handles it", declared_in=())
 FLAG_SERVED_MODEL_NAME = _flag("--served-model-name", "served_model_name: the name requests "
                                "send, when server_args rename the model")
+FLAG_REVISION = _flag("--revision", "export: the model card's command names a hub target "
+                      "at the commit the run measured")
 FLAG_SPECULATIVE_CONFIG = _flag("--speculative-config", "evaluate: the draft (eagle3); "
                                 "extract: the hidden-state capture (extract_hidden_states)")
 FLAG_KV_TRANSFER_CONFIG = _flag("--kv-transfer-config", "extract's vllm-server backend: the "
