@@ -94,8 +94,7 @@ def next_lines(train: dict, evaluate: dict, run_id: str) -> list[str]:
     if trackers:
         lines.append("trackers: " + "; ".join(trackers))
     if evaluate.get("acceptance_length") is not None and run_id:
-        lines.append(f"to ship it: eagle-panel export {run_id} (the draft, its mapping and a "
-                     "model card with what vLLM measured)")
+        lines.append(f"to ship it: eagle-panel export {run_id} (draft + model card)")
     return lines
 
 

@@ -656,9 +656,10 @@ async def test_training_tab_shows_acceptance_per_category(tmp_path, stagekit):
         detail = str(app.query_one("#detail").render())
         assert "acceptance 3.02 measured, 3.00 estimated · lowest: math 1.81 · speedup 0.96x" \
             in detail
-        # the run's next steps: where its trackers are, how to ship the draft
-        assert "trackers: tensorboard --logdir /r/tracking/logs" in detail
-        assert "to ship it: eagle-panel export t " in detail
+        # the run's next steps on one line, the export first (a long path is cut at the edge)
+        assert "\n  to ship it: eagle-panel export t (draft + model card) · trackers: " \
+            "tensorboard --logdir /r/tracking/logs" in detail
+        assert "to ship it: eagle-panel export t (draft + model card)" in screen_text(app)
 
 
 def test_vllms_usual_shutdown_is_hidden_from_the_view_not_the_file():

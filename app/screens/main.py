@@ -290,10 +290,11 @@ class MainScreen(Screen):
         elif info.finished:
             t.append(fmt.summary_text(stage, info.summary) or
                      info.finished.get("status", ""), style="dim")
-            if stage in ("train", "evaluate"):   # the run's next steps: look, ship
+            if stage in ("train", "evaluate"):   # the run's next steps, on one line: ship, look
                 train, evaluate = (info.summary, {}) if stage == "train" else ({}, info.summary)
-                for line in fmt.next_lines(train, evaluate, view.run_id):
-                    t.append(f"\n  {line}", style="dim")
+                lines = fmt.next_lines(train, evaluate, view.run_id)
+                if lines:
+                    t.append("\n  " + " · ".join(reversed(lines)), style="dim")
         else:
             t.append(info.status, style="dim")
         self.query_one("#detail", QuietStatic).set(t)
