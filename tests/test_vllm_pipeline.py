@@ -197,6 +197,7 @@ def test_trackers_hold_train_and_measured_and_export_ships_the_draft(run):
     ea = EventAccumulator(str(rd.path / "tracking" / "logs" / rd.id))
     ea.Reload()
     tags = ea.Tags()["scalars"]
+    print("TensorBoard scalars:", ", ".join(f"{t} ({len(ea.Scalars(t))})" for t in sorted(tags)))
     assert "train/loss" in tags and "val/loss_epoch" in tags
     measured = {e.step: e.value for e in ea.Scalars("eval/acceptance_length")}
     assert measured[m["checkpoint"]["global_step"]] == pytest.approx(m["acceptance_length"])
@@ -218,6 +219,7 @@ def test_trackers_hold_train_and_measured_and_export_ships_the_draft(run):
     assert not (out / "optimizer_state_dict.pt").exists()
     assert (out / "d2t-256.npy").exists() and (out / "t2d-256.npy").exists()
     card = (out / "README.md").read_text()
+    print(card)
     assert f"acceptance length **{m['acceptance_length']:.3f}**" in card
     assert f'"model": "{out}"' in card and "vllm serve " in card and "--port" not in card
     assert f"hf upload <user>/<repo> {out}" in card

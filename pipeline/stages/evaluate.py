@@ -81,13 +81,20 @@ def checkpoints(save_path: Path, which: str) -> list[Path]:
     return [epochs[-1]]
 
 
+def train_estimates(history: Path) -> dict[str, float]:
+    """Train's estimate per epoch (train/out/plateau.json: every epoch's;
+    speculators writes a checkpoint's val_metrics.json only when its
+    validation loss improved); {} without it."""
+    try:
+        return {str(e): v for e, v in json.loads(history.read_text())["history"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def top_estimated(epochs: list[Path], history: Path, k: int) -> list[Path]:
     """The k of `epochs` with the highest estimates in train's history
     (train/out/plateau.json), oldest first; without it, the last k."""
-    try:
-        est = {str(e): v for e, v in json.loads(history.read_text())["history"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        est = {}
+    est = train_estimates(history)
     ranked = sorted(epochs, key=lambda d: (est.get(d.name, float("-inf")), int(d.name)))
     return sorted(ranked[-k:], key=lambda d: int(d.name))
 
@@ -450,6 +457,8 @@ def measure_checkpoint(ctx: StageContext, ev: Evaluation, n: int, ckpt: Path) ->
     m["served"] = str(served)
     m["checkpoint"] = ident
     m["estimate"] = acceptance_length(read_val_metrics(ckpt), ctx.cfg.stages.train.ttt_steps)
+    if m["estimate"] is None:   # no val_metrics.json there: the epoch's figure from train
+        m["estimate"] = train_estimates(ctx.out_of("train") / "plateau.json").get(ckpt.name)
     ctx.write_json(path, m)
     print(f"evaluate: checkpoint {ckpt.name}: acceptance length "
           f"{m['acceptance_length']:.3f} (train's estimate "

@@ -1,8 +1,10 @@
 """A draft checkpoint's validation metrics, and the acceptance length they estimate.
 
-Train writes them (speculators' val_metrics.json beside each checkpoint) and
-decides its plateau stop by the estimate; evaluate reads them back to put the
-estimate beside what vLLM measured. Both stage entry points import this.
+Train writes them (speculators' val_metrics.json, beside a checkpoint only
+when its validation loss improved; every epoch's estimate also goes to
+train/out/plateau.json) and decides its plateau stop by the estimate;
+evaluate reads them back to put the estimate beside what vLLM measured. Both
+stage entry points import this.
 """
 
 from __future__ import annotations
