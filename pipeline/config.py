@@ -225,7 +225,7 @@ class TrainSection(StageCommon):
     lr: float = 1e-4
     num_layers: int = 1
     total_seq_len: int = 0
-    target_steps: int = 600
+    target_steps: int = 1200
     min_steps: int = 300
     max_epochs: int = 20
     patience: int = 2

@@ -191,7 +191,7 @@ def summary_text(stage: str, s: dict) -> str:
         name = str(s.get("resume_checkpoint") or "").rstrip("/").rsplit("/", 1)[-1]
         parts += [f"stopped at step {s['checkpoint_step']}",
                   f"checkpoint {name}" if name else "no checkpoint yet",
-                  "r (eagle-panel resume) continues from it"]
+                  "resume: r (eagle-panel resume)"]
     elif stage == "train" and s.get("checkpoint"):
         if s.get("val_loss") is not None:
             parts.append(f"validation loss {s['val_loss']:.3f}")

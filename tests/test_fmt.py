@@ -38,7 +38,7 @@ def test_a_cancelled_training_says_where_it_resumes():
     s = {"stopped": "on request; resume continues from here", "checkpoint_step": 317,
          "resume_checkpoint": "/runs/r/train/out/checkpoints/1", "resume": "eagle-panel resume"}
     assert summary_text("train", s) == ("stopped at step 317 · checkpoint 1 · "
-                                        "r (eagle-panel resume) continues from it")
+                                        "resume: r (eagle-panel resume)")
     assert "no checkpoint yet" in summary_text("train", {**s, "resume_checkpoint": None})
     # a cancelled training names no trained draft in the outcome
     from pipeline.fmt import outcome_lines

@@ -710,3 +710,53 @@ def test_the_chart_labels_its_axis_marks_validation_and_refuses_log_of_zero():
     acc = [("full_acc_0", x, x / 500)]
     assert log_refused(acc) and not log_refused([("loss", x, 1 / (x + 1))])
     assert plot(acc, 78, 8, log=True)[0].plain == plot(acc, 78, 8)[0].plain
+
+
+async def test_the_training_tab_is_the_selected_stages(tmp_path, stagekit):
+    """evaluate selected: its own view (vLLM's acceptance per checkpoint, the
+    chosen draft's line, bars per category and per position); another stage
+    selected: train's view again, in the family it had; at 120x40 a second
+    plot under the first."""
+    stagekit({"train": "events:200"})
+    cli("run", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs/t")
+    w = EventWriter(rd.events_path("evaluate"))
+    for step, al, rates in ((99, 2.4, (0.8, 0.4, 0.2)), (199, 3.1, (0.9, 0.7, 0.5))):
+        w.emit("metric", step=step, epoch=str(step // 100), split="eval", values={
+            "acceptance_length": al, "acceptance_estimate": al - 0.1,
+            **{f"accept_rate_{k}": r for k, r in enumerate(rates)}})
+    w.emit("stage_finished", status="succeeded", duration_s=9.0, summary={
+        "checkpoint": "1", "acceptance_length": 3.1, "acceptance_estimate": 3.0,
+        "per_position": [0.9, 0.7, 0.5], "per_category": {"coding": 3.4, "writing": 2.8},
+        "measured": 2, "speedup": 1.2})
+    w.close()
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await select_stage(app, pilot, "train")
+        await pilot.press("4", "a")                   # train's view, accuracy
+        chart = app.query_one(LossChart)
+        assert chart.metric == "full_acc" and not app.query_one("#categories").display
+        await select_stage(app, pilot, "evaluate")
+        await pilot.pause(0.3)
+        assert chart.metric == "acceptance"
+        tabs = app.query_one("#tabs")
+        assert str(tabs.get_tab("training").label) == "4 Training: evaluate"
+        info = str(app.query_one("#train-info").render())
+        assert "acceptance 3.10 (vLLM), est. 3.00 · checkpoint 1, best of 2 · decode 1.20x" in info
+        bars = str(app.query_one("#categories").render())
+        assert app.query_one("#categories").display
+        assert re.search(r"writing\s+█+\S*\s+2\.80", bars) and "position 3" in bars, bars
+        drawn = str(chart.render())
+        assert "measured (vLLM)" in drawn and "estimate (train)" in drawn
+        assert "vLLM's accept rate per draft position" in drawn   # room for two at 120x40
+        await select_stage(app, pilot, "vocab")
+        await pilot.pause(0.3)
+        assert chart.metric == "full_acc"                # the family train's view had
+        assert str(tabs.get_tab("training").label) == "4 Training: train"
+    async with make_app(rd, tmp_path).run_test(size=(80, 24)) as pilot:
+        app = pilot.app
+        await select_stage(app, pilot, "evaluate")
+        await pilot.press("4")
+        await pilot.pause(0.3)
+        drawn = str(app.query_one(LossChart).render())
+        assert "measured (vLLM)" in drawn and "accept rate per draft position" not in drawn

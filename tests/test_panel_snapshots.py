@@ -6,6 +6,7 @@ numbers come from the simulated source (seeded), host stats are left out.
 """
 
 import json
+import shutil
 
 import pytest
 
@@ -54,6 +55,77 @@ def snap_run(tmp_path_factory):
     return rd
 
 
+def emit(rd, stage, **ev):
+    """An event as the stage writes it, at a fixed time."""
+    with open(rd.events_path(stage), "a") as f:
+        f.write(json.dumps({"t": T0 + 90, **ev}) + "\n")
+
+
+def copy_run(rd, tmp_path):
+    """The finished run copied (a state of its own, the module's run unchanged)."""
+    to = tmp_path / "runs" / rd.path.name
+    shutil.copytree(rd.path, to)
+    return RunDir(to)
+
+
+def evaluated(rd):
+    """evaluate's figures as its stage writes them: two checkpoints measured
+    (vLLM's acceptance, train's estimate, accept rate per position), the best
+    chosen, two categories, a baseline."""
+    for step, ckpt, al, est, rates in ((199, "0", 2.41, 2.30, (0.78, 0.43, 0.20)),
+                                       (399, "1", 3.12, 2.96, (0.90, 0.71, 0.51))):
+        emit(rd, "evaluate", type="metric", step=step, epoch=ckpt, split="eval", values={
+            "acceptance_length": al, "acceptance_estimate": est,
+            **{f"accept_rate_{k}": r for k, r in enumerate(rates)}})
+    emit(rd, "evaluate", type="stage_finished", status="succeeded", duration_s=61.0, summary={
+        "checkpoint": "1", "acceptance_length": 3.12, "acceptance_estimate": 2.96,
+        "per_position": [0.90, 0.71, 0.51], "per_category": {"coding": 3.41, "writing": 2.77},
+        "worst_category": {"category": "writing", "acceptance_length": 2.77},
+        "decode_tokens_per_s": 212.0, "baseline_tokens_per_s": 180.0, "speedup": 1.178,
+        "prompts": 40, "measured": 2, "target_loads": 2})
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A run whose extract is at work: a real stage process (a gate the
+    fixture lets go at the end), earlier stages' times fixed. Each test
+    writes the extract events it shows over the stage's own."""
+    from tests.helpers import stagekit_config, wait_for
+    tmp = tmp_path_factory.mktemp("live")
+    stagekit_config(tmp, {"extract": "gate"})
+    cli("run", cwd=tmp, check=0)
+    rd = RunDir(tmp / "runs" / "t")
+    wait_for(lambda: rd.read_state()["stages"]["extract"].get("pid"), timeout=60,
+             what="extract running")
+    for i, name in enumerate(("regenerate", "prepare")):
+        rd.update_stage(name, started_at=T0 + 10 * i, ended_at=T0 + 10 * i + 7.5)
+    rd.update_stage("extract", started_at=T0 + 30)
+    own = rd.events_path("extract").read_text()
+    for name in ("regenerate", "prepare"):
+        rd.log_path(name).write_text(f"===== eagle-panel: {name} attempt 1 =====\nok\n")
+    try:
+        yield rd, own
+    finally:
+        (rd.stage_dir("extract") / "gate").write_text("go")
+        wait_for(lambda: rd.read_state()["stages"]["evaluate"]["status"] == "succeeded",
+                 timeout=60, what="the run to finish")
+
+
+def extract_events(rd, own, *events, monkeypatch):
+    """extract's events: its own, then these; the launcher's pid in the
+    title fixed (it is a new process each run)."""
+    from pipeline.run.snapshot import RunReader
+    monkeypatch.setattr(RunReader, "driver_pid", lambda self: 4242)
+    rd.events_path("extract").write_text(own)
+    for ev in events:
+        emit(rd, "extract", **ev)
+
+
+def server(k, phase, elapsed, **more):
+    return {"type": "server", "phase": phase, "server": k, "label": "vLLM server",
+            "elapsed_s": elapsed, "phase_s": 5.0, "last_line": "", "devices": [k], **more}
+
+
 def app_for(rd):
     return PanelApp(rd, telemetry=Telemetry(simulate=8, host=False), interval=3600,
                     clock=lambda: T0 + 100)
@@ -69,8 +141,9 @@ def test_gpu_screen(snap_compare, snap_run, size):
     assert snap_compare(app_for(snap_run), press=["2"], terminal_size=size)
 
 
-def test_training_screen(snap_compare, snap_run):
-    assert snap_compare(app_for(snap_run), press=["4"], terminal_size=(80, 24))
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_training_screen(snap_compare, snap_run, size):
+    assert snap_compare(app_for(snap_run), press=["4"], terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
@@ -119,3 +192,61 @@ def test_doctor_screen(snap_compare, snap_run, size):
             findings=doctor_findings(), heading="1 blocking check; nothing was started"))
         await pilot.pause()
     assert snap_compare(app_for(snap_run), run_before=refused_launch, terminal_size=size)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_a_server_start(snap_compare, live_run, size, monkeypatch):
+    """extract's two servers starting: one loading its shards against the
+    last start's time here, one still starting; each its own line."""
+    rd, own = live_run
+    extract_events(rd, own,
+                   server(0, "loading weights", 250.0, done=3, total=16, expected_s=660.0),
+                   server(1, "starting", 20.0, expected_s=660.0), monkeypatch=monkeypatch)
+    rd.log_path("extract").write_text("===== eagle-panel: extract attempt 1 =====\n"
+                                      "extract: starting 2 vLLM servers (data parallel)\n")
+    assert snap_compare(app_for(rd), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_extracting(snap_compare, live_run, size, monkeypatch):
+    """Both servers up, samples going through them: the row's progress and
+    ETA, the KV tab's live use."""
+    rd, own = live_run
+    kv = {"type": "kv_cache", "num_blocks": 3276, "block_size": 16, "bytes_per_block": 262_656,
+          "total_bytes": 860_461_056, "tokens_capacity": 52_416, "max_concurrency": 26.0,
+          "max_model_len": 2016, "groups": [], "source": "log+metrics", "pool": "CPU",
+          "cache_dtype": "auto"}
+    extract_events(rd, own, server(0, "ready", 41.0), server(1, "ready", 43.0),
+                   {**kv, "server": 0, "devices": [0]}, {**kv, "server": 1, "devices": [1]},
+                   {"type": "progress", "done": 1200, "total": 4000, "unit": "samples",
+                    "rate": 21.5, "eta_s": 130.2}, monkeypatch=monkeypatch)
+    rd.log_path("extract").write_text("===== eagle-panel: extract attempt 1 =====\n"
+                                      + "".join(f"extract: {k * 100}/4000 samples\n"
+                                                for k in range(13)))
+    assert snap_compare(app_for(rd), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_cancelled_with_a_checkpoint(snap_compare, snap_run, tmp_path, size):
+    """train cancelled: the step it stopped at, the checkpoint a resume takes
+    and the key that resumes, in the detail under the table."""
+    rd = copy_run(snap_run, tmp_path)
+    state = rd.read_state()
+    state["stages"]["train"].update(status="cancelled", exit_code=130)
+    state["stages"]["evaluate"].update(status="pending", started_at=None, ended_at=None)
+    atomic_write_json(rd.state_path, state)
+    emit(rd, "train", type="stage_finished", status="cancelled", duration_s=80.0, summary={
+        "resume_checkpoint": str(rd.stage_dir("train") / "out/checkpoints/1"),
+        "checkpoint_step": 317, "resume": "eagle-panel resume (r in the panel)"})
+    assert snap_compare(app_for(rd), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_finished_with_acceptance(snap_compare, snap_run, tmp_path, size):
+    """evaluate selected, the Training tab: its own view, vLLM's measured
+    acceptance per checkpoint beside train's estimate with a legend, the
+    chosen draft's bars per category and per position (at 120x40 the accept
+    rates per position per checkpoint under it)."""
+    rd = copy_run(snap_run, tmp_path)
+    evaluated(rd)
+    assert snap_compare(app_for(rd), press=["4"], terminal_size=size)

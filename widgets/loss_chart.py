@@ -128,9 +128,18 @@ def plot(series: list[tuple], width: int, height: int,
     return lines
 
 
+# The family drawn under the selected one when the chart has the rows for two
+# (120x40 and up): loss over accuracy, accuracy over loss, and under vLLM's
+# measured acceptance per checkpoint its accept rate per draft position.
+COMPANION = {"loss": "full_acc", "full_acc": "loss", "acceptance": "accept_rate"}
+TWO_PLOTS_AT = 24   # rows the chart needs before it draws two families
+
+
 class LossChart(Widget):
     """Loss or accuracy per TTT step (train, and validation when shown), or
-    the acceptance length vLLM measured per checkpoint beside train's estimate."""
+    the acceptance length vLLM measured per checkpoint beside train's estimate
+    (evaluate's view). With room for two (TWO_PLOTS_AT rows), the companion
+    family is drawn under the selected one."""
 
     DEFAULT_CSS = "LossChart { height: 1fr; min-height: 6; }"
     smooth = reactive(False)
@@ -159,49 +168,74 @@ class LossChart(Widget):
             self._seen_version, self._drawn_at = version, now
             self.refresh()
 
-    def series(self):
+    def series(self, family: str | None = None):
+        """The series of one family (default: the selected metric)."""
+        family = family or self.metric
         m = self.metrics
-        if self.metric == "acceptance":   # a value per checkpoint: marked points
-            return [(label, np.frombuffer(m[("eval", k)].x, dtype=float),
-                     np.frombuffer(m[("eval", k)].y, dtype=float), "points")
+
+        def arrays(key):
+            s = m[key]
+            return np.frombuffer(s.x, dtype=float), np.frombuffer(s.y, dtype=float)
+        if family == "acceptance":   # a value per checkpoint: marked points
+            return [(label, *arrays(("eval", k)), "points")
                     for k, label in (("acceptance_length", "measured (vLLM)"),
                                      ("acceptance_estimate", "estimate (train)"))
                     if ("eval", k) in m]
-        keys = [k for sp, k in m if sp == self.split and k.startswith(self.metric + "_")
-                and k[len(self.metric) + 1:].isdigit()]
+        if family == "accept_rate":  # vLLM's, per draft position, per checkpoint
+            keys = sorted((k for sp, k in m if sp == "eval" and k.startswith("accept_rate_")
+                           and k[len("accept_rate_"):].isdigit()),
+                          key=lambda k: int(k.rsplit("_", 1)[1]))
+            return [(f"position {int(k.rsplit('_', 1)[1]) + 1}", *arrays(("eval", k)),
+                     "points") for k in keys]
+        keys = [k for sp, k in m if sp == self.split and k.startswith(family + "_")
+                and k[len(family) + 1:].isdigit()]
         keys.sort(key=lambda k: int(k.rsplit("_", 1)[1]))
-        if self.metric == "loss" and (self.split, "loss") in m:
+        if family == "loss" and (self.split, "loss") in m:
             keys = ["loss", *keys]
-        out = []
-        for k in keys:
-            s = m[(self.split, k)]
-            out.append((k, np.frombuffer(s.x, dtype=float), np.frombuffer(s.y, dtype=float)))
+        out = [(k, *arrays((self.split, k))) for k in keys]
         # over the train curves, validation's figure of the family (once an epoch)
         val = next((k for k in keys if ("val", k) in m), None) if self.split == "train" else None
         if val is not None:
-            s = m[("val", val)]
-            out.append((f"val {val}", np.frombuffer(s.x, dtype=float),
-                        np.frombuffer(s.y, dtype=float), "points"))
+            out.append((f"val {val}", *arrays(("val", val)), "points"))
         return out
+
+    def title(self, family: str) -> Text:
+        return Text({"acceptance": "acceptance length per checkpoint",
+                     "accept_rate": "vLLM's accept rate per draft position"}.get(
+                         family, f"{self.split} {family}"), style="bold")
+
+    def body(self, family: str, series, width: int, height: int) -> list[Text]:
+        if family == "acceptance" and not series:
+            return [Text("no acceptance measured yet: evaluate measures each checkpoint "
+                         "through vLLM (train's estimate comes with it)", style="dim")]
+        per_step = family in ("loss", "full_acc")   # EMA and log: for the training curves
+        return plot(series, width, max(2, height), self.smooth and per_step,
+                    self.log and per_step)
 
     def render(self):
         w, h = self.size.width, self.size.height
         series = self.series()
-        title = Text("acceptance length per checkpoint" if self.metric == "acceptance"
-                     else f"{self.split} {self.metric}", style="bold")
+        title = self.title(self.metric)
         refused = self.log and log_refused(series)
         log_state = "off (values reach 0)" if refused else "on" if self.log else "off"
         hints = (f"   [e] EMA {'on' if self.smooth else 'off'}  [o] log {log_state}"
                  "  [a] loss/acc/acceptance  [v] train/val")
-        if title.cell_len + len(hints) > w:   # one line at 80 columns: the keys only
+        if self.metric == "acceptance":   # points per checkpoint: no EMA, log or split
+            hints = "   [a] loss/acc/acceptance"
+        elif title.cell_len + len(hints) > w:   # one line at 80 columns: the keys only
             hints = (f"  e:EMA {'on' if self.smooth else 'off'} o:log {log_state} "
                      "a:metric v:split")
         title.append(hints, style="dim")
         title.truncate(max(1, w), overflow="ellipsis")
-        if self.metric == "acceptance" and not series:
-            body = [Text("no acceptance measured yet: evaluate measures each checkpoint "
-                         "through vLLM (train's estimate comes with it)", style="dim")]
-        else:
-            body = plot(series, w, max(2, h - 1), self.smooth, self.log)
-        lines = [title, *body]
+        companion = COMPANION.get(self.metric)
+        below = self.series(companion) if companion and h >= TWO_PLOTS_AT else []
+        if not below:
+            lines = [title, *self.body(self.metric, series, w, h - 1)]
+            return Text("\n").join(lines[:h])
+        top_h = (h - 1) // 2          # the selected family's rows, then a blank and the other
+        low_title = self.title(companion)
+        low_title.truncate(max(1, w), overflow="ellipsis")
+        lines = [title, *self.body(self.metric, series, w, top_h - 1)][:top_h]
+        lines += [Text("")] * (top_h - len(lines)) + [Text(""), low_title]
+        lines += self.body(companion, below, w, h - len(lines))
         return Text("\n").join(lines[:h])

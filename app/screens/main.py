@@ -100,6 +100,8 @@ class MainScreen(Screen):
         self._log_server: str | None = None   # None: the stage's own log
         self._user_moved_at = -1e9
         self._following: str | None = None
+        self._training_owner: str | None = None   # whose view the Training tab shows
+        self._train_metric = "loss"               # train's family while evaluate's shows
 
     def compose(self) -> ComposeResult:
         yield QuietStatic(id="title")
@@ -299,39 +301,42 @@ class MainScreen(Screen):
             t.append(info.status, style="dim")
         self.query_one("#detail", QuietStatic).set(t)
 
+    def training_view_of(self) -> str:
+        """Whose view the Training tab shows: evaluate's (what vLLM measured
+        per checkpoint) while evaluate is selected, else train's."""
+        return "evaluate" if self.selected_stage == "evaluate" else "train"
+
+    def follow_training_view(self) -> None:
+        """A selection that changes whose view the Training tab shows turns
+        the chart to that stage's family: acceptance for evaluate, and back
+        to the family train's view had."""
+        chart, owner = self.query_one(LossChart), self.training_view_of()
+        if owner == self._training_owner:
+            return
+        self._training_owner = owner
+        if owner == "evaluate":
+            self._train_metric = chart.metric if chart.metric != "acceptance" else "loss"
+            chart.metric = "acceptance"
+        elif chart.metric == "acceptance":
+            chart.metric = self._train_metric
+        self.query_one(TabbedContent).get_tab("training").label = f"4 Training: {owner}"
+
     def draw_training(self, force: bool = False) -> None:
+        self.follow_training_view()
         view = self.view
-        train = view.stages["train"]
-        t = Text()
-        prog = train.progress
-        if prog:
-            t.append(f"step {prog.done}/{prog.total}  ")
-            if prog.epoch is not None:
-                t.append(fmt.epoch_text(prog.epoch, prog.event.get("epochs")) + "  ")
-            if prog.event.get("phase") and train.running:
-                t.append(f"{prog.event['phase']}  ", style="cyan")
-            elif prog.eta_s is not None and train.running:
-                t.append(f"ETA {fmt.duration(prog.eta_s)}  ")
-        lr = view.metrics.get(("train", "lr")) or view.metrics.get(("train", "lr_AdamW"))
-        if lr is not None and len(lr):
-            t.append(f"lr {lr.y[-1]:.2e}  ")
-        acc, measured = view.acceptance_estimate(), view.acceptance_measured()
-        if measured is not None:
-            t.append(f"acceptance length {measured:.2f} (vLLM)", style="bold green")
-            if acc is not None:
-                t.append(f", est. {acc:.2f}")
-        elif acc is not None:
-            t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
-        if not t.plain:
-            t.append("no training yet", style="dim")
-        if train.online:
-            t.append("\n")
-            t.append_text(online_text(train.online))
+        summary = view.stages["evaluate"].summary
+        if self._training_owner == "evaluate":
+            t = evaluate_info(view)
+        else:
+            t = train_info(view)
         self.query_one("#train-info", QuietStatic).set(t)
         self.query_one(LossChart).update_from(view.metrics, view.version, force)
-        summary = view.stages["evaluate"].summary
-        self.query_one(CategoryBars).update_from(summary.get("per_category"),
-                                                 len(summary.get("per_position") or []) or 3)
+        bars = self.query_one(CategoryBars)
+        if self._training_owner == "evaluate":
+            per_position = summary.get("per_position") or []
+            bars.update_from(summary.get("per_category"), len(per_position) or 3, per_position)
+        else:
+            bars.display = False   # evaluate's figures: in evaluate's view
 
     def show_log(self, stage: str) -> None:
         """The stage's own log (selecting a stage always comes back to it)."""
@@ -386,8 +391,11 @@ class MainScreen(Screen):
             return
         self.show_log(event.stage)
         self.draw_detail()
-        if self.query_one(TabbedContent).active == "kv":
+        active = self.query_one(TabbedContent).active
+        if active == "kv":
             self.draw_kv()   # the KV tab is the selected stage's
+        elif active == "training":
+            self.draw_training(force=True)   # train's view or evaluate's
 
     # -- keys that change what is shown ------------------------------------------------
     def action_tab(self, tab: str) -> None:
@@ -454,6 +462,66 @@ class MainScreen(Screen):
         """g on the GPU tab: one cluster node's GPUs, the next, then all nodes."""
         if self.query_one(TabbedContent).active == "gpus" and self.sample is not None:
             self.query_one(GpuTable).drill_next()
+
+
+def train_info(view) -> Text:
+    """Train's line over its chart: step, epoch, phase or ETA, lr, estimate."""
+    train = view.stages["train"]
+    t = Text()
+    prog = train.progress
+    if prog:
+        t.append(f"step {prog.done}/{prog.total}  ")
+        if prog.epoch is not None:
+            t.append(fmt.epoch_text(prog.epoch, prog.event.get("epochs")) + "  ")
+        if prog.event.get("phase") and train.running:
+            t.append(f"{prog.event['phase']}  ", style="cyan")
+        elif prog.eta_s is not None and train.running:
+            t.append(f"ETA {fmt.duration(prog.eta_s)}  ")
+    lr = view.metrics.get(("train", "lr")) or view.metrics.get(("train", "lr_AdamW"))
+    if lr is not None and len(lr):
+        t.append(f"lr {lr.y[-1]:.2e}  ")
+    acc, measured = view.acceptance_estimate(), view.acceptance_measured()
+    if measured is not None:
+        t.append(f"acceptance length {measured:.2f} (vLLM)", style="bold green")
+        if acc is not None:
+            t.append(f", est. {acc:.2f}")
+    elif acc is not None:
+        t.append(f"acceptance length (est.) {acc:.2f}", style="bold green")
+    if not t.plain:
+        t.append("no training yet", style="dim")
+    if train.online:
+        t.append("\n")
+        t.append_text(online_text(train.online))
+    return t
+
+
+def evaluate_info(view) -> Text:
+    """Evaluate's line over its chart: the chosen draft's measured acceptance
+    (the checkpoint, how it was chosen, the estimate beside it, the speedup),
+    or how far the measuring is."""
+    ev = view.stages["evaluate"]
+    s, t = ev.summary, Text()
+    if s.get("acceptance_length") is not None:
+        # one line at 80 columns: "acceptance 3.12 (vLLM), est. 2.96 · checkpoint 1, best
+        # of 2 · decode 1.18x"
+        t.append(f"acceptance {s['acceptance_length']:.2f} (vLLM)", style="bold green")
+        if s.get("acceptance_estimate") is not None:
+            t.append(f", est. {s['acceptance_estimate']:.2f}")
+        t.append(f" · checkpoint {s.get('checkpoint')}")
+        if s.get("measured", 0) > 1:
+            t.append(f", best of {s['measured']}", style="dim")
+        if s.get("speedup"):
+            t.append(f" · decode {s['speedup']:.2f}x")
+        return t
+    if ev.progress and ev.running:
+        t.append(f"{fmt.progress_text(ev.progress.event)}  ")
+    measured = view.acceptance_measured()
+    if measured is not None:
+        t.append(f"last measured {measured:.2f} (vLLM)", style="bold green")
+    if not t.plain:
+        t.append(f"evaluate: {ev.status}; it measures each checkpoint through vLLM",
+                 style="dim")
+    return t
 
 
 def all_done(view) -> bool:
