@@ -250,6 +250,10 @@ class TrainSection(StageCommon):
     # the draft's decoder layer: "auto" = MLA for an MLA target where the vLLM in
     # use needs it (its CPU build), else speculators' Llama layer
     draft_layer: str = "auto"
+    # the draft algorithm (pipeline.train.algorithms): "eagle3", "eagle3.1",
+    # "peagle", "dflash"; block_size: DFlash's block (0 = speculators' 16)
+    algorithm: str = "eagle3"
+    block_size: int = 0
     seed: int = 0
     log_freq: int = 1
 
@@ -549,6 +553,7 @@ def _check_choices(cfg: Config, src: str) -> None:
             "stages.train.attention", src)
     _choice(cfg.stages.train.draft_layer, ("auto", "llama", "mla"),
             "stages.train.draft_layer", src)
+    _check_algorithm(cfg, src)
     _choice(cfg.pipeline.mode, ("offline", "online", "hybrid"), "pipeline.mode", src)
     _choice(cfg.cluster.scheduler, SCHEDULERS, "cluster.scheduler", src)
     for i, name in enumerate(cfg.tracking.loggers):
@@ -568,6 +573,40 @@ def _check_choices(cfg: Config, src: str) -> None:
     if not (which.startswith("best-") and which[5:].isdigit() and int(which[5:]) > 0):
         # best-K: the K checkpoints train estimates best, the draft named by vLLM's measure
         _choice(which, ("last", "best", "all", "best-3"), "stages.evaluate.checkpoints", src)
+
+
+def _check_algorithm(cfg: Config, src: str) -> None:
+    """`[stages.train] algorithm` and what it combines with: one speculators
+    trains but the pipeline does not run yet is refused with why; a draft
+    layer only EAGLE-3's draft has; DFlash's block against the tokens
+    evaluate asks vLLM to draft."""
+    from pipeline.train.algorithms import ALGORITHMS, NOT_YET
+    train, where = cfg.stages.train, "stages.train.algorithm"
+    if train.algorithm in NOT_YET:
+        raise ConfigError(f"{src}: `{where}` = {train.algorithm!r}: speculators trains it, but "
+                          f"eagle-panel does not run it yet: {NOT_YET[train.algorithm]}. Set "
+                          f"`{where}` to one of {', '.join(map(repr, ALGORITHMS))}.")
+    _choice(train.algorithm, tuple(ALGORITHMS), where, src)
+    algo = ALGORITHMS[train.algorithm]
+    if not algo.eagle3_layers and train.draft_layer == "mla":
+        raise ConfigError(f'{src}: `stages.train.draft_layer` = "mla" with `{where}` = '
+                          f"{train.algorithm!r}: the MLA draft layer is EAGLE-3's; "
+                          f"{train.algorithm} trains its own layers (speculators' qwen3). Set "
+                          '`draft_layer = "auto"`, or algorithm = "eagle3" / "eagle3.1".')
+    if train.block_size < 0 or train.block_size == 1:
+        raise ConfigError(f"{src}: `stages.train.block_size` = {train.block_size}: 0 (speculators' "
+                          "default, 16) or a block of 2 or more tokens.")
+    if train.block_size and train.algorithm != "dflash":
+        raise ConfigError(f"{src}: `stages.train.block_size` is DFlash's; `{where}` is "
+                          f"{train.algorithm!r}. Remove `block_size`, or set algorithm = "
+                          '"dflash".')
+    k = cfg.stages.evaluate.num_speculative_tokens
+    block = train.block_size or 16
+    if train.algorithm == "dflash" and k > block - 1:
+        raise ConfigError(f"{src}: `stages.evaluate.num_speculative_tokens` = {k} with DFlash's "
+                          f"block of {block}: vLLM drafts at most block_size - 1 = {block - 1} "
+                          "tokens from it. Lower num_speculative_tokens, or raise "
+                          "`stages.train.block_size`.")
 
 
 def _check_ranges(cfg: Config, src: str) -> None:

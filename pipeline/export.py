@@ -24,6 +24,7 @@ from pipeline.run import provenance
 from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import read_run
 from pipeline.stage_graph import STAGE_NAMES
+from pipeline.train import algorithms
 from pipeline.vllm import contract
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.serve_command import rewritten
@@ -155,8 +156,11 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
     """README.md for the exported draft, from the run's records only."""
     target, revision, pin = target_of(rd)
     vers = versions(provenance.read_run(rd.path, STAGE_NAMES))
-    lines = ["---", "tags:", "- speculative-decoding", "- eagle3", "- eagle-panel", "---", "",
-             f"# EAGLE-3 draft from eagle-panel run `{rd.id}` (checkpoint {name})", "",
+    algo = algorithms.ALGORITHMS.get(str(results.get("algorithm") or "eagle3"),
+                                     algorithms.get("eagle3"))   # (results before 35: EAGLE-3)
+    lines = ["---", "tags:", "- speculative-decoding", f"- {algo.speculator_type}",
+             "- eagle-panel", "---", "",
+             f"# {algo.display} draft from eagle-panel run `{rd.id}` (checkpoint {name})", "",
              *measured_lines(results, m), "", "## Serve it", "", "```",
              served_command(m["vllm_command"], to, pin), "```", ""]
     # the CPU build's own KV-cache default asks for most of the machine's memory

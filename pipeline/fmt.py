@@ -197,8 +197,11 @@ def summary_text(stage: str, s: dict) -> str:
             parts.append(f"validation loss {s['val_loss']:.3f}")
         if s.get("acceptance_length") is not None:
             parts.append(f"acceptance {s['acceptance_length']:.2f} estimated")
-        if s.get("draft_layer"):
-            parts.append(f"{s['draft_layer']} draft")
+        algo = s.get("algorithm") or "eagle3"
+        layer = s.get("draft_layer")
+        if algo != "eagle3" or layer:   # "llama draft", "eagle3.1 mla draft", "peagle draft"
+            parts.append(" ".join(w for w in (algo if algo != "eagle3" else "",
+                                              layer if layer != "own" else "") if w) + " draft")
         parts.append(f"checkpoint {str(s['checkpoint']).rstrip('/').rsplit('/', 1)[-1]}")
         if s.get("stopped"):
             parts.append(f"stopped: {s['stopped']}")

@@ -17,6 +17,10 @@ def test_summaries_read_like_sentences():
     assert summary_text("train", {"checkpoint": "/r/train/out/checkpoints/5", "val_loss": 1.2345,
                                   "acceptance_length": 2.99, "draft_layer": "mla"}) == \
         "validation loss 1.234 · acceptance 2.99 estimated · mla draft · checkpoint 5"
+    for algo, layer, says in (("eagle3.1", "mla", "eagle3.1 mla draft"),
+                              ("peagle", "own", "peagle draft")):   # the algorithm named
+        assert summary_text("train", {
+            "checkpoint": "/c/0", "algorithm": algo, "draft_layer": layer}) == f"{says} · checkpoint 0"
     # a stage it does not know: its figures, rounded
     assert summary_text("other", {"a": 1.23456, "b": 123456, "c": "text"}) == "a 1.23 · b 123,456"
 

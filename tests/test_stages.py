@@ -400,10 +400,11 @@ def test_loss_and_attention_choices():
         train.choose_attention("flex", "cpu")
 
 
-def test_acceptance_length_estimate():
+def test_acceptance_length_estimate():   # (every algorithm's: tests/test_algorithms.py)
     val = {"full_acc_0": 0.8, "full_acc_1": 0.6, "full_acc_2": 0.4}
-    assert train.acceptance_length(val, 3) == pytest.approx(2.8)
-    assert train.acceptance_length({"full_acc_0": 0.5}, 3) is None
+    from pipeline.train.val_metrics import acceptance_length
+    assert acceptance_length(val, 3) == pytest.approx(2.8)
+    assert acceptance_length({"full_acc_0": 0.5}, 3) is None
 
 
 def test_tiny_model_is_deterministic(tmp_path, monkeypatch):

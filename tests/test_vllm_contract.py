@@ -220,7 +220,8 @@ ARGV_BUILDERS = ("pipeline/vllm/server.py", "pipeline/vllm/target_flags.py",
                  "pipeline/extract/vllm_server.py", "<snippet>")
 # Other programs' flags that vLLM's parser spells the same.
 OTHER_PROGRAMS = {
-    "pipeline/stages/train.py": {"--seed", "--trust-remote-code", "--nnodes"},   # speculators, torchrun
+    "pipeline/stages/train.py": {"--seed", "--trust-remote-code", "--nnodes",   # speculators, torchrun
+                                   "--block-size"},                           # (DFlash's block)
     "bench/vs_speculators.py": {"--model", "--seed", "--trust-remote-code"},     # speculators' CLI
 }
 

@@ -242,6 +242,9 @@ class RunSnapshot:
         full accuracies (while it trains)."""
         if self.stages["train"].summary.get("acceptance_length") is not None:
             return self.stages["train"].summary["acceptance_length"]
+        own = self.metrics.get(("val", "acceptance_estimate"))   # the algorithm's (train's)
+        if own is not None and len(own):
+            return own.y[-1]
         accs = sorted(k for sp, k in self.metrics if sp == "val" and k.startswith("full_acc_"))
         if not accs:
             return None

@@ -8,7 +8,8 @@ trained draft — the number users judge a draft by (train only estimates it).
 For each checkpoint ([stages.evaluate] checkpoints = last | best | all |
 best-K, the K that train's estimates rank highest): a
 `vllm serve <target>` with `--speculative-config {"method": "eagle3",
-"model": <checkpoint>, "num_speculative_tokens": k}` (an MLA draft: its vLLM
+"model": <checkpoint>, "num_speculative_tokens": k}` (the method and keys are
+the [stages.train] algorithm's: pipeline.train.algorithms; an MLA draft: its vLLM
 export, train/out/vllm/<epoch>/, which vLLM loads as
 `Eagle3DeepseekV2ForCausalLM`; made here, in evaluate/out/vllm/, if train's
 is missing or older than the checkpoint), the held-out prompts
@@ -45,6 +46,7 @@ from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
 from pipeline.run.rundir import atomic_write_bytes
 from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
+from pipeline.train import algorithms
 from pipeline.train.checkpoints import complete_checkpoint
 from pipeline.train.mla_draft import (
     CPU_CONFLICT,
@@ -53,7 +55,7 @@ from pipeline.train.mla_draft import (
     is_mla_checkpoint,
     validate_export,
 )
-from pipeline.train.val_metrics import acceptance_length, read_val_metrics
+from pipeline.train.val_metrics import estimate, read_val_metrics
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm import draft_swap
 from pipeline.vllm.acceptance import by_category, from_counters, from_response, worst_prompts
@@ -239,8 +241,13 @@ class Evaluation:
         per_request = parser_has(env.source(), vs.FLAG_PER_REQUEST_SPEC_METRICS)
         self.per_request = "response" if per_request else "metrics"
         # one server for every checkpoint, the next drafts swapped in (None: it can)
+        self.algorithm = algorithms.get(ctx.cfg.stages.train.algorithm)
         self.swap_why = draft_swap.unavailable(env.source(), self.sec.server_args) \
             if self.sec.one_server else "[stages.evaluate] one_server = false"
+        if self.swap_why is None and not self.algorithm.eagle3_layers:
+            # the swap loads through an EAGLE-3 drafter's load_weights (swap_worker):
+            # another algorithm's drafter is served fresh per checkpoint
+            self.swap_why = f"the draft swap is EAGLE-3's; {self.algorithm.name} is served fresh"
         self.live = None          # the draft's server, kept up for the next checkpoint
         self.live_served: Path | None = None   # the folder it loaded its drafter from
         self.starts, self.swaps, self.restarts = 0, 0, []   # target loads; why each restart
@@ -253,8 +260,10 @@ class Evaluation:
         sec = self.sec
         flags = list(sec.server_args)
         if draft is not None:
-            spec = {"method": "eagle3", "model": str(served or draft),
-                    "num_speculative_tokens": sec.num_speculative_tokens, **(spec_extra or {})}
+            algo = self.algorithm   # how vLLM serves it: eagle3, + parallel_drafting, dflash
+            spec = {"method": algo.vllm_method, "model": str(served or draft),
+                    "num_speculative_tokens": sec.num_speculative_tokens, **algo.vllm_extra,
+                    **(spec_extra or {})}
             flags = [vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec)] + flags
             if self.per_request == "response":
                 flags = [vs.FLAG_PER_REQUEST_SPEC_METRICS, "summary"] + flags
@@ -456,7 +465,7 @@ def measure_checkpoint(ctx: StageContext, ev: Evaluation, n: int, ckpt: Path) ->
                    mla_draft_backend(ctx, ev.env) if served != ckpt else None)
     m["served"] = str(served)
     m["checkpoint"] = ident
-    m["estimate"] = acceptance_length(read_val_metrics(ckpt), ctx.cfg.stages.train.ttt_steps)
+    m["estimate"] = estimate(ctx.cfg, read_val_metrics(ckpt))
     if m["estimate"] is None:   # no val_metrics.json there: the epoch's figure from train
         m["estimate"] = train_estimates(ctx.out_of("train") / "plateau.json").get(ckpt.name)
     ctx.write_json(path, m)
@@ -656,7 +665,8 @@ def report(ctx: StageContext, results: dict, last_name: str, baseline: dict | No
               "max_tokens": sec.max_tokens, "seed": sec.seed,
               "prompts": "validation split" if not sec.prompts else sec.prompts,
               "per_category": cats, "worst_prompts": last.get("worst_prompts") or [],
-              "min_acceptance": sec.min_acceptance or None, "servers": servers}
+              "min_acceptance": sec.min_acceptance or None, "servers": servers,
+              "algorithm": ctx.cfg.stages.train.algorithm}
     ctx.write_json(ctx.out / "results.json", out)
     ctx.events.emit(EventType.ARTIFACT, path=str(ctx.out / "results.json"), kind="evaluation",
                     bytes=(ctx.out / "results.json").stat().st_size)

@@ -39,6 +39,7 @@ from pipeline.model import fp8
 from pipeline.run import provenance
 from pipeline.run.events import EventType
 from pipeline.run.stage_context import Interrupted, StageContext, StageError, main_for
+from pipeline.train import algorithms
 from pipeline.train.budget import Budget, PlateauWatch, packed_steps, plan
 from pipeline.train.checkpoints import complete_checkpoint, latest_checkpoint, set_aside_incomplete
 from pipeline.train.in_process import MetricEvents, plateau_watch, run_in_process
@@ -50,7 +51,7 @@ from pipeline.train.mla_draft import (
     sync_exports,
     validate_export,
 )
-from pipeline.train.val_metrics import acceptance_length, read_val_metrics
+from pipeline.train.val_metrics import estimate, read_val_metrics
 
 # torch versions whose compile of speculators' fused loss is known to fail
 # (docs/FACTS.md: torch 2.11, "ListVariable(...) is already tracked for mutation").
@@ -119,6 +120,7 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
         "--loss-implementation", loss, "--draft-attn-impl", attn,
         "--on-missing", "raise", "--num-workers", str(dataloader_workers(ctx)),
     ]
+    argv += algorithm_flags(sec)
     if sec.max_steps:
         argv += ["--max-steps", str(sec.max_steps)]
     if ctx.cfg.model.trust_remote_code:
@@ -130,6 +132,18 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
         # speculators' own FP8 loader: files dequantized as they are read
         argv += ["--hidden-states-backend", "fp8"]
     return argv
+
+
+def algorithm_flags(sec) -> list[str]:
+    """`--speculator-type` and the flags `[stages.train] algorithm` needs
+    (pipeline.train.algorithms); nothing for plain EAGLE-3, speculators' default."""
+    algo = algorithms.get(sec.algorithm)
+    if algo.name == "eagle3":
+        return []
+    flags = ["--speculator-type", algo.speculator_type, *algo.flags]
+    if algo.name == "dflash" and sec.block_size:
+        flags += ["--block-size", str(sec.block_size)]
+    return flags
 
 
 def stores_fp8(ctx: StageContext, meta: dict) -> bool:
@@ -226,9 +240,13 @@ def online_meta(ctx: StageContext) -> dict:
 
 
 def resolve_draft_layer(ctx: StageContext) -> DraftChoice:
-    """`[stages.train] draft_layer` for this run's target and vLLM."""
+    """`[stages.train] draft_layer` for this run's target and vLLM (an
+    algorithm with its own draft layers keeps them: the MLA layer is EAGLE-3's)."""
     from pipeline.model.info import read_model
     from pipeline.vllm.environment import probe
+    algo = algorithms.get(ctx.section.algorithm)
+    if not algo.eagle3_layers:
+        return DraftChoice("own", f"{algo.name} trains its own draft layers (speculators')")
     info = read_model(ctx.cfg.target_path())
     return choose_draft_layer(ctx.section.draft_layer, info.mla,
                               lambda: probe(ctx.cfg.vllm_python()))
@@ -399,13 +417,14 @@ def summarize(ctx: StageContext, training: Training, save_path: Path, final: Pat
     provenance it carries, and the stage's summary."""
     metrics, servers, choice = training.metrics, training.servers, training.choice
     val = dict(metrics.last_val) if metrics and metrics.last_val else read_val_metrics(final)
-    accept = acceptance_length(val, ctx.section.ttt_steps)
+    accept = estimate(ctx.cfg, val)
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
     summary = {"checkpoint": str(final),
                "acceptance_length": accept, "val_loss": val.get("loss"),
                "train_argv": "speculators train " + " ".join(training.argv),
-               "draft_layer": choice.layer, "draft_layer_reason": choice.why}
+               "draft_layer": choice.layer, "draft_layer_reason": choice.why,
+               "algorithm": ctx.section.algorithm}
     if choice.layer == "mla":
         summary.update(vllm_export(ctx, save_path, final))
     provenance.copy_to(final)   # the draft carries what made it

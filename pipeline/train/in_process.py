@@ -18,7 +18,7 @@ from pipeline.run.events import EventType
 from pipeline.run.stage_context import Interrupted, StageContext, StageError
 from pipeline.train.budget import PlateauWatch
 from pipeline.train.mla_draft import draft_config_path
-from pipeline.train.val_metrics import acceptance_length
+from pipeline.train.val_metrics import estimate
 
 
 def plateau_watch(ctx: StageContext) -> PlateauWatch:
@@ -107,6 +107,9 @@ class MetricEvents(logging.Handler):
     def _val(self, msg, step):
         values = {(k[:-6] if k.endswith("_epoch") else k): v for k, v in msg["val"].items()
                   if isinstance(v, (int, float))}
+        est = estimate(self.ctx.cfg, values)   # the algorithm's own (the panel's curve)
+        if est is not None:
+            values["acceptance_estimate"] = est
         self.last_val = values
         self.ctx.events.emit(EventType.METRIC, step=step, epoch=msg.get("epoch"), split="val",
                              values=values)
@@ -126,7 +129,7 @@ class Hooks:
         if self.plateau is None or not val:
             return False
         clean = {(k[:-6] if k.endswith("_epoch") else k): v for k, v in val.items()}
-        reason = self.plateau.update(epoch, acceptance_length(clean, self.ctx.section.ttt_steps))
+        reason = self.plateau.update(epoch, estimate(self.ctx.cfg, clean))
         if reason:
             print(f"train: {reason}: stopping (checkpoint {epoch} is complete)", flush=True)
         return reason is not None

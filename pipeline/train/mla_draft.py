@@ -61,7 +61,7 @@ COPIED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attentio
 
 @dataclass
 class DraftChoice:
-    layer: str   # "llama" | "mla"
+    layer: str   # "llama" | "mla" | "own" (an algorithm's own layers)
     why: str
 
 

@@ -13,12 +13,11 @@ import json
 from pathlib import Path
 
 
-def acceptance_length(val: dict, ttt_steps: int) -> float | None:
-    """Greedy-chain estimate: 1 + sum over draft positions of full accuracy."""
-    accs = [val.get(f"full_acc_{i}") for i in range(ttt_steps)]
-    if not accs or any(a is None for a in accs):
-        return None
-    return 1.0 + sum(accs)
+def acceptance_length(val: dict, positions: int, algorithm: str = "eagle3") -> float | None:
+    """The acceptance length `algorithm`'s own validation metrics estimate
+    over `positions` draft tokens (pipeline.train.algorithms); None without them."""
+    from pipeline.train.algorithms import get
+    return get(algorithm).estimate(val, positions)
 
 
 def read_val_metrics(folder: Path) -> dict:
@@ -30,3 +29,14 @@ def read_val_metrics(folder: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return {(k[:-6] if k.endswith("_epoch") else k): v for k, v in raw.items()}
+
+
+def estimate(cfg, val: dict) -> float | None:
+    """The run's estimate from `val`: its algorithm's, over the positions it
+    is measured at (EAGLE-3's TTT steps; a parallel or block draft's served
+    `num_speculative_tokens`)."""
+    from pipeline.train.algorithms import get
+    train = cfg.stages.train
+    algo = get(train.algorithm)
+    positions = train.ttt_steps if algo.eagle3_layers else cfg.stages.evaluate.num_speculative_tokens
+    return algo.estimate(val, positions)

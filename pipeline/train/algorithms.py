@@ -1,0 +1,114 @@
+"""The draft algorithms speculators trains, as the pipeline runs each one.
+
+One table, read by every stage that differs by algorithm, so that adding
+one is a row here and not a branch in each stage: train's flags
+(`--speculator-type` and the combinations speculators requires), which
+draft layers it can use, whether the vocab stage's reduced vocabulary
+applies, the acceptance estimate from its own validation metrics, and how
+vLLM serves it (the speculative config's method and keys).
+
+Read from speculators 0.9 (train/config/schema.py, models/*/metrics.py) and
+vLLM 0.32's speculators adapter:
+- EAGLE-3 logs `full_acc_{i}`: position i right with every earlier one
+  right, so 1 + sum is the greedy chain's expected acceptance.
+- EAGLE-3.1 is EAGLE-3 with a per-layer norm of each aux hidden state
+  (`--fc-norm`) and the post-norm state fed across TTT steps
+  (`--norm-output`, eagle3's default); `--fc-norm` and the default
+  `--norm-before-fc` are mutually exclusive ("norm_before_fc and fc_norm
+  are mutually exclusive", models/eagle3/config.py): it needs
+  `--no-norm-before-fc`. vLLM serves it as `eagle3`.
+- P-EAGLE drafts every position in one pass (`parallel_drafting`) and logs
+  only `position_{d}_acc`, each depth's accuracy on its own: the chain's
+  estimate is their running product, which understates (errors correlate).
+- DFlash logs `eal`, the mean accepted run per block plus the bonus token,
+  over its block of `block_size` - 1 drafted tokens; vLLM serves at most
+  that many (`num_speculative_tokens` <= block_size - 1).
+The others speculators trains are named with why the pipeline does not run
+them yet, so a config naming one is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+
+def eagle3_estimate(val: Mapping, positions: int) -> float | None:
+    """Greedy-chain estimate: 1 + the full accuracies of the first `positions`."""
+    accs = [val.get(f"full_acc_{i}") for i in range(positions)]
+    if not accs or any(a is None for a in accs):
+        return None
+    return 1.0 + sum(accs)
+
+
+def chain_of_depths(val: Mapping, positions: int) -> float | None:
+    """1 + sum over k of the product of depth 0..k's own accuracies
+    (`position_{d}_acc`): P-EAGLE's chain, assuming independent depths."""
+    accs = [val.get(f"position_{d}_acc") for d in range(positions)]
+    if not accs or any(a is None for a in accs):
+        return None
+    total, run = 1.0, 1.0
+    for a in accs:
+        run *= a
+        total += run
+    return total
+
+
+def expected_accepted_length(val: Mapping, positions: int) -> float | None:
+    """DFlash's own `eal` (its block's accepted run + the bonus token),
+    never more than `positions` drafted tokens can give."""
+    eal = val.get("eal")
+    if eal is None or (isinstance(eal, float) and math.isnan(eal)):
+        return None
+    return min(float(eal), 1.0 + positions)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str                      # [stages.train] algorithm
+    speculator_type: str           # speculators' --speculator-type
+    estimate: Callable[[Mapping, int], float | None]
+    estimate_from: str             # the metrics it reads, in words (docs, summaries)
+    flags: tuple[str, ...] = ()    # more `speculators train` flags it needs
+    vllm_method: str = "eagle3"    # the speculative config's method
+    vllm_extra: Mapping = field(default_factory=dict)   # more speculative-config keys
+    eagle3_layers: bool = True     # its draft is EAGLE-3's (a Llama or our MLA layer)
+    full_vocab: bool = False       # the draft predicts the target's whole vocabulary
+    title: str = ""                # as papers and model cards write it
+
+    @property
+    def display(self) -> str:
+        return self.title or self.name
+
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("eagle3", "eagle3", eagle3_estimate, "1 + sum of full_acc_i", title="EAGLE-3"),
+    Algorithm("eagle3.1", "eagle3", eagle3_estimate, "1 + sum of full_acc_i",
+              flags=("--fc-norm", "--no-norm-before-fc", "--norm-output"), title="EAGLE-3.1"),
+    Algorithm("peagle", "peagle", chain_of_depths,
+              "1 + sum of running products of position_d_acc (depths taken as independent)",
+              vllm_extra={"parallel_drafting": True}, eagle3_layers=False, title="P-EAGLE"),
+    Algorithm("dflash", "dflash", expected_accepted_length,
+              "speculators' eal (accepted run per block + the bonus token)",
+              vllm_method="dflash", eagle3_layers=False, title="DFlash"),
+)}
+
+# What speculators also trains, and why the pipeline does not run it yet.
+NOT_YET: dict[str, str] = {
+    "dspark": "vLLM's CPU build cannot serve it (\"Model Runner V1 does not support: dspark "
+              "speculative decoding\"; its V2 runner needs Triton), and the pipeline has no "
+              "skip-evaluate path for it yet",
+    "dflash2": "it needs the target's whole vocabulary (no vocab stage) and vLLM's V1 runner "
+               "does not serve candidate-head drafts",
+    "xpress": "it logs no acceptance estimate to stop or choose by",
+    "mtp": "it fine-tunes the target's own MTP module and logs losses only",
+}
+
+
+def get(name: str) -> Algorithm:
+    return ALGORITHMS[name]
+
+
+def choices_text() -> str:
+    return ", ".join(f'"{n}"' for n in ALGORITHMS)
