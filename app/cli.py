@@ -397,6 +397,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from pipeline import compare
+    if len(args.runs) < 1:
+        print("eagle-panel: compare: name the runs to compare (ids or paths; "
+              "`eagle-panel runs` lists them).", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    rows = [compare.row(resolve_run(args, name)) for name in args.runs]
+    print(compare.as_json(rows) if args.json else compare.table(rows))
+    return 0
+
+
 def cmd_ui(args) -> int:
     try:
         from app.panel import run_panel
@@ -509,6 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", metavar="N", help="a measured checkpoint (default: the one "
                                                      "evaluate chose)")
     p.add_argument("--to", metavar="DIR", help="where (default: <run>/export/<checkpoint>)")
+
+    p = command("compare", cmd_compare, "runs side by side: algorithm, draft size, train time, "
+                                        "disk, validation loss, vLLM's acceptance, decode speed")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="run ids or paths")
+    p.add_argument("--json", action="store_true", help="the figures as JSON")
 
     p = sub.add_parser("ui", parents=[common, panel], help="open the panel",
                        description="open the panel")

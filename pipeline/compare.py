@@ -1,0 +1,147 @@
+"""`eagle-panel compare RUN [RUN ...]`: runs side by side, one row each.
+
+A user choosing a draft algorithm (or a draft size, or a budget) for their
+own target wants their own numbers, not a paper's: the same target and data
+trained several ways, each measured by vLLM. Every figure here comes from
+what the runs already recorded (each stage's summary through the read model,
+the checkpoint's safetensors header for its size), so comparing costs no
+GPU and never writes into a run. Runs of different targets or data are
+compared anyway, with the difference said above the table: that is a
+mistake a user should see, not a refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import textwrap
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tomllib
+
+from pipeline import fmt
+from pipeline.run.rundir import RunDir
+from pipeline.run.snapshot import read_run
+
+
+@dataclass
+class Row:
+    run: str
+    algorithm: str
+    draft: str                        # "llama", "mla", "own"
+    parameters: int | None            # the draft checkpoint's (its safetensors header)
+    train_s: float | None
+    disk_bytes: int                   # the whole run folder
+    val_loss: float | None
+    estimate: float | None            # train's
+    acceptance: float | None          # vLLM's, of the draft evaluate chose
+    per_position: list = field(default_factory=list)
+    per_category: dict = field(default_factory=dict)
+    decode_tokens_per_s: float | None = None
+    baseline_tokens_per_s: float | None = None
+    target: str = ""
+    data: str = ""
+
+
+def parameters(checkpoint: Path) -> int | None:
+    """Elements in a checkpoint's safetensors files, from their JSON headers
+    (the tensors themselves are not read)."""
+    total, seen = 0, False
+    for f in sorted(checkpoint.glob("*.safetensors")) if checkpoint.is_dir() else []:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, t in header.items():
+            if name != "__metadata__":
+                count = 1
+                for d in t["shape"]:
+                    count *= d
+                total += count
+        seen = True
+    return total if seen else None
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def config_of(rd: RunDir) -> dict:
+    try:
+        return tomllib.loads((rd.path / "config.toml").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def row(rd: RunDir) -> Row:
+    """One run's figures, from its records."""
+    snap = read_run(rd)
+    train, ev = snap.stages["train"], snap.stages["evaluate"]
+    ts, es = dict(train.summary), dict(ev.summary)
+    cfg = config_of(rd)
+    ckpt = Path(ts["checkpoint"]) if ts.get("checkpoint") else None
+    return Row(
+        run=rd.id, algorithm=ts.get("algorithm") or cfg.get("stages", {}).get("train", {}).get(
+            "algorithm", "eagle3"),
+        draft=ts.get("draft_layer") or "", parameters=parameters(ckpt) if ckpt else None,
+        train_s=train.seconds() or (train.finished or {}).get("duration_s"),
+        disk_bytes=disk_bytes(rd.path), val_loss=ts.get("val_loss"),
+        estimate=ts.get("acceptance_length"), acceptance=es.get("acceptance_length"),
+        per_position=list(es.get("per_position") or []),
+        per_category=dict(es.get("per_category") or {}),
+        decode_tokens_per_s=es.get("decode_tokens_per_s"),
+        baseline_tokens_per_s=es.get("baseline_tokens_per_s"),
+        target=str(cfg.get("model", {}).get("target", "builtin:tiny-llama")),
+        data=str(cfg.get("data", {}).get("path", "(bundled)")))
+
+
+def differences(rows: list[Row]) -> list[str]:
+    """What the runs do not share that a comparison assumes they do."""
+    out = []
+    for what in ("target", "data"):
+        values = {getattr(r, what) for r in rows}
+        if len(values) > 1:
+            out.append(f"the runs differ in {what}: " + ", ".join(
+                f"{r.run} {getattr(r, what)}" for r in rows))
+    return out
+
+
+def _num(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as text (80 columns: a line per run, its per-position and
+    per-category figures on the line under it)."""
+    head = (f"{'run':<12} {'algorithm':<8} {'draft':<5} {'params':>6} {'train':>6} "
+            f"{'disk':>6} {'val':>6} {'est.':>4} {'vLLM':>4} {'tok/s':>9}")
+    lines = [*(f"note: {d}" for d in differences(rows)), head]
+    for r in rows:
+        params = "-" if r.parameters is None else f"{r.parameters / 1e6:.2f}M"
+        speed = "-" if r.decode_tokens_per_s is None else (
+            f"{r.decode_tokens_per_s:.0f}" + (f"/{r.baseline_tokens_per_s:.0f}"
+                                              if r.baseline_tokens_per_s else ""))
+        lines.append(f"{r.run[:12]:<12} {r.algorithm[:8]:<8} {r.draft[:5]:<5} {params:>6} "
+                     f"{fmt.duration(r.train_s) if r.train_s else '-':>6} "
+                     f"{r.disk_bytes / 2**20:>4.0f}MB {_num(r.val_loss, '.3f'):>6} "
+                     f"{_num(r.estimate, '.2f'):>4} {_num(r.acceptance, '.2f'):>4} {speed:>9}")
+        detail = []
+        if r.per_position:
+            detail.append("per position " + " ".join(f"{p:.2f}" for p in r.per_position))
+        if r.per_category:
+            detail.append(" ".join(f"{c} {v:.2f}" for c, v in sorted(r.per_category.items())))
+        if detail:
+            lines.append(textwrap.fill(" · ".join(detail), 80, initial_indent=" " * 13,
+                                       subsequent_indent=" " * 13))
+    lines.append(textwrap.fill(
+        "params: the draft checkpoint's; train: every attempt; disk: the run folder; val: "
+        "last validation loss; est.: train's acceptance estimate; vLLM: the acceptance length "
+        "vLLM measured; tok/s: decode with the draft/without", 80))
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Row]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=1)
