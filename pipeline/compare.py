@@ -21,6 +21,7 @@ from pathlib import Path
 import tomllib
 
 from pipeline import fmt
+from pipeline.config import BUILTIN_MODEL
 from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import read_run
 
@@ -94,7 +95,7 @@ def row(rd: RunDir) -> Row:
         per_category=dict(es.get("per_category") or {}),
         decode_tokens_per_s=es.get("decode_tokens_per_s"),
         baseline_tokens_per_s=es.get("baseline_tokens_per_s"),
-        target=str(cfg.get("model", {}).get("target", "builtin:tiny-llama")),
+        target=str(cfg.get("model", {}).get("target", BUILTIN_MODEL)),
         data=str(cfg.get("data", {}).get("path", "(bundled)")))
 
 
@@ -117,7 +118,7 @@ def table(rows: list[Row]) -> str:
     """The rows as text (80 columns: a line per run, its per-position and
     per-category figures on the line under it)."""
     head = (f"{'run':<12} {'algorithm':<8} {'draft':<5} {'params':>6} {'train':>6} "
-            f"{'disk':>6} {'val':>6} {'est.':>4} {'vLLM':>4} {'tok/s':>9}")
+            f"{'disk':>8} {'val':>6} {'est.':>4} {'vLLM':>4} {'tok/s':>9}")
     lines = [*(f"note: {d}" for d in differences(rows)), head]
     for r in rows:
         params = "-" if r.parameters is None else f"{r.parameters / 1e6:.2f}M"
@@ -126,7 +127,7 @@ def table(rows: list[Row]) -> str:
                                               if r.baseline_tokens_per_s else ""))
         lines.append(f"{r.run[:12]:<12} {r.algorithm[:8]:<8} {r.draft[:5]:<5} {params:>6} "
                      f"{fmt.duration(r.train_s) if r.train_s else '-':>6} "
-                     f"{r.disk_bytes / 2**20:>4.0f}MB {_num(r.val_loss, '.3f'):>6} "
+                     f"{fmt.nbytes(r.disk_bytes).replace(' ', ''):>8} {_num(r.val_loss, '.3f'):>6} "
                      f"{_num(r.estimate, '.2f'):>4} {_num(r.acceptance, '.2f'):>4} {speed:>9}")
         detail = []
         if r.per_position:

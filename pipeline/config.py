@@ -225,7 +225,7 @@ class TrainSection(StageCommon):
     lr: float = 1e-4
     num_layers: int = 1
     total_seq_len: int = 0
-    target_steps: int = 1200
+    target_steps: int = 2400
     min_steps: int = 300
     max_epochs: int = 20
     patience: int = 2
@@ -391,6 +391,8 @@ class Config:
         d = dataclasses.asdict(self.stage(name))
         if not d.get("override_server_flags", True):
             del d["override_server_flags"]   # decides no output: a run's fingerprints stay
+        if name == "train" and d.get("algorithm") == "eagle3" and not d.get("block_size"):
+            del d["algorithm"], d["block_size"]   # their defaults: runs made before them stay
         if name == "train" and d.get("epochs") and d.get("total_seq_len"):
             for key in BUDGET_KEYS:   # the budget rule is off: they decide nothing, and a
                 d.pop(key, None)      # run made before they existed stays up to date
@@ -580,6 +582,7 @@ def _check_algorithm(cfg: Config, src: str) -> None:
     trains but the pipeline does not run yet is refused with why; a draft
     layer only EAGLE-3's draft has; DFlash's block against the tokens
     evaluate asks vLLM to draft."""
+    from pipeline.train import algorithms
     from pipeline.train.algorithms import ALGORITHMS, NOT_YET
     train, where = cfg.stages.train, "stages.train.algorithm"
     if train.algorithm in NOT_YET:
@@ -588,11 +591,12 @@ def _check_algorithm(cfg: Config, src: str) -> None:
                           f"`{where}` to one of {', '.join(map(repr, ALGORITHMS))}.")
     _choice(train.algorithm, tuple(ALGORITHMS), where, src)
     algo = ALGORITHMS[train.algorithm]
-    if not algo.eagle3_layers and train.draft_layer == "mla":
-        raise ConfigError(f'{src}: `stages.train.draft_layer` = "mla" with `{where}` = '
-                          f"{train.algorithm!r}: the MLA draft layer is EAGLE-3's; "
-                          f"{train.algorithm} trains its own layers (speculators' qwen3). Set "
-                          '`draft_layer = "auto"`, or algorithm = "eagle3" / "eagle3.1".')
+    if not algo.eagle3_layers and train.draft_layer != "auto":
+        raise ConfigError(f"{src}: `stages.train.draft_layer` = {train.draft_layer!r} with "
+                          f"`{where}` = {train.algorithm!r}: the llama and MLA draft layers are "
+                          f"EAGLE-3's; {train.algorithm} trains its own layers (speculators' "
+                          'qwen3). Remove `draft_layer` (or set it to "auto"), or set algorithm '
+                          '= "eagle3" / "eagle3.1".')
     if train.block_size < 0 or train.block_size == 1:
         raise ConfigError(f"{src}: `stages.train.block_size` = {train.block_size}: 0 (speculators' "
                           "default, 16) or a block of 2 or more tokens.")
@@ -602,7 +606,12 @@ def _check_algorithm(cfg: Config, src: str) -> None:
                           '"dflash".')
     k = cfg.stages.evaluate.num_speculative_tokens
     block = train.block_size or 16
-    if train.algorithm == "dflash" and k > block - 1:
+    if train.algorithm == "peagle" and k > algorithms.PEAGLE_DEPTHS:
+        raise ConfigError(f"{src}: `stages.evaluate.num_speculative_tokens` = {k} with P-EAGLE: "
+                          f"speculators trains {algorithms.PEAGLE_DEPTHS} depths, so positions "
+                          "past them have no metrics and no estimate. Set num_speculative_tokens "
+                          f"<= {algorithms.PEAGLE_DEPTHS}.")
+    if train.algorithm == "dflash" and k > block - 1 and cfg.enabled("evaluate"):
         raise ConfigError(f"{src}: `stages.evaluate.num_speculative_tokens` = {k} with DFlash's "
                           f"block of {block}: vLLM drafts at most block_size - 1 = {block - 1} "
                           "tokens from it. Lower num_speculative_tokens, or raise "

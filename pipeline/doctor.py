@@ -472,7 +472,9 @@ def check_shapes(x: Inputs) -> list[Finding]:
                            f"({m.vocab_size:,} tokens)",
                            f"set draft_vocab_size <= {m.vocab_size} (32000 is usual)"))
     k, ttt = sec.evaluate.num_speculative_tokens, sec.train.ttt_steps
-    if cfg.enabled("evaluate") and k > ttt:
+    from pipeline.train.algorithms import get
+    eagle3_draft = get(sec.train.algorithm).eagle3_layers   # (the others: checked at load)
+    if cfg.enabled("evaluate") and k > ttt and eagle3_draft:
         out.append(Finding("shapes", WARN, f"[stages.evaluate] num_speculative_tokens = {k} but "
                            f"the draft is trained for {ttt} ([stages.train] ttt_steps): "
                            "positions past it are drafted untrained and mostly rejected",
@@ -571,6 +573,9 @@ def draft_layer(cfg: Config, m: ModelInfo, cpu_build: bool) -> str:
     """The draft's decoder layer [stages.train] draft_layer resolves to (the
     train stage decides the same way): "auto" is MLA for an MLA target where
     vLLM's CPU build serves it, else a Llama layer."""
+    from pipeline.train.algorithms import get
+    if not get(cfg.stages.train.algorithm).eagle3_layers:
+        return "own"   # speculators' qwen3 layers: GQA attention, whatever the target
     want = getattr(cfg.stages.train, "draft_layer", "auto")
     if want != "auto":
         return want
@@ -617,6 +622,9 @@ def check_cpu_attention(x: Inputs) -> list[Finding]:
                                f"this {'MLA' if m.mla else 'GQA/MHA'} target with a "
                                f"{layer}-layer draft: no common KV block size ({blocks} vs "
                                f"{draft_blocks})",
+                               f"[stages.train] algorithm {x.cfg.stages.train.algorithm} trains "
+                               "GQA layers: use eagle3 or eagle3.1 (an MLA draft for an MLA "
+                               "target), or evaluate on a GPU build" if layer == "own" else
                                'set [stages.train] draft_layer = "auto" (an MLA draft for '
                                "an MLA target)"))
         elif not out:

@@ -320,6 +320,11 @@ def test_what_broke_on_the_cpu_build_is_predicted(tmp_path):
     assert not [f for f in by_area(got, "compat") if f.key == "moe_routing"]
     (ok,) = by_area(findings(""), "attention")
     assert ok.level == doctor.OK and "mla-layer draft" in ok.message
+    # P-EAGLE's and DFlash's own (qwen3, GQA) layers pair no better: blocked before launch
+    for algo in ("peagle", "dflash"):
+        (own,) = by_area(findings(f'[stages.train]\nalgorithm = "{algo}"\n'), "attention")
+        assert own.level == doctor.BLOCK and "own-layer draft" in own.message, own
+        assert f"algorithm {algo} trains GQA layers" in own.fix
 
 
 # -- hybrid and sparse targets (Kimi-K3, Kimi-Linear, Qwen3-Next, GLM-MoE-DSA, DeepSeek-V4) --

@@ -97,7 +97,7 @@ async def test_force_rerun_of_the_selected_stage(tmp_path, stagekit):
 
 
 async def test_panel_closed_and_reopened_sees_the_same_live_run(tmp_path, stagekit):
-    stagekit({"prepare": "sleep:6"})
+    stagekit({"prepare": "sleep:12"})   # still running when the second panel opens, under load
     cli("run", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs/t")
     async with make_app(rd, tmp_path).run_test(size=(80, 24)) as pilot:
@@ -111,7 +111,7 @@ async def test_panel_closed_and_reopened_sees_the_same_live_run(tmp_path, stagek
         app = pilot.app
         assert cell(app, "prepare", "Status") == "running"
         await until(pilot, lambda: cell(app, "prepare", "Progress") != first, what="advance")
-        await until(pilot, lambda: cell(app, "train", "Status") == "succeeded", timeout=40,
+        await until(pilot, lambda: cell(app, "train", "Status") == "succeeded", timeout=60,
                     what="pipeline end")
 
 

@@ -143,7 +143,9 @@ def test_gpu_screen(snap_compare, snap_run, size):
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
 def test_training_screen(snap_compare, snap_run, size):
-    assert snap_compare(app_for(snap_run), press=["4"], terminal_size=size)
+    """train selected (up from evaluate, where the run ended): its curves,
+    and at 160x48 the accuracy under the loss."""
+    assert snap_compare(app_for(snap_run), press=["up", "4"], terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])

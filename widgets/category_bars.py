@@ -23,7 +23,7 @@ def bars(per_category: Mapping[str, float], k: int, width: int,
     """Lines `math        ███████▌    2.41` (the lowest in red), then
     `position 1  ████████▌  0.93` per draft position."""
     t = Text("acceptance per category" if per_category else "", style="bold")
-    name_w = min(12, max([len(c) for c in per_category] + [len("position 1")]))
+    name_w = min(12, max([len(c) for c in per_category] + [len(f"position {len(per_position)}")]))
     bar_w = max(4, width - name_w - 7)
     low = min(per_category.values()) if per_category else None
     for cat, al in sorted(per_category.items(), key=lambda kv: kv[1]):

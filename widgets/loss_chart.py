@@ -190,6 +190,10 @@ class LossChart(Widget):
         keys = [k for sp, k in m if sp == self.split and k.startswith(family + "_")
                 and k[len(family) + 1:].isdigit()]
         keys.sort(key=lambda k: int(k.rsplit("_", 1)[1]))
+        if family == "full_acc" and not keys:   # P-EAGLE, DFlash: each depth's own accuracy
+            keys = sorted((k for sp, k in m if sp == self.split and k.startswith("position_")
+                           and k.endswith("_acc") and k[9:-4].isdigit()),
+                          key=lambda k: int(k[9:-4]))
         if family == "loss" and (self.split, "loss") in m:
             keys = ["loss", *keys]
         out = [(k, *arrays((self.split, k))) for k in keys]

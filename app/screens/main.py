@@ -101,7 +101,7 @@ class MainScreen(Screen):
         self._user_moved_at = -1e9
         self._following: str | None = None
         self._training_owner: str | None = None   # whose view the Training tab shows
-        self._train_metric = "loss"               # train's family while evaluate's shows
+        self._train_metric: str | None = None     # train's family while evaluate's shows
 
     def compose(self) -> ComposeResult:
         yield QuietStatic(id="title")
@@ -315,9 +315,9 @@ class MainScreen(Screen):
             return
         self._training_owner = owner
         if owner == "evaluate":
-            self._train_metric = chart.metric if chart.metric != "acceptance" else "loss"
+            self._train_metric = chart.metric   # (acceptance too, if train's view had it)
             chart.metric = "acceptance"
-        elif chart.metric == "acceptance":
+        elif self._train_metric is not None:
             chart.metric = self._train_metric
         self.query_one(TabbedContent).get_tab("training").label = f"4 Training: {owner}"
 
@@ -391,6 +391,7 @@ class MainScreen(Screen):
             return
         self.show_log(event.stage)
         self.draw_detail()
+        self.follow_training_view()   # the tab's name and family, whichever tab shows
         active = self.query_one(TabbedContent).active
         if active == "kv":
             self.draw_kv()   # the KV tab is the selected stage's
@@ -446,6 +447,7 @@ class MainScreen(Screen):
             log.find(log.search)
 
     def action_chart(self, what: str) -> None:
+        self.follow_training_view()   # the key changes the view of the selected stage
         chart = self.query_one(LossChart)
         if what == "smooth":
             chart.smooth = not chart.smooth

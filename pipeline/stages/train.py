@@ -424,7 +424,8 @@ def summarize(ctx: StageContext, training: Training, save_path: Path, final: Pat
                "acceptance_length": accept, "val_loss": val.get("loss"),
                "train_argv": "speculators train " + " ".join(training.argv),
                "draft_layer": choice.layer, "draft_layer_reason": choice.why,
-               "algorithm": ctx.section.algorithm}
+               "algorithm": ctx.section.algorithm,
+               "estimate_from": algorithms.get(ctx.section.algorithm).estimate_from}
     if choice.layer == "mla":
         summary.update(vllm_export(ctx, save_path, final))
     provenance.copy_to(final)   # the draft carries what made it

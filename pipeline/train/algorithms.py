@@ -3,8 +3,7 @@
 One table, read by every stage that differs by algorithm, so that adding
 one is a row here and not a branch in each stage: train's flags
 (`--speculator-type` and the combinations speculators requires), which
-draft layers it can use, whether the vocab stage's reduced vocabulary
-applies, the acceptance estimate from its own validation metrics, and how
+draft layers it can use, the acceptance estimate from its own validation metrics, and how
 vLLM serves it (the speculative config's method and keys).
 
 Read from speculators 0.9 (train/config/schema.py, models/*/metrics.py) and
@@ -22,7 +21,12 @@ vLLM 0.32's speculators adapter:
   estimate is their running product, which understates (errors correlate).
 - DFlash logs `eal`, the mean accepted run per block plus the bonus token,
   over its block of `block_size` - 1 drafted tokens; vLLM serves at most
-  that many (`num_speculative_tokens` <= block_size - 1).
+  that many (`num_speculative_tokens` <= block_size - 1). Its
+  `position_{p}_acc` count from 1. speculators' DFlash recipe has 5
+  layers; `[stages.train] num_layers` (default 1) is passed to every
+  algorithm, so set it for DFlash.
+- P-EAGLE trains `num_depths` depths (speculators' default 8, not passed):
+  an estimate over more served tokens than that has no metrics.
 The others speculators trains are named with why the pipeline does not run
 them yet, so a config naming one is refused with the reason.
 """
@@ -56,12 +60,17 @@ def chain_of_depths(val: Mapping, positions: int) -> float | None:
 
 
 def expected_accepted_length(val: Mapping, positions: int) -> float | None:
-    """DFlash's own `eal` (its block's accepted run + the bonus token),
-    never more than `positions` drafted tokens can give."""
+    """DFlash's own `eal`: its block's accepted run + the bonus token, over
+    the block's `block_size` - 1 drafted tokens. Not capped at 1 + the
+    tokens vLLM is asked to draft: a cap would flatten every later epoch to
+    the same figure (the plateau stop would end a draft still improving,
+    and the first epoch at the cap would be chosen); where vLLM drafts
+    fewer than the block, it measures less. Below 1 (speculators' figure
+    for an empty validation set) is no estimate."""
     eal = val.get("eal")
-    if eal is None or (isinstance(eal, float) and math.isnan(eal)):
+    if eal is None or (isinstance(eal, float) and math.isnan(eal)) or eal < 1.0:
         return None
-    return min(float(eal), 1.0 + positions)
+    return float(eal)
 
 
 @dataclass(frozen=True)
@@ -69,12 +78,11 @@ class Algorithm:
     name: str                      # [stages.train] algorithm
     speculator_type: str           # speculators' --speculator-type
     estimate: Callable[[Mapping, int], float | None]
-    estimate_from: str             # the metrics it reads, in words (docs, summaries)
+    estimate_from: str             # the metrics it reads, in words (train's summary)
     flags: tuple[str, ...] = ()    # more `speculators train` flags it needs
     vllm_method: str = "eagle3"    # the speculative config's method
     vllm_extra: Mapping = field(default_factory=dict)   # more speculative-config keys
     eagle3_layers: bool = True     # its draft is EAGLE-3's (a Llama or our MLA layer)
-    full_vocab: bool = False       # the draft predicts the target's whole vocabulary
     title: str = ""                # as papers and model cards write it
 
     @property
@@ -86,13 +94,15 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("eagle3", "eagle3", eagle3_estimate, "1 + sum of full_acc_i", title="EAGLE-3"),
     Algorithm("eagle3.1", "eagle3", eagle3_estimate, "1 + sum of full_acc_i",
               flags=("--fc-norm", "--no-norm-before-fc", "--norm-output"), title="EAGLE-3.1"),
-    Algorithm("peagle", "peagle", chain_of_depths,
+    Algorithm("peagle", "peagle", chain_of_depths,   # (depths: speculators' default 8)
               "1 + sum of running products of position_d_acc (depths taken as independent)",
               vllm_extra={"parallel_drafting": True}, eagle3_layers=False, title="P-EAGLE"),
     Algorithm("dflash", "dflash", expected_accepted_length,
               "speculators' eal (accepted run per block + the bonus token)",
               vllm_method="dflash", eagle3_layers=False, title="DFlash"),
 )}
+
+PEAGLE_DEPTHS = 8   # speculators' --num-depths default (not passed): the depths it logs
 
 # What speculators also trains, and why the pipeline does not run it yet.
 NOT_YET: dict[str, str] = {
@@ -108,7 +118,3 @@ NOT_YET: dict[str, str] = {
 
 def get(name: str) -> Algorithm:
     return ALGORITHMS[name]
-
-
-def choices_text() -> str:
-    return ", ".join(f'"{n}"' for n in ALGORITHMS)

@@ -132,7 +132,7 @@ def plural(n: int, word: str) -> str:
 
 
 def plan(lengths: Sequence[int], *, epochs: int = 0, total_seq_len: int = 0,
-         target_steps: int = 1200, min_steps: int = 300, max_epochs: int = 20,
+         target_steps: int = 2400, min_steps: int = 300, max_epochs: int = 20,
          count: Callable[[int], int] | None = None) -> Budget:
     """The training budget for samples of these token `lengths` (the train
     split). `epochs` / `total_seq_len` > 0 are the user's and kept; 0 lets

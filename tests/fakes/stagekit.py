@@ -91,7 +91,8 @@ def main() -> int:
             time.sleep(max(0.0, 0.02 - (time.time() - t)))
     elif action == "events":
         for i in range(int(arg)):
-            ev.emit("metric", step=i, epoch=0, values={"loss": 1.0 / (i + 1)}, split="train")
+            ev.emit("metric", step=i, epoch=0, split="train",   # a loss and an accuracy curve
+                    values={"loss": 1.0 / (i + 1), "full_acc_0": i / (i + 20)})
     elif action == "graceful":
         def stop(*_):
             (rd.stage_dir(stage) / "graceful.marker").write_text("saved")
