@@ -499,7 +499,8 @@ def test_auto_on_this_machine_with_its_vllm(tmp_path):
         pytest.skip(f"no vLLM in {VLLM_VENV}")
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **TARGET}))
-    ctx = SimpleNamespace(section=SimpleNamespace(draft_layer="auto"), cfg=SimpleNamespace(
-        target_path=lambda: tmp_path, vllm_python=lambda: str(py)))
+    ctx = SimpleNamespace(section=SimpleNamespace(draft_layer="auto", algorithm="eagle3"),
+                          cfg=SimpleNamespace(target_path=lambda: tmp_path,
+                                              vllm_python=lambda: str(py)))
     choice = resolve_draft_layer(ctx)
     assert choice.layer == ("mla" if env.cpu_build else "llama"), choice

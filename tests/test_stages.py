@@ -518,3 +518,29 @@ def test_a_builtin_targets_build_says_how_far_its_training_is(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert [ln.split(",")[0] for ln in lines] == [
         f"built-in target tiny-test: training step {n}/8" for n in (2, 4, 6)], lines
+
+
+def test_a_killed_writers_temp_files_are_removed_and_nothing_else(tmp_path):
+    """What a SIGKILL mid-write leaves in hidden_states/: our `.hs_N....tmp`
+    and safetensors' own `.tmp` + 6 characters (its Rust writer goes through
+    one: seen left by a killed extract); finished files and others stay."""
+    import threading
+    t = {"a": torch.zeros(50_000_000)}
+    seen, done = set(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(p.name for p in tmp_path.iterdir())
+    w = threading.Thread(target=watch)
+    w.start()
+    from safetensors.torch import save_file
+    save_file(t, str(tmp_path / ".hs_0.safetensors.1.2.tmp"))
+    done.set()
+    w.join()
+    assert any(hsfile.SAFETENSORS_TEMP.fullmatch(n) for n in seen), seen   # its own temp name
+    for name in (".hs_1.safetensors.9.9.tmp", ".tmpAb12Cd", "hs_2.safetensors", ".tmpnotours",
+                 "keep.tmpx"):
+        (tmp_path / name).write_bytes(b"x")
+    assert hsfile.remove_leftovers(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmpnotours", "hs_2.safetensors",
+                                                          "keep.tmpx"]

@@ -3,9 +3,9 @@ the four tabs (logs, GPUs, KV cache, training). It draws what the app sends
 it (app/messages.py: RunRead with the run's RunSnapshot, TelemetryRead with a
 GPU sample) and posts a request when a key asks to act (r, c, F, d); it
 reads none of the app's attributes. Every tab shows the selected stage where
-a stage has its own (the KV cache of the selected stage's servers)
-and handles the keys that change only what is shown; the keys that act on
-the run (r, c, F) are the app's."""
+a stage has its own (the KV cache of the selected stage's servers, the
+Training tab as train's or evaluate's view) and handles the keys that change
+only what is shown; the keys that act on the run (r, c, F) are the app's."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +38,20 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
+# safetensors' writer (Rust) writes through a temp file of its own beside the
+# target, `.tmp` + 6 characters (the tempfile crate's name), before it becomes
+# our `.*.tmp`: a kill at that moment leaves one (seen after a SIGKILLed extract).
+SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
 def remove_leftovers(folder: Path) -> int:
-    """Delete temp files a kill left behind; returns how many."""
+    """Delete temp files a kill left behind (ours and safetensors' own);
+    returns how many."""
     n = 0
-    for stale in Path(folder).glob(".*.tmp"):
-        stale.unlink(missing_ok=True)
-        n += 1
+    for stale in Path(folder).glob(".*tmp*"):
+        if stale.name.endswith(".tmp") or SAFETENSORS_TEMP.fullmatch(stale.name):
+            stale.unlink(missing_ok=True)
+            n += 1
     return n
 
 
