@@ -13,6 +13,7 @@ mistake a user should see, not a refusal.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,7 @@ from pipeline import fmt
 from pipeline.config import BUILTIN_MODEL
 from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import read_run
+from pipeline.train.mla_draft import safetensors_header
 
 
 @dataclass
@@ -46,24 +48,14 @@ class Row:
 
 
 def parameters(checkpoint: Path) -> int | None:
-    """Elements in a checkpoint's safetensors files, from their JSON headers
-    (the tensors themselves are not read)."""
-    total, seen = 0, False
-    for f in sorted(checkpoint.glob("*.safetensors")) if checkpoint.is_dir() else []:
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
-            return None
-        for name, t in header.items():
-            if name != "__metadata__":
-                count = 1
-                for d in t["shape"]:
-                    count *= d
-                total += count
-        seen = True
-    return total if seen else None
+    """Elements in a checkpoint's safetensors files, from their headers (the
+    tensors themselves are not read); None where one cannot be read."""
+    files = sorted(checkpoint.glob("*.safetensors")) if checkpoint.is_dir() else []
+    try:
+        shapes = [s for f in files for s in safetensors_header(f).values()]
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return sum(math.prod(s) for s in shapes) if files else None
 
 
 def disk_bytes(path: Path) -> int:

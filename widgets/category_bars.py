@@ -10,12 +10,7 @@ from collections.abc import Mapping, Sequence
 from rich.text import Text
 from textual.widgets import Static
 
-
-def bar(share: float, width: int) -> str:
-    """`share` of `width` cells in eighths of a cell."""
-    eighths = round(min(1.0, max(0.0, share)) * width * 8)
-    full, part = divmod(eighths, 8)
-    return "█" * full + (" ▏▎▍▌▋▊▉"[part] if part else "")
+from widgets.bars import bar
 
 
 def bars(per_category: Mapping[str, float], k: int, width: int,
@@ -28,14 +23,14 @@ def bars(per_category: Mapping[str, float], k: int, width: int,
     low = min(per_category.values()) if per_category else None
     for cat, al in sorted(per_category.items(), key=lambda kv: kv[1]):
         t.append(f"\n{cat[:name_w]:<{name_w}} ")
-        t.append(f"{bar((al - 1.0) / max(k, 1), bar_w):<{bar_w}}",
-                 style="red" if al == low and len(per_category) > 1 else "green")
+        t.append_text(bar((al - 1.0) / max(k, 1), bar_w,
+                          "red" if al == low and len(per_category) > 1 else "green"))
         t.append(f" {al:.2f}")
     if per_position:
         t.append(("\n" if per_category else "") + "accept rate per position", style="bold")
         for i, rate in enumerate(per_position):
             t.append(f"\n{f'position {i + 1}':<{name_w}} ")
-            t.append(f"{bar(rate, bar_w):<{bar_w}}", style="cyan")
+            t.append_text(bar(rate, bar_w, "cyan"))
             t.append(f" {rate:.2f}")
     return t
 
