@@ -73,8 +73,14 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
         return _could_not_start(rd, stage, argv, events, e)
 
     try:
+        # Ourselves too, where the driver started us: its own record of our pid
+        # comes after its Popen returns, which on a loaded machine can be after
+        # this write, and a reader between them would see a stage with no
+        # supervisor.
+        me = {k: v for k, v in _own_session(st).items() if k.startswith("supervisor_")
+              and v is not None}
         rd.update_stage(stage, pid=child.pid, pgid=child.pid,
-                        create_time=proc_start_ticks(child.pid))
+                        create_time=proc_start_ticks(child.pid), **me)
     except DiskFull:
         pass   # still waited for and stopped below; we are its recorded supervisor
     code, usage = _wait(child)
