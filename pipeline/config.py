@@ -251,7 +251,8 @@ class TrainSection(StageCommon):
     # use needs it (its CPU build), else speculators' Llama layer
     draft_layer: str = "auto"
     # the draft algorithm (pipeline.train.algorithms): "eagle3", "eagle3.1",
-    # "peagle", "dflash"; block_size: DFlash's block (0 = speculators' 16)
+    # "peagle", "dflash", "dspark"; block_size: a block drafter's block (DFlash,
+    # DSpark; 0 = speculators' default, 16 / 8)
     algorithm: str = "eagle3"
     block_size: int = 0
     seed: int = 0
@@ -599,23 +600,26 @@ def _check_algorithm(cfg: Config, src: str) -> None:
                           '= "eagle3" / "eagle3.1".')
     if train.block_size < 0 or train.block_size == 1:
         raise ConfigError(f"{src}: `stages.train.block_size` = {train.block_size}: 0 (speculators' "
-                          "default, 16) or a block of 2 or more tokens.")
-    if train.block_size and train.algorithm != "dflash":
-        raise ConfigError(f"{src}: `stages.train.block_size` is DFlash's; `{where}` is "
-                          f"{train.algorithm!r}. Remove `block_size`, or set algorithm = "
-                          '"dflash".')
+                          f"default, {algo.block or 16}) or a block of 2 or more tokens.")
+    blocked = [a.name for a in ALGORITHMS.values() if a.block]
+    if train.block_size and not algo.block:
+        raise ConfigError(f"{src}: `stages.train.block_size` is for the block drafters "
+                          f"({', '.join(blocked)}); `{where}` is {train.algorithm!r}. Remove "
+                          f"`block_size`, or set algorithm to one of them.")
     k = cfg.stages.evaluate.num_speculative_tokens
-    block = train.block_size or 16
     if train.algorithm == "peagle" and k > algorithms.PEAGLE_DEPTHS:
         raise ConfigError(f"{src}: `stages.evaluate.num_speculative_tokens` = {k} with P-EAGLE: "
                           f"speculators trains {algorithms.PEAGLE_DEPTHS} depths, so positions "
                           "past them have no metrics and no estimate. Set num_speculative_tokens "
                           f"<= {algorithms.PEAGLE_DEPTHS}.")
-    if train.algorithm == "dflash" and k > block - 1 and cfg.enabled("evaluate"):
-        raise ConfigError(f"{src}: `stages.evaluate.num_speculative_tokens` = {k} with DFlash's "
-                          f"block of {block}: vLLM drafts at most block_size - 1 = {block - 1} "
-                          "tokens from it. Lower num_speculative_tokens, or raise "
-                          "`stages.train.block_size`.")
+    if algo.block and cfg.enabled("evaluate"):
+        block, most = train.block_size or algo.block, algo.most_drafted(train.block_size)
+        if k > most:
+            raise ConfigError(
+                f"{src}: `stages.evaluate.num_speculative_tokens` = {k} with {algo.display}'s "
+                f"block of {block}: vLLM drafts at most "
+                f"{'block_size' if algo.from_anchor else 'block_size - 1'} = {most} tokens from "
+                "it. Lower num_speculative_tokens, or raise `stages.train.block_size`.")
 
 
 def _check_ranges(cfg: Config, src: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -124,7 +125,7 @@ def vllm_env_from(env: dict) -> VllmEnv | None:
         return None
     return VllmEnv(env.get("executable") or "?", version=pk["vllm"],
                    dist=env.get("vllm_dist") or "vllm", vllm_dir=env.get("vllm_dir"),
-                   cpu_flags=env.get("cpu_flags") or ["avx2"])
+                   cpu_flags=env.get("cpu_flags") or ["avx2"], triton=pk.get("triton"))
 
 
 def _server_util(cfg: Config) -> float:
@@ -493,6 +494,27 @@ def check_eagle3(x: Inputs) -> list[Finding]:
     e3 = compat.eagle3_support(x.source, x.model.architecture)
     return [Finding("eagle3", BLOCK if e3.fires else OK, e3.detail,
                     "upgrade vLLM, or use the hf backend" if e3.fires else "", e3.key)]
+
+
+def check_draft_method(x: Inputs) -> list[Finding]:
+    """Whether the installed vLLM serves the [stages.train] algorithm's
+    drafts (its model runners' unsupported lists, from its source): where
+    not, evaluate is skipped with this reason, and train's estimate stands."""
+    if not (x.cfg.enabled("evaluate") and x.vllm is not None and x.source is not None):
+        return []
+    from pipeline.train.algorithms import get
+    algo = get(x.cfg.stages.train.algorithm)
+    environ = {**os.environ, **x.cfg.runtime.env, **x.cfg.stage("evaluate").env}
+    why = compat.draft_method_unservable(x.source, algo.vllm_method, x.vllm.triton is not None,
+                                         environ)
+    if why is None:
+        return [Finding("evaluate", OK, f"vLLM {x.vllm.version} serves {algo.display} drafts "
+                                        f"(method {algo.vllm_method!r})")]
+    return [Finding("evaluate", WARN, f"{algo.display}: {why}; evaluate will be skipped, and "
+                                      "the run ends at train's estimate",
+                    "measure it on a GPU build of vLLM (Triton installed), or set "
+                    "[stages.train] algorithm to one this vLLM serves (eagle3, eagle3.1, "
+                    "peagle, dflash)")]
 
 
 def check_adaptations(x: Inputs) -> list[Finding]:
@@ -935,7 +957,8 @@ def check_server_overrides(x: Inputs) -> list[Finding]:
 
 
 CHECKS = (check_environment, check_trackers, check_vllm_environment, check_backends, check_gpus,
-          check_model, check_layers, check_hybrid, check_shapes, check_eagle3, check_adaptations,
+          check_model, check_layers, check_hybrid, check_shapes, check_eagle3, check_draft_method,
+          check_adaptations,
           check_target_flags, check_cpu_attention, check_startup, check_target_loads,
           check_kv_cache, check_disk, check_versions, check_privacy, check_server_overrides,
           check_survivors, check_cluster)

@@ -41,12 +41,13 @@ def config(tmp_path, train: str, evaluate: str = ""):
 
 @pytest.mark.parametrize("train, evaluate, says", [
     ('algorithm = "eagle_3"', "", "Did you mean 'eagle3'"),
-    ('algorithm = "dspark"', "", "does not run it yet: vLLM's CPU build cannot serve it"),
+    ('algorithm = "dspark"\nblock_size = 4', "num_speculative_tokens = 5",
+     "DSpark's block of 4: vLLM drafts at most block_size = 4"),
     ('algorithm = "dflash2"', "", "whole vocabulary"),
     ('algorithm = "peagle"\ndraft_layer = "mla"', "", "the llama and MLA draft layers"),
     ('algorithm = "dflash"\ndraft_layer = "llama"', "", "trains its own layers"),
     ('algorithm = "peagle"', "num_speculative_tokens = 9", "speculators trains 8 depths"),
-    ('block_size = 8', "", "`stages.train.block_size` is DFlash's"),
+    ('block_size = 8', "", "`stages.train.block_size` is for the block drafters (dflash, dspark)"),
     ('algorithm = "dflash"\nblock_size = 4', "num_speculative_tokens = 5",
      "at most block_size - 1 = 3 tokens"),
     ('algorithm = "dflash"\nblock_size = 1', "", "a block of 2 or more"),
@@ -68,6 +69,49 @@ def test_train_flags_per_algorithm(tmp_path):
     assert flags["peagle"] == ["--speculator-type", "peagle"]
     dflash = load_config(config(tmp_path, 'algorithm = "dflash"\nblock_size = 8')).stages.train
     assert algorithm_flags(dflash) == ["--speculator-type", "dflash", "--block-size", "8"]
+    assert flags["dspark"] == ["--speculator-type", "dspark"]
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_which_runner_serves_a_method_is_read_from_vllms_source(version):
+    """DSpark: Model Runner V1 refuses it, V2 requires Triton; read from each
+    release's VllmConfig, not a table. The other methods pass either way."""
+    from pipeline.vllm import compat
+    from tests.fakes import vllm_releases
+    src = vllm_releases.source(version)
+    assert compat.runner_refusals(src, "V1") == {"dspark": "dspark speculative decoding"}
+    assert "dspark" not in compat.runner_refusals(src, "V2")
+    why = compat.draft_method_unservable(src, "dspark", triton=False, environ={})
+    assert "Model Runner V1 does not support: dspark speculative decoding" in why
+    # 0.32's V2 refuses to run without Triton; 0.33's only is not chosen without it
+    assert ("V2 requires Triton" in why) == (version == "0.32.0"), why
+    asked = compat.draft_method_unservable(src, "dspark", False, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert (asked is None) == (version == "0.33.0"), asked
+    assert compat.draft_method_unservable(src, "dspark", triton=True, environ={}) is None
+    forced = compat.draft_method_unservable(src, "dspark", True, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in forced
+    for method in ("eagle3", "dflash"):
+        assert compat.draft_method_unservable(src, method, triton=False, environ={}) is None
+    # before the runner lists (0.22): no runner choice, nothing refused
+    assert compat.draft_method_unservable(vllm_releases.source("0.22.0"), "dspark", False,
+                                          {}) is None
+
+
+def test_doctor_says_evaluate_skips_a_draft_this_vllm_cannot_serve(tmp_path):
+    """The doctor line for DSpark against 0.32's source: a warning with the
+    runner's reason on a vLLM without Triton, OK with it."""
+    from pipeline import doctor
+    from tests.fakes import vllm_releases
+    cfg = load_config(config(tmp_path, 'algorithm = "dspark"'))
+    env = {"python": "3.12.3", "executable": "/opt/env/bin/python", "vllm_dir": None,
+           "packages": {"torch": "2.11.0", "speculators": "0.9.0", "vllm": "0.32.0"}}
+    for triton, level, says in ((None, doctor.WARN, "evaluate will be skipped"),
+                                ("3.5.0", doctor.OK, "serves DSpark drafts")):
+        env["packages"]["triton"] = triton
+        x = doctor.Inputs(cfg, env, doctor.vllm_env_from(env), None,
+                          source=vllm_releases.source("0.32.0"))
+        (f,) = doctor.check_draft_method(x)
+        assert f.level == level and says in f.message, f
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +142,7 @@ def train_once(prepared, name: str):
         from tests.helpers import run_body
         shutil.copytree(prepared / "r", prepared / name)
         # 4 epochs (~50 steps: a draft vLLM accepts from); DFlash ~1.4 s a step on 2 cores: 3
-        extra = "epochs = 1\nmax_steps = 3\n" if name == "dflash" else "epochs = 4\n"
+        extra = "epochs = 1\nmax_steps = 3\n" if algorithms.get(name).block else "epochs = 4\n"
         cfg = BASE + f'algorithm = "{name}"\n' + extra + EVALUATE
         TRAINED[name] = (*run_body(prepared, "train", train.body, cfg, run=name), cfg)
     return TRAINED[name]
@@ -108,7 +152,7 @@ EVALUATE = "[stages.evaluate]\nmax_prompts = 4\nmax_tokens = 24\nbaseline = fals
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["eagle3.1", "peagle", "dflash"])
+@pytest.mark.parametrize("name", ["eagle3.1", "peagle", "dflash", "dspark"])
 def test_each_algorithm_trains_and_gives_its_estimate(prepared, name):
     """A real speculators training of `name` (4 epochs; DFlash 3 steps),
     on the same hidden states: its flags in the replayable argv, its
@@ -121,7 +165,8 @@ def test_each_algorithm_trains_and_gives_its_estimate(prepared, name):
     assert s["algorithm"] == name
     assert " ".join(["--speculator-type", algorithms.get(name).speculator_type,
                      *algorithms.get(name).flags]) in s["train_argv"]
-    most = 16.0 if name == "dflash" else 4.0   # DFlash: eal over its block (15 + 1)
+    # DFlash: eal over its block (15 + 1); DSpark: over all 8 of its block (+ 1)
+    most = {"dflash": 16.0, "dspark": 9.0}.get(name, 4.0)
     assert s["acceptance_length"] is not None and 1.0 <= s["acceptance_length"] <= most, s
     written = json.loads((rd.stage_dir("train") / "out/checkpoints/0/config.json").read_text())
     assert written["speculators_model_type"] == algorithms.get(name).speculator_type, written
@@ -163,6 +208,30 @@ def test_each_algorithm_is_measured_by_the_real_vllm(prepared, name):
         served.get(k) == v for k, v in algo.vllm_extra.items()), served
     print(f"{name}: acceptance {s['acceptance_length']:.3f} measured, "
           f"{s['acceptance_estimate']} estimated, per position {s['per_position']}")
+
+
+@pytest.mark.vllm
+def test_a_draft_this_vllm_cannot_serve_skips_evaluate_with_its_reason(prepared):
+    """DSpark on this machine's vLLM (the CPU build, no Triton): evaluate
+    is skipped, not failed, with the reason read from that vLLM's source,
+    before any server starts; the run keeps train's estimate."""
+    from pipeline.paths import VLLM_VENV
+    from pipeline.stages import evaluate
+    from pipeline.vllm.environment import probe
+    from tests.helpers import finished, run_body
+    py = VLLM_VENV / "bin" / "python"
+    env = probe(str(py)) if py.exists() else None
+    if env is None or env.unusable([]) or env.triton:
+        pytest.skip(f"no real vLLM without Triton in {VLLM_VENV}")
+    code, rd, _, cfg = train_once(prepared, "dspark")
+    assert code == 0
+    code, rd, evs = run_body(prepared, "evaluate", evaluate.body, cfg, run="dspark")
+    assert code == 0
+    fin = finished(evs)
+    assert fin["status"] == "skipped", fin
+    assert "Model Runner V1 does not support: dspark speculative decoding" in \
+        fin["summary"]["skipped"], fin
+    assert not (rd.stage_dir("evaluate") / "out/results.json").exists()
 
 
 @pytest.mark.integration

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import shlex
 import threading
@@ -556,7 +557,9 @@ def measure_baseline(ctx: StageContext, ev: Evaluation, k: int) -> dict:
 def body(ctx: StageContext) -> dict:
     sec = ctx.section
     env = probe(ctx.cfg.vllm_python())
-    why = env.unusable(ctx.cfg.stage_devices("evaluate"))
+    algo = algorithms.get(ctx.cfg.stages.train.algorithm)
+    why = env.unusable(ctx.cfg.stage_devices("evaluate")) or \
+        env.cannot_serve(algo.vllm_method, os.environ)
     if why:
         raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
     tracking.require(ctx.cfg.tracking.loggers, StageError)

@@ -141,7 +141,7 @@ def algorithm_flags(sec) -> list[str]:
     if algo.name == "eagle3":
         return []
     flags = ["--speculator-type", algo.speculator_type, *algo.flags]
-    if algo.name == "dflash" and sec.block_size:
+    if algo.block and sec.block_size:
         flags += ["--block-size", str(sec.block_size)]
     return flags
 

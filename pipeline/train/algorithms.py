@@ -25,6 +25,8 @@ vLLM 0.32's speculators adapter:
   `position_{p}_acc` count from 1. speculators' DFlash recipe has 5
   layers; `[stages.train] num_layers` (default 1) is passed to every
   algorithm, so set it for DFlash.
+- DSpark is DFlash with a Markov head and a confidence head; it logs `eal`
+  too, over all `block_size` tokens (it samples from the anchor).
 - P-EAGLE trains `num_depths` depths (speculators' default 8, not passed):
   an estimate over more served tokens than that has no metrics.
 The others speculators trains are named with why the pipeline does not run
@@ -84,6 +86,14 @@ class Algorithm:
     vllm_extra: Mapping = field(default_factory=dict)   # more speculative-config keys
     eagle3_layers: bool = True     # its draft is EAGLE-3's (a Llama or our MLA layer)
     title: str = ""                # as papers and model cards write it
+    block: int = 0                 # a block drafter's default block (speculators'); 0: none
+    from_anchor: bool = False      # it drafts the block's anchor too: block tokens, not block - 1
+
+    def most_drafted(self, block_size: int = 0) -> int:
+        """How many tokens vLLM drafts at most from one block (`block_size`,
+        0: speculators' default): the block less its anchor, unless drafted too."""
+        block = block_size or self.block
+        return block if self.from_anchor else block - 1
 
     @property
     def display(self) -> str:
@@ -99,16 +109,22 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               vllm_extra={"parallel_drafting": True}, eagle3_layers=False, title="P-EAGLE"),
     Algorithm("dflash", "dflash", expected_accepted_length,
               "speculators' eal (accepted run per block + the bonus token)",
-              vllm_method="dflash", eagle3_layers=False, title="DFlash"),
+              vllm_method="dflash", eagle3_layers=False, title="DFlash", block=16),
+    # DFlash plus a Markov head over the block's earlier tokens and a
+    # confidence head (models/dspark); it samples from the anchor (its
+    # default), so it drafts all `block_size` tokens. vLLM serves it on
+    # Model Runner V2 only: doctor and evaluate read which runner the
+    # installed vLLM can give it (compat.draft_method_unservable).
+    Algorithm("dspark", "dspark", expected_accepted_length,
+              "speculators' eal (accepted run per block + the bonus token)",
+              vllm_method="dspark", eagle3_layers=False, title="DSpark", block=8,
+              from_anchor=True),
 )}
 
 PEAGLE_DEPTHS = 8   # speculators' --num-depths default (not passed): the depths it logs
 
 # What speculators also trains, and why the pipeline does not run it yet.
 NOT_YET: dict[str, str] = {
-    "dspark": "vLLM's CPU build cannot serve it (\"Model Runner V1 does not support: dspark "
-              "speculative decoding\"; its V2 runner needs Triton), and the pipeline has no "
-              "skip-evaluate path for it yet",
     "dflash2": "it needs the target's whole vocabulary (no vocab stage) and vLLM's V1 runner "
                "does not serve candidate-head drafts",
     "xpress": "it logs no acceptance estimate to stop or choose by",

@@ -433,6 +433,85 @@ def eagle3_support(src, arch: str) -> Adaptation:
                       "any")
 
 
+def runner_refusals(src, runner: str) -> dict[str, str] | None:
+    """{speculative method: the feature named} that Model Runner `runner`
+    ("V1" / "V2") lists as unsupported (VllmConfig's
+    `_get_v1_model_runner_unsupported_features`, 0.32+): each `if ...method
+    == "x"` (or `in (...)`) and the feature its body appends. None where the
+    release has no such list."""
+    use = contract.by_name(f"VllmConfig._get_{runner.lower()}_model_runner_unsupported_features")
+    fn = src.function(use.modules[0], use.name)
+    if fn is None:
+        return None
+    out: dict[str, str] = {}
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.If):
+            continue
+        methods = _methods_compared(node.test)
+        feature = next((a.value for c in ast.walk(ast.Module(node.body, []))
+                        if isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "append"
+                        for a in c.args if isinstance(a, ast.Constant)
+                        and isinstance(a.value, str)), None)
+        for m in methods:
+            out.setdefault(m, feature or f"speculative method '{m}'")
+    return out
+
+
+def _methods_compared(test) -> list[str]:
+    """The string constants a test compares `<x>.method` with by == or in."""
+    found = []
+    for c in ast.walk(test):
+        if not (isinstance(c, ast.Compare) and isinstance(c.left, ast.Attribute)
+                and c.left.attr == "method" and len(c.ops) == 1):
+            continue
+        op, right = c.ops[0], c.comparators[0]
+        if isinstance(op, ast.Eq) and isinstance(right, ast.Constant):
+            found.append(right.value)
+        elif isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+            found += [e.value for e in right.elts if isinstance(e, ast.Constant)]
+    return [m for m in found if isinstance(m, str)]
+
+
+def reads_has_triton(src, qualname: str) -> bool:
+    """Whether VllmConfig's `qualname` reads HAS_TRITON: in
+    `_validate_v2_model_runner`, V2 refuses to run without Triton (0.32;
+    0.33 dropped it); in `use_v2_model_runner`, vLLM's own choice (the
+    variable unset) falls back to V1 without it (0.32, 0.33)."""
+    use = contract.by_name(f"VllmConfig.{qualname}")
+    fn = src.function(use.modules[0], use.name)
+    return fn is not None and any(isinstance(n, ast.Name) and n.id == "HAS_TRITON"
+                                  for n in ast.walk(fn))
+
+
+def draft_method_unservable(src, method: str, triton: bool, environ) -> str | None:
+    """Why the installed vLLM cannot serve a draft of speculative `method`
+    here (one sentence with the fix, where there is one), or None: from
+    which model runner it would run on and what each refuses, read from its
+    source (the runners' unsupported lists, how V2 is chosen and whether it
+    needs Triton), not a version table. `triton`: whether vLLM's interpreter
+    has Triton; `environ`: the stage's, for VLLM_USE_V2_MODEL_RUNNER."""
+    v1, v2 = runner_refusals(src, "V1"), runner_refusals(src, "V2")
+    if v1 is None or method not in v1:
+        return None   # (a release without the lists: no runner choice to refuse it)
+    feature = f"\"Model Runner V1 does not support: {v1[method]}\" (vllm/config/vllm.py)"
+    var, asked = contract.ENV_V2_RUNNER, environ.get(contract.ENV_V2_RUNNER)
+    if v2 is not None and method in v2:
+        return f"vLLM {src.version} serves {method} on neither model runner: {feature}"
+    if asked == "0":
+        return (f"{feature}, and {var}=0 in the stage's environment keeps V1: remove it "
+                "([runtime] env)")
+    if triton:
+        return None
+    only_v2 = f"vLLM {src.version} serves {method} drafts on Model Runner V2 only ({feature})"
+    if reads_has_triton(src, "_validate_v2_model_runner"):
+        return (f"{only_v2}, and V2 requires Triton (\"Model Runner V2 requires Triton\"), "
+                "which vLLM's interpreter lacks (the CPU build has none)")
+    if asked != "1" and reads_has_triton(src, "use_v2_model_runner"):
+        return (f"{only_v2}, and without Triton (vLLM's interpreter has none) it chooses V1; "
+                f"{var}=1 in [runtime] env asks for V2 (untried without Triton here)")
+    return None
+
+
 # -- run-time adapters (the engine route; inspect the real objects) -----------
 
 def _params(fn) -> list[str]:

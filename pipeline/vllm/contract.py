@@ -145,6 +145,14 @@ USES: tuple[Use, ...] = (
         why="the target: its tensors the drafter shares are left alone"),
     # -- read by doctor from the source ------------------------------------------
     Use("SupportsEagle3", ("model_executor.models.interfaces",), ("doctor",)),
+    Use("VllmConfig._get_v1_model_runner_unsupported_features", ("config.vllm",), ("doctor",),
+        why="the speculative methods Model Runner V1 refuses (DSpark, 0.32)"),
+    Use("VllmConfig._get_v2_model_runner_unsupported_features", ("config.vllm",), ("doctor",),
+        why="the speculative methods Model Runner V2 refuses"),
+    Use("VllmConfig._validate_v2_model_runner", ("config.vllm",), ("doctor",),
+        why="whether V2 requires Triton (HAS_TRITON: 0.32)"),
+    Use("VllmConfig.use_v2_model_runner", ("config.vllm",), ("doctor",),
+        why="whether vLLM's own choice of runner falls back to V1 without Triton"),
 )
 
 # Modules doctor and the tests read as text (no symbol of theirs is called).

