@@ -43,6 +43,10 @@ class DoctorRequested(Message):
     """d: the doctor report for the run's config (or the config file)."""
 
 
+class CompareRequested(Message):
+    """C: the runs of the runs folder side by side."""
+
+
 # -- app -> screen: what was read ----------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from textual.binding import Binding
 
 from app.messages import (
     CancelRequested,
+    CompareRequested,
     DoctorRequested,
     ForceRequested,
     RunRead,
@@ -32,6 +33,7 @@ from app.messages import (
     TelemetryRead,
     Transitions,
 )
+from app.screens.compare import CompareScreen
 from app.screens.confirm import ConfirmScreen
 from app.screens.doctor import DoctorScreen
 from app.screens.help import HelpScreen
@@ -228,6 +230,13 @@ class PanelApp(App):
 
     def on_doctor_requested(self, _message: DoctorRequested) -> None:
         self.action_doctor()
+
+    def on_compare_requested(self, _message: CompareRequested) -> None:
+        runs_dir = self.rundir.path.parent if self.rundir is not None else self.runs_dir
+        if runs_dir is None:
+            self.notify("no runs folder to compare", timeout=3)
+            return
+        self.push_screen(CompareScreen(runs_dir, self.rundir.id if self.rundir else None))
 
     # -- keys that act on the run ---------------------------------------------------
     def action_help(self) -> None:

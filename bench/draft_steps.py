@@ -69,6 +69,57 @@ def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int) -> floa
     return 6.0 * passed * tokens * TTT_STEPS + attn * tokens
 
 
+def profile_step(ckpt: Path, seq: int, reps: int = 5) -> dict:
+    """Training steps of the checkpoint's draft in this process, shaped as
+    the trainer's (one packed row of `seq` tokens, the TTT steps with their
+    loss, backward, AdamW): FLOPs counted by torch's FlopCounterMode (the
+    matmuls and attention it knows; elementwise work is not FLOPs to it),
+    the median time of `reps` steps after a warm-up, and the ops that took
+    the time (torch.profiler, self CPU time, the top 6): where a slower
+    draft spends it, arithmetic or not."""
+    import statistics
+    import time
+
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipeline.train.mla_layer import register
+    register()
+    torch.manual_seed(0)
+    model = Eagle3DraftModel.from_pretrained(str(ckpt)).float().train()
+    hidden = model.fc.out_features
+    hs = torch.randn(1, seq, model.fc.in_features)
+    ids = torch.randint(0, model.embed_tokens.num_embeddings, (1, seq))
+    doc, mask = torch.zeros(1, seq, dtype=torch.long), torch.ones(1, seq)
+    last = torch.randn(1, seq, hidden)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        _, loss, _ = model(hs, ids, doc, loss_mask=mask, verifier_last_hidden_states=last,
+                           ttt_steps=TTT_STEPS)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()   # warm-up (allocations, lazy inits)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops) or 1
+    return {"flops": counter.get_total_flops(), "s_per_step": statistics.median(times),
+            "attention": getattr(model, "_attn_impl", "?"),
+            "top_ops": [(e.key, round(e.self_cpu_time_total / total, 3)) for e in ops[:6]]}
+
+
 def one_layer(base_run: Path, folder: Path, base: dict, layer: str) -> dict:
     run = folder / "runs" / layer
     shutil.copytree(base_run, run, copy_function=os.link)
@@ -84,7 +135,8 @@ def one_layer(base_run: Path, folder: Path, base: dict, layer: str) -> dict:
     layer_cfg = json.loads((ckpt / "config.json").read_text()).get("transformer_layer_config", {})
     return {"layer": summary.get("draft_layer", layer), "steps": steps, "wall_s": wall,
             "steps_per_s": rates[-1] if rates else None, "shapes": draft_params(ckpt),
-            "layer_cfg": layer_cfg, "estimate": summary.get("acceptance_length")}
+            "layer_cfg": layer_cfg, "estimate": summary.get("acceptance_length"),
+            "profiled": profile_step(ckpt, int(base["stages"]["train"]["total_seq_len"]))}
 
 
 def main() -> None:
@@ -130,12 +182,23 @@ def main() -> None:
     flop_ratio = m["flops_per_step"] / ll["flops_per_step"]
     print(f"mla / llama: time per step {time_ratio:.2f}x, FLOPs per step {flop_ratio:.2f}x "
           f"(estimate): {time_ratio / flop_ratio:.2f}x per FLOP (goal <= 1.2x)")
+    for name, r in out.items():
+        p = r["profiled"]
+        print(f"{name:6} profiled in process: {p['s_per_step'] * 1000:.0f} ms a step, "
+              f"{p['flops'] / 1e9:.2f} GFLOP counted (FlopCounterMode), attention "
+              f"{p['attention']}; time by op: "
+              + ", ".join(f"{k} {v:.0%}" for k, v in p["top_ops"]))
+    pm, pl = out["mla"]["profiled"], out["llama"]["profiled"]
+    p_time, p_flops = pm["s_per_step"] / pl["s_per_step"], pm["flops"] / pl["flops"]
+    print(f"mla / llama (profiled): time per step {p_time:.2f}x, FLOPs per step {p_flops:.2f}x "
+          f"(counted): {p_time / p_flops:.2f}x per FLOP (goal <= 1.2x)")
     for r in out.values():
         r.pop("layer_cfg")
     if a.json:
         a.json.write_text(json.dumps({"runs": out, "time_ratio": time_ratio,
                                       "flop_ratio": flop_ratio,
-                                      "per_flop_ratio": time_ratio / flop_ratio}, indent=1))
+                                      "per_flop_ratio": time_ratio / flop_ratio,
+                                      "profiled_per_flop_ratio": p_time / p_flops}, indent=1))
 
 
 if __name__ == "__main__":

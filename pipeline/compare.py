@@ -45,6 +45,7 @@ class Row:
     baseline_tokens_per_s: float | None = None
     target: str = ""
     data: str = ""
+    not_measured: str = ""            # why vLLM did not measure it (evaluate skipped, off)
 
 
 def parameters(checkpoint: Path) -> int | None:
@@ -88,7 +89,19 @@ def row(rd: RunDir) -> Row:
         decode_tokens_per_s=es.get("decode_tokens_per_s"),
         baseline_tokens_per_s=es.get("baseline_tokens_per_s"),
         target=str(cfg.get("model", {}).get("target", BUILTIN_MODEL)),
-        data=str(cfg.get("data", {}).get("path", "(bundled)")))
+        data=str(cfg.get("data", {}).get("path", "(bundled)")),
+        not_measured=not_measured(ev))
+
+
+def not_measured(ev) -> str:
+    """Why vLLM has no figure for the run: evaluate skipped (its reason) or
+    failed (its error); "" where it measured, or has not run yet."""
+    if ev.status == "skipped":
+        return str(ev.summary.get("skipped") or ev.reason or "evaluate is off")
+    if ev.status == "failed":
+        err = (ev.last_error or {}).get("message") or ev.reason or "see its log"
+        return f"evaluate failed: {err}"
+    return ""
 
 
 def differences(rows: list[Row]) -> list[str]:
@@ -106,26 +119,43 @@ def _num(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+COLUMNS = ("run", "algorithm", "draft", "params", "train", "disk", "val", "est.", "vLLM",
+           "tok/s")
+WIDTHS = (-12, -9, -5, 6, 6, 8, 6, 4, 4, 9)   # the text table's (negative: left-aligned)
+
+
+def cells(r: Row) -> tuple[str, ...]:
+    """One row's figures as text, a cell per COLUMNS (the table here and the
+    panel's compare screen)."""
+    speed = "-" if r.decode_tokens_per_s is None else (
+        f"{r.decode_tokens_per_s:.0f}" + (f"/{r.baseline_tokens_per_s:.0f}"
+                                          if r.baseline_tokens_per_s else ""))
+    return (r.run, r.algorithm, r.draft or "-",
+            "-" if r.parameters is None else f"{r.parameters / 1e6:.2f}M",
+            fmt.duration(r.train_s) if r.train_s else "-",
+            fmt.nbytes(r.disk_bytes).replace(" ", ""), _num(r.val_loss, ".3f"),
+            _num(r.estimate, ".2f"), _num(r.acceptance, ".2f"), speed)
+
+
+def _line(values) -> str:
+    """Cells at WIDTHS: a left-aligned one cut to its width, a figure never cut."""
+    return " ".join(f"{v[:-w]:<{-w}}" if w < 0 else f"{v:>{w}}"
+                    for v, w in zip(values, WIDTHS, strict=True))
+
+
 def table(rows: list[Row]) -> str:
     """The rows as text (80 columns: a line per run, its per-position and
     per-category figures on the line under it)."""
-    head = (f"{'run':<12} {'algorithm':<8} {'draft':<5} {'params':>6} {'train':>6} "
-            f"{'disk':>8} {'val':>6} {'est.':>4} {'vLLM':>4} {'tok/s':>9}")
-    lines = [*(f"note: {d}" for d in differences(rows)), head]
+    lines = [*(f"note: {d}" for d in differences(rows)), _line(COLUMNS)]
     for r in rows:
-        params = "-" if r.parameters is None else f"{r.parameters / 1e6:.2f}M"
-        speed = "-" if r.decode_tokens_per_s is None else (
-            f"{r.decode_tokens_per_s:.0f}" + (f"/{r.baseline_tokens_per_s:.0f}"
-                                              if r.baseline_tokens_per_s else ""))
-        lines.append(f"{r.run[:12]:<12} {r.algorithm[:8]:<8} {r.draft[:5]:<5} {params:>6} "
-                     f"{fmt.duration(r.train_s) if r.train_s else '-':>6} "
-                     f"{fmt.nbytes(r.disk_bytes).replace(' ', ''):>8} {_num(r.val_loss, '.3f'):>6} "
-                     f"{_num(r.estimate, '.2f'):>4} {_num(r.acceptance, '.2f'):>4} {speed:>9}")
+        lines.append(_line(cells(r)))
         detail = []
         if r.per_position:
             detail.append("per position " + " ".join(f"{p:.2f}" for p in r.per_position))
         if r.per_category:
             detail.append(" ".join(f"{c} {v:.2f}" for c, v in sorted(r.per_category.items())))
+        if r.not_measured:
+            detail.append(f"not measured: {r.not_measured}")
         if detail:
             lines.append(textwrap.fill(" · ".join(detail), 80, initial_indent=" " * 13,
                                        subsequent_indent=" " * 13))

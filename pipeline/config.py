@@ -262,7 +262,8 @@ class TrainSection(StageCommon):
 @dataclass
 class EvaluateSection(ServerCommon):
     enabled: bool = True
-    checkpoints: str = "last"   # last | best | all | best-K (K: a count)
+    # chosen (train's: the draft its summary names) | last | best | all | best-K (K: a count)
+    checkpoints: str = "chosen"
     num_speculative_tokens: int = 3
     prompts: str = ""           # "" = the validation split's prompts; or a JSONL file
     max_prompts: int = 64
@@ -575,7 +576,8 @@ def _check_choices(cfg: Config, src: str) -> None:
     which = cfg.stages.evaluate.checkpoints
     if not (which.startswith("best-") and which[5:].isdigit() and int(which[5:]) > 0):
         # best-K: the K checkpoints train estimates best, the draft named by vLLM's measure
-        _choice(which, ("last", "best", "all", "best-3"), "stages.evaluate.checkpoints", src)
+        _choice(which, ("chosen", "last", "best", "all", "best-3"),
+                "stages.evaluate.checkpoints", src)
 
 
 def _check_algorithm(cfg: Config, src: str) -> None:

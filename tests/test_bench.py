@@ -4,8 +4,8 @@ benchmark that crashes after an API change, or that stops printing what it
 measures, fails here, not on the next GPU server). The figures are not judged
 against their targets: on 2 shared CPU cores they are noise.
 
-bench_online.py, bench_vllm_extract.py, bench_fp8.py and vs_speculators.py need the real vLLM
-of this machine (`.venv-vllm`): marked `vllm` and skipped, with the reason,
+bench_online.py, bench_vllm_extract.py, bench_fp8.py, vs_speculators.py and algorithms.py
+need the real vLLM of this machine (`.venv-vllm`): marked `vllm` and skipped, with the reason,
 without a usable one. A helper module in bench/ (no `__main__`) is
 checked to be used by a script instead."""
 
@@ -122,6 +122,16 @@ CASES = {
          rf"^disk.*: ours {NUM} B, theirs {NUM} B: {NUM}x",
          rf"^acceptance length \(vLLM, 4 held-out prompts\): ours {NUM}, theirs {NUM}: "
          rf"ours / theirs {NUM}"], timeout=900, vllm=True),
+    "algorithms.py": Case(   # ~95 s: one prepare/extract/vocab, two 3-step trainings, one
+        # vLLM evaluate (EAGLE-3) and one skipped with the CPU build's reason (DSpark)
+        ["--samples", "16", "--steps", "3", "--algorithms", "eagle3,dspark", "--eval-prompts",
+         "2", "--max-tokens", "8", "--json", "{tmp}/algorithms.json"],
+        [rf"^shared\s+prepare \+ extract \+ vocab {NUM} s, once for 2 algorithms",
+         *(rf"^trained\s+{n}\s+max_steps 3, train \+ evaluate {NUM} s" for n in ("eagle3", "dspark")),
+         rf"^eagle3\s+3 steps each: train {NUM} s, {NUM}M parameters, val loss {NUM}, "
+         rf"estimate {NUM}, vLLM acceptance {NUM}$",
+         rf"^dspark\s+3 steps each: train {NUM} s, .*estimate {NUM}, (vLLM acceptance {NUM}|"
+         r"not measured: .*Model Runner V1 does not support: dspark)"], timeout=600, vllm=True),
     "target_loads.py": Case(
         ["--samples", "24", "--epochs", "2", "--prompts", "8"],
         [rf"^(before|after)\s+server starts \d+, {NUM} s in starts, wall {NUM} s; acceptance "
@@ -134,7 +144,11 @@ CASES = {
         [*(rf"^{d}\s+\d+ steps, {NUM} steps/s \({NUM} ms a step\), {NUM} parameters, "
            rf"~{NUM} GFLOP a step \(estimate\)" for d in ("llama", "mla")),
          rf"^mla / llama: time per step {NUM}x, FLOPs per step {NUM}x \(estimate\): "
-         rf"{NUM}x per FLOP"], timeout=600),
+         rf"{NUM}x per FLOP",
+         *(rf"^{d}\s+profiled in process: {NUM} ms a step, {NUM} GFLOP counted "
+           rf"\(FlopCounterMode\), attention \S+; time by op: " for d in ("llama", "mla")),
+         rf"^mla / llama \(profiled\): time per step {NUM}x, FLOPs per step {NUM}x "
+         rf"\(counted\): {NUM}x per FLOP"], timeout=600),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"

@@ -252,3 +252,50 @@ def test_finished_with_acceptance(snap_compare, snap_run, tmp_path, size):
     rd = copy_run(snap_run, tmp_path)
     evaluated(rd)
     assert snap_compare(app_for(rd), press=["4"], terminal_size=size)
+
+
+def named_copy(rd, tmp_path, name, created_at):
+    """The finished run copied under another name, made at `created_at`
+    (list_runs orders by it: the rows' order fixed)."""
+    to = tmp_path / "runs" / name
+    shutil.copytree(rd.path, to)
+    out = RunDir(to)
+    state = out.read_state()
+    state["created_at"] = created_at
+    atomic_write_json(out.state_path, state)
+    return out
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_compare_screen(snap_compare, snap_run, tmp_path, size, monkeypatch):
+    """C: the runs folder's runs a row each (eagle-panel compare's figures),
+    the panel's own run highlighted, its details below; a DSpark run that
+    this vLLM could not serve says why instead of a measurement."""
+    from pipeline import compare
+    from tests.helpers import until
+    monkeypatch.setattr(compare, "disk_bytes", lambda path: 12_900_000)
+    monkeypatch.chdir(tmp_path)
+    eagle = named_copy(snap_run, tmp_path, "eagle3-run", T0 + 1)
+    emit(eagle, "train", type="stage_finished", status="succeeded", duration_s=80.0,
+         summary={"algorithm": "eagle3", "draft_layer": "llama", "acceptance_length": 2.96,
+                  "val_loss": 0.5})
+    evaluated(eagle)
+    dspark = named_copy(snap_run, tmp_path, "dspark-run", T0 + 2)
+    emit(dspark, "train", type="stage_finished", status="succeeded", duration_s=80.0,
+         summary={"algorithm": "dspark", "draft_layer": "own", "acceptance_length": 1.55,
+                  "val_loss": 2.57})
+    why = ("vLLM 0.32.0+cpu serves dspark drafts on Model Runner V2 only (\"Model Runner V1 "
+           "does not support: dspark speculative decoding\"), and V2 requires Triton")
+    emit(dspark, "evaluate", type="stage_finished", status="skipped", duration_s=1.0,
+         summary={"skipped": why})
+    dspark.update_stage("evaluate", status="skipped", reason=why)
+
+    async def compared(pilot):
+        await pilot.press("C")
+        await until(pilot, lambda: getattr(pilot.app.screen, "rows", None), what="the rows")
+        await pilot.pause()
+        text = pilot.app.screen.report_text()
+        assert "2 run(s) in runs" in text, text
+        assert "eagle3-run eagle3 llama" in text and "3.12" in text, text
+        assert "dspark-run dspark own" in text and "not measured: vLLM 0.32.0+cpu" in text, text
+    assert snap_compare(app_for(eagle), run_before=compared, terminal_size=size)

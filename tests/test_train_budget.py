@@ -137,6 +137,12 @@ def test_evaluate_names_the_draft_vllm_measured_best(tmp_path):
         watch.update(e, v)
     assert [d.name for d in checkpoints(save, "best-3")] == ["2", "3", "4"]
     assert [d.name for d in checkpoints(save, "all")] == ["0", "1", "2", "3", "4"]
+    # chosen: the one train's summary names (a symlink to it too), else the last
+    assert [d.name for d in checkpoints(save, "chosen", save / "2")] == ["2"]
+    (save / "checkpoint_best").symlink_to("3")
+    assert [d.name for d in checkpoints(save, "chosen", save / "checkpoint_best")] == ["3"]
+    assert [d.name for d in checkpoints(save, "chosen", None)] == ["4"]
+    assert [d.name for d in checkpoints(save, "chosen", save / "5")] == ["4"]   # incomplete
     (tmp_path / "out" / "plateau.json").unlink()            # no estimates: the last K
     assert [d.name for d in checkpoints(save, "best-2")] == ["3", "4"]
     measured = {"2": {"acceptance_length": 2.8}, "3": {"acceptance_length": 2.95},

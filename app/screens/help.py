@@ -28,6 +28,7 @@ HELP = """\
   e        training: EMA smoothing   o  log scale
   a        loss -> accuracy -> acceptance (vLLM)   v  train / validation
   d        doctor: environment, GPUs, model, vLLM, KV and disk checks
+  C        compare the runs in this runs folder: algorithm, size, loss, acceptance
   g        GPUs of a Slurm run: one node's GPUs, the next node, all nodes
   ?        this help (Esc closes it) q  quit (stages keep running)
 """

@@ -22,6 +22,7 @@ from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from app.messages import (
     CancelRequested,
+    CompareRequested,
     DoctorRequested,
     ForceRequested,
     RunRead,
@@ -64,6 +65,7 @@ class MainScreen(Screen):
         Binding("c", "request('cancel')", "Cancel"),
         Binding("F", "request('force')", "Force re-run"),
         Binding("d", "request('doctor')", "Doctor", show=False),
+        Binding("C", "request('compare')", "Compare runs", show=False),
         Binding("1", "tab('logs')", "Logs", show=False),
         Binding("2", "tab('gpus')", "GPUs", show=False),
         Binding("3", "tab('kv')", "KV", show=False),
@@ -164,13 +166,15 @@ class MainScreen(Screen):
             self.draw_stages(self.clock())
 
     def action_request(self, what: str) -> None:
-        """r c F d: the app acts; the screen only says what was asked."""
+        """r c F d C: the app acts; the screen only says what was asked."""
         if what == "run":
             self.post_message(RunRequested())
         elif what == "cancel":
             self.post_message(CancelRequested())
         elif what == "doctor":
             self.post_message(DoctorRequested())
+        elif what == "compare":
+            self.post_message(CompareRequested())
         elif what == "force" and self.view is not None:
             self.post_message(ForceRequested(self.selected_stage))
 

@@ -44,7 +44,7 @@ from pipeline import tracking
 from pipeline.data.prompt_sets import PROMPTS_FILE, Prompt, as_row, from_token_ids, take
 from pipeline.data.prompt_sets import load as load_prompts
 from pipeline.model.info import kv_bytes_per_token, read_model
-from pipeline.run.events import EventType
+from pipeline.run.events import EventType, last_event
 from pipeline.run.rundir import atomic_write_bytes
 from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.train import algorithms
@@ -67,8 +67,11 @@ from pipeline.vllm.server import bring_up, make_server, server_log
 from pipeline.vllm.target_flags import parser_has
 
 
-def checkpoints(save_path: Path, which: str) -> list[Path]:
-    """The checkpoint folders to measure, oldest first."""
+def checkpoints(save_path: Path, which: str, train_chose: Path | None = None) -> list[Path]:
+    """The checkpoint folders to measure, oldest first. "chosen": the one
+    train's summary names (`train_chose`: its budget rule's highest
+    estimate, else speculators' best or last), so that the draft train
+    reports is the one measured and shipped; the last where train named none."""
     epochs = sorted((d for d in save_path.iterdir() if d.name.isdigit() and not d.is_symlink()
                      and complete_checkpoint(d)), key=lambda d: int(d.name)) \
         if save_path.is_dir() else []
@@ -81,7 +84,19 @@ def checkpoints(save_path: Path, which: str) -> list[Path]:
     best = save_path / "checkpoint_best"
     if which == "best" and best.exists():
         return [best.resolve()]
+    if which == "chosen" and train_chose is not None:
+        named = next((d for d in epochs if d.resolve() == train_chose.resolve()), None)
+        if named is not None:
+            return [named]
     return [epochs[-1]]
+
+
+def train_chose(ctx: StageContext) -> Path | None:
+    """The checkpoint train's last summary names (None: no such summary, or
+    not one of its checkpoints)."""
+    fin = last_event(ctx.run.events_path("train"), ("stage_finished",))
+    named = ((fin or {}).get("summary") or {}).get("checkpoint")
+    return Path(named) if named and fin.get("status") == "succeeded" else None
 
 
 def train_estimates(history: Path) -> dict[str, float]:
@@ -564,7 +579,7 @@ def body(ctx: StageContext) -> dict:
         raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
     tracking.require(ctx.cfg.tracking.loggers, StageError)
     save = ctx.out_of("train") / "checkpoints"
-    chosen = checkpoints(save, sec.checkpoints)
+    chosen = checkpoints(save, sec.checkpoints, train_chose(ctx))
     if not chosen:
         raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
     prompts, max_len = choose_prompts(ctx)
@@ -594,7 +609,9 @@ def body(ctx: StageContext) -> dict:
     summary = report(ctx, results, named, baseline, len(prompts), servers)
     summary["checkpoint_path"] = str(next(c for c in chosen if c.name == named))
     summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(results)}"
-                                       if len(results) > 1 else f"{sec.checkpoints} checkpoint")
+                                       if len(results) > 1 else
+                                       "the checkpoint train chose" if sec.checkpoints == "chosen"
+                                       else f"{sec.checkpoints} checkpoint")
     log_to_trackers(ctx, results, named, summary)
     if ctx.cfg.tracking.loggers:
         summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)
