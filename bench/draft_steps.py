@@ -84,10 +84,14 @@ def profile_step(ckpt: Path, seq: int, reps: int = 5) -> dict:
     from speculators.models.eagle3 import Eagle3DraftModel
     from torch.utils.flop_counter import FlopCounterMode
 
+    from pipeline.stages.train import choose_attention
     from pipeline.train.mla_layer import register
     register()
     torch.manual_seed(0)
-    model = Eagle3DraftModel.from_pretrained(str(ckpt)).float().train()
+    config = Eagle3DraftModel.config_class.from_pretrained(str(ckpt))
+    # the attention the train stage gives speculators here (flex has no CPU backward)
+    config.transformer_layer_config._attn_implementation = choose_attention("auto", "cpu")
+    model = Eagle3DraftModel.from_pretrained(str(ckpt), config=config).float().train()
     hidden = model.fc.out_features
     hs = torch.randn(1, seq, model.fc.in_features)
     ids = torch.randint(0, model.embed_tokens.num_embeddings, (1, seq))
@@ -95,9 +99,12 @@ def profile_step(ckpt: Path, seq: int, reps: int = 5) -> dict:
     last = torch.randn(1, seq, hidden)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
+    from speculators.losses import resolve_loss_config
+    loss_config = resolve_loss_config("kl_div", "eager")   # the train stage's on CPU
+
     def step():
         _, loss, _ = model(hs, ids, doc, loss_mask=mask, verifier_last_hidden_states=last,
-                           ttt_steps=TTT_STEPS)
+                           ttt_steps=TTT_STEPS, loss_config=loss_config)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -403,10 +403,17 @@ def served_draft(ctx: StageContext, ckpt: Path, env) -> Path:
     if not is_mla_checkpoint(ckpt):
         if env.cpu_build and read_model(ctx.cfg.target_path()).mla and \
                 vs.FLAG_ATTENTION_BACKEND not in ctx.section.server_args:
-            raise StageError(f"vLLM {env.version} (CPU build) cannot serve this MLA target "
-                             f"with the Llama-layer draft {ckpt} ({CPU_CONFLICT})",
-                             hint='train an MLA draft: [stages.train] draft_layer = "auto" '
-                                  'or "mla", then run train and evaluate again')
+            algo = algorithms.get(ctx.cfg.stages.train.algorithm)
+            # (the error vLLM gave a Llama-layer draft here; an algorithm's own
+            # layers are GQA attention too: the same CPU_ATTN backend)
+            kind = "Llama-layer" if algo.eagle3_layers else f"{algo.display} (its own GQA layers)"
+            raise StageError(
+                f"vLLM {env.version} (CPU build) cannot serve this MLA target with the {kind} "
+                f"draft {ckpt} ({CPU_CONFLICT})",
+                hint='train an MLA draft: [stages.train] draft_layer = "auto" or "mla", then '
+                     "run train and evaluate again" if algo.eagle3_layers else
+                     'only EAGLE-3\'s drafts have an MLA layer: set [stages.train] algorithm = '
+                     '"eagle3" or "eagle3.1", or evaluate on a GPU build of vLLM')
         return ckpt
     export = ctx.out_of("train") / "vllm" / ckpt.name
     if export_is_current(ckpt, export) and not validate_export(export):
