@@ -59,7 +59,7 @@ def config_text(a, extra_train: str = "", evaluate: bool = True) -> str:
 name = "bench"
 [model]
 target = "{a.target}"
-trust_remote_code = {"true" if "kimi" in a.target else "false"}
+trust_remote_code = {"true" if "kimi" in a.target.lower() else "false"}
 [data]
 max_samples = {a.samples}
 [runtime]
@@ -185,7 +185,18 @@ def main() -> None:
     if unknown:
         p.error(f"--algorithms: {unknown} not among {list(ALGORITHMS)}")
 
+    if a.keep and a.keep.exists() and any(a.keep.iterdir()):
+        p.error(f"--keep {a.keep}: not empty (the runs go there: name a new folder)")
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-algorithms-"))
+    try:
+        measure(a, names, work)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(a, names: list[str], work: Path) -> None:
+    """The shared stages once, each algorithm on a copy, the table."""
     work.mkdir(parents=True, exist_ok=True)
     base = work / "base"
     base.mkdir()
@@ -232,8 +243,6 @@ def main() -> None:
         a.json.write_text(json.dumps({
             "target": a.target, "samples": a.samples, "budget": budget, "shared_s": shared_s,
             "runs": runs, "rows": json.loads(compare.as_json(rows))}, indent=1))
-    if not a.keep:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,10 @@ def profile_step(ckpt: Path, seq: int, reps: int = 5) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     from speculators.losses import resolve_loss_config
-    loss_config = resolve_loss_config("kl_div", "eager")   # the train stage's on CPU
+
+    from pipeline.stages.train import choose_loss
+    # the loss implementation the train stage gives speculators here (KL, its default)
+    loss_config = resolve_loss_config("kl_div", choose_loss("auto", "cpu", torch.__version__)[0])
 
     def step():
         _, loss, _ = model(hs, ids, doc, loss_mask=mask, verifier_last_hidden_states=last,

@@ -583,8 +583,8 @@ def _check_choices(cfg: Config, src: str) -> None:
 def _check_algorithm(cfg: Config, src: str) -> None:
     """`[stages.train] algorithm` and what it combines with: one speculators
     trains but the pipeline does not run yet is refused with why; a draft
-    layer only EAGLE-3's draft has; DFlash's block against the tokens
-    evaluate asks vLLM to draft."""
+    layer only EAGLE-3's draft has; a block drafter's block (DFlash,
+    DSpark) against the tokens evaluate asks vLLM to draft."""
     from pipeline.train import algorithms
     from pipeline.train.algorithms import ALGORITHMS, NOT_YET
     train, where = cfg.stages.train, "stages.train.algorithm"

@@ -125,7 +125,8 @@ def vllm_env_from(env: dict) -> VllmEnv | None:
         return None
     return VllmEnv(env.get("executable") or "?", version=pk["vllm"],
                    dist=env.get("vllm_dist") or "vllm", vllm_dir=env.get("vllm_dir"),
-                   cpu_flags=env.get("cpu_flags") or ["avx2"], triton=pk.get("triton"))
+                   cpu_flags=env.get("cpu_flags") or ["avx2"],
+                   triton=bool(env.get("triton_usable", pk.get("triton"))))
 
 
 def _server_util(cfg: Config) -> float:
@@ -502,19 +503,21 @@ def check_draft_method(x: Inputs) -> list[Finding]:
     not, evaluate is skipped with this reason, and train's estimate stands."""
     if not (x.cfg.enabled("evaluate") and x.vllm is not None and x.source is not None):
         return []
-    from pipeline.train.algorithms import get
+    from pipeline.train.algorithms import ALGORITHMS, get
     algo = get(x.cfg.stages.train.algorithm)
     environ = {**os.environ, **x.cfg.runtime.env, **x.cfg.stage("evaluate").env}
-    why = compat.draft_method_unservable(x.source, algo.vllm_method, x.vllm.triton is not None,
-                                         environ)
+
+    def why_not(a):
+        return compat.draft_method_unservable(x.source, a.vllm_method, x.vllm.triton, environ)
+    why = why_not(algo)
     if why is None:
         return [Finding("evaluate", OK, f"vLLM {x.vllm.version} serves {algo.display} drafts "
                                         f"(method {algo.vllm_method!r})")]
+    served = [a.name for a in ALGORITHMS.values() if why_not(a) is None]
     return [Finding("evaluate", WARN, f"{algo.display}: {why}; evaluate will be skipped, and "
                                       "the run ends at train's estimate",
-                    "measure it on a GPU build of vLLM (Triton installed), or set "
-                    "[stages.train] algorithm to one this vLLM serves (eagle3, eagle3.1, "
-                    "peagle, dflash)")]
+                    f"see the reason for what would serve it; or set [stages.train] algorithm "
+                    f"to one this vLLM serves ({', '.join(served) or 'none'})")]
 
 
 def check_adaptations(x: Inputs) -> list[Finding]:

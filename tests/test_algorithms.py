@@ -92,9 +92,13 @@ def test_which_runner_serves_a_method_is_read_from_vllms_source(version):
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in forced
     for method in ("eagle3", "dflash"):
         assert compat.draft_method_unservable(src, method, triton=False, environ={}) is None
-    # before the runner lists (0.22): no runner choice, nothing refused
-    assert compat.draft_method_unservable(vllm_releases.source("0.22.0"), "dspark", False,
-                                          {}) is None
+    assert compat.draft_method_unservable(src, "dspark", True,
+                                          {"VLLM_USE_V2_MODEL_RUNNER": "00"}) is not None
+    # a release that does not know the method (0.22 has DFlash, not DSpark)
+    old = vllm_releases.source("0.22.0")
+    assert "has no speculative method 'dspark'" in compat.draft_method_unservable(
+        old, "dspark", True, {})
+    assert compat.draft_method_unservable(old, "dflash", False, {}) is None
 
 
 def test_doctor_says_evaluate_skips_a_draft_this_vllm_cannot_serve(tmp_path):

@@ -61,11 +61,18 @@ def emit(rd, stage, **ev):
         f.write(json.dumps({"t": T0 + 90, **ev}) + "\n")
 
 
-def copy_run(rd, tmp_path):
-    """The finished run copied (a state of its own, the module's run unchanged)."""
-    to = tmp_path / "runs" / rd.path.name
+def copy_run(rd, tmp_path, name=None, created_at=None):
+    """The finished run copied (a state of its own, the module's run
+    unchanged), under another name and made at `created_at` where given
+    (list_runs orders by it)."""
+    to = tmp_path / "runs" / (name or rd.path.name)
     shutil.copytree(rd.path, to)
-    return RunDir(to)
+    out = RunDir(to)
+    if created_at is not None:
+        state = out.read_state()
+        state["created_at"] = created_at
+        atomic_write_json(out.state_path, state)
+    return out
 
 
 def evaluated(rd):
@@ -254,18 +261,6 @@ def test_finished_with_acceptance(snap_compare, snap_run, tmp_path, size):
     assert snap_compare(app_for(rd), press=["4"], terminal_size=size)
 
 
-def named_copy(rd, tmp_path, name, created_at):
-    """The finished run copied under another name, made at `created_at`
-    (list_runs orders by it: the rows' order fixed)."""
-    to = tmp_path / "runs" / name
-    shutil.copytree(rd.path, to)
-    out = RunDir(to)
-    state = out.read_state()
-    state["created_at"] = created_at
-    atomic_write_json(out.state_path, state)
-    return out
-
-
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 def test_compare_screen(snap_compare, snap_run, tmp_path, size, monkeypatch):
     """C: the runs folder's runs a row each (eagle-panel compare's figures),
@@ -275,12 +270,12 @@ def test_compare_screen(snap_compare, snap_run, tmp_path, size, monkeypatch):
     from tests.helpers import until
     monkeypatch.setattr(compare, "disk_bytes", lambda path: 12_900_000)
     monkeypatch.chdir(tmp_path)
-    eagle = named_copy(snap_run, tmp_path, "eagle3-run", T0 + 1)
+    eagle = copy_run(snap_run, tmp_path, "eagle3-run", T0 + 1)
     emit(eagle, "train", type="stage_finished", status="succeeded", duration_s=80.0,
          summary={"algorithm": "eagle3", "draft_layer": "llama", "acceptance_length": 2.96,
                   "val_loss": 0.5})
     evaluated(eagle)
-    dspark = named_copy(snap_run, tmp_path, "dspark-run", T0 + 2)
+    dspark = copy_run(snap_run, tmp_path, "dspark-run", T0 + 2)
     emit(dspark, "train", type="stage_finished", status="succeeded", duration_s=80.0,
          summary={"algorithm": "dspark", "draft_layer": "own", "acceptance_length": 1.55,
                   "val_loss": 2.57})

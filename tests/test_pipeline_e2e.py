@@ -149,7 +149,7 @@ def test_all_stages_succeeded_with_resumes(run):
     assert "enabled = false" in st["evaluate"]["reason"]
     # train: SIGKILLed, cancelled, finished
     assert st["extract"]["attempt"] == 2 and st["train"]["attempt"] == 3
-    # which checkpoint, and why: evaluate's default ("last") may measure another one
+    # which checkpoint, and why (evaluate measures the one train chose, by default)
     assert re.search(r"trained draft \((highest acceptance estimate, epoch \d+|lowest validation loss|"
                      r"last epoch)\): \S+/checkpoints/\d+",
                      log["final_output"]), log["final_output"]

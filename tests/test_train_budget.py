@@ -4,6 +4,7 @@ packer, and once on a real short training of the built-in target."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -143,6 +144,12 @@ def test_evaluate_names_the_draft_vllm_measured_best(tmp_path):
     assert [d.name for d in checkpoints(save, "chosen", save / "checkpoint_best")] == ["3"]
     assert [d.name for d in checkpoints(save, "chosen", None)] == ["4"]
     assert [d.name for d in checkpoints(save, "chosen", save / "5")] == ["4"]   # incomplete
+    # a run folder moved since train wrote its summary: found by the folder's name
+    assert [d.name for d in checkpoints(save, "chosen", Path("/elsewhere/checkpoints/2"))] == ["2"]
+    from pipeline.stages.evaluate import chosen_by
+    assert chosen_by("chosen", save / "2", [save / "2"]) == "the checkpoint train chose"
+    assert chosen_by("chosen", None, [save / "4"]) == "last checkpoint (train named none)"
+    assert chosen_by("last", None, [save / "4"]) == "last checkpoint"
     (tmp_path / "out" / "plateau.json").unlink()            # no estimates: the last K
     assert [d.name for d in checkpoints(save, "best-2")] == ["3", "4"]
     measured = {"2": {"acceptance_length": 2.8}, "3": {"acceptance_length": 2.95},
@@ -187,7 +194,7 @@ def test_the_summary_says_why_training_stopped_and_which_draft():
                 "acceptance_length": 3.2, "prompts": 48}
     assert outcome_lines(train, evaluate, {})[1] == \
         "trained draft (highest measured acceptance of 3): /r/train/out/checkpoints/4"
-    # one measured (evaluate's "last") while train's best estimate was another:
+    # one measured (checkpoints = "last") while train's best estimate was another:
     # the draft named is the one whose acceptance is printed
     last = {"checkpoint": "7", "checkpoint_path": "/r/train/out/checkpoints/7",
             "checkpoint_chosen_by": "last checkpoint", "acceptance_length": 3.1, "prompts": 48}

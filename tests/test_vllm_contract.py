@@ -27,7 +27,7 @@ CODE = sorted(p for d in ("pipeline", "app", "scripts") for p in (ROOT / d).rglo
 SOURCE_QUESTIONS = {"text", "tree", "has_module", "function_params", "signature",
                     "returned_list", "dataclass_fields", "field_default", "class_members",
                     "has_function", "class_bases", "implements", "string_constants",
-                    "definitions", "imported_names", "is_package"}
+                    "definitions", "imported_names", "is_package", "function"}
 
 
 def declared_modules() -> set[str]:

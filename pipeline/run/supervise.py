@@ -77,8 +77,9 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
         # comes after its Popen returns, which on a loaded machine can be after
         # this write, and a reader between them would see a stage with no
         # supervisor.
-        me = {k: v for k, v in _own_session(st).items() if k.startswith("supervisor_")
-              and v is not None}
+        me = {} if os.environ.get("SLURM_JOB_ID") else {   # (a node's pid: not the driver's)
+            k: v for k, v in _own_session(st).items() if k.startswith("supervisor_")
+            and v is not None}
         rd.update_stage(stage, pid=child.pid, pgid=child.pid,
                         create_time=proc_start_ticks(child.pid), **me)
     except DiskFull:

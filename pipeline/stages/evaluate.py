@@ -5,8 +5,9 @@ trained draft — the number users judge a draft by (train only estimates it).
     evaluate/out/baseline.json            the same prompts without a draft
     evaluate/out/results.json             all of it, with the exact vLLM commands (last)
 
-For each checkpoint ([stages.evaluate] checkpoints = last | best | all |
-best-K, the K that train's estimates rank highest): a
+For each checkpoint ([stages.evaluate] checkpoints = chosen (the default: the
+one train's summary names) | last | best | all | best-K, the K that train's
+estimates rank highest): a
 `vllm serve <target>` with `--speculative-config {"method": "eagle3",
 "model": <checkpoint>, "num_speculative_tokens": k}` (the method and keys are
 the [stages.train] algorithm's: pipeline.train.algorithms; an MLA draft: its vLLM
@@ -20,8 +21,10 @@ draft position, decode tokens/s. Then the same server flags without the draft,
 same prompts: the speedup (on a CPU-only machine its server starts beside the
 first draft's, BaselineAhead). Each measurement is saved as it ends, so a killed
 evaluate redoes only what it had not finished; every server's process tree
-is stopped however the stage ends. Without a usable vLLM it is skipped and
-says why: the pipeline ends at train, with its estimate.
+is stopped however the stage ends. Without a usable vLLM, or with one that
+cannot serve the algorithm's method (its model runners' lists, read from its
+source: compat.draft_method_unservable), it is skipped and says why: the
+pipeline ends at train, with its estimate.
 
 With more than one checkpoint measured, the trained draft the summary names
 is the one vLLM measured the longest acceptance for (`best_measured`), not
@@ -84,11 +87,28 @@ def checkpoints(save_path: Path, which: str, train_chose: Path | None = None) ->
     best = save_path / "checkpoint_best"
     if which == "best" and best.exists():
         return [best.resolve()]
-    if which == "chosen" and train_chose is not None:
-        named = next((d for d in epochs if d.resolve() == train_chose.resolve()), None)
-        if named is not None:
-            return [named]
-    return [epochs[-1]]
+    named = named_checkpoint(epochs, train_chose) if which == "chosen" else None
+    return [named or epochs[-1]]
+
+
+def named_checkpoint(epochs: list[Path], named: Path | None) -> Path | None:
+    """The epoch folder of `epochs` that train's summary named, found by its
+    name (checkpoint_best: the epoch it points to), so that a run folder
+    moved or copied elsewhere still finds it; None where it is not there."""
+    if named is None or not epochs:
+        return None
+    name = os.path.basename(os.path.realpath(epochs[0].parent / named.name)) \
+        if named.name == "checkpoint_best" else named.name
+    return next((d for d in epochs if d.name == name), None)
+
+
+def chosen_by(which: str, named: Path | None, measured: list[Path]) -> str:
+    """How the one checkpoint measured was chosen, in words ("chosen" where
+    train named none, or one not there, falls back to the last and says so)."""
+    if which != "chosen":
+        return f"{which} checkpoint"
+    return "the checkpoint train chose" if named_checkpoint(measured, named) is not None \
+        else "last checkpoint (train named none)"
 
 
 def train_chose(ctx: StageContext) -> Path | None:
@@ -616,9 +636,8 @@ def body(ctx: StageContext) -> dict:
     summary = report(ctx, results, named, baseline, len(prompts), servers)
     summary["checkpoint_path"] = str(next(c for c in chosen if c.name == named))
     summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(results)}"
-                                       if len(results) > 1 else
-                                       "the checkpoint train chose" if sec.checkpoints == "chosen"
-                                       else f"{sec.checkpoints} checkpoint")
+                                       if len(results) > 1 else chosen_by(sec.checkpoints,
+                                                                          train_chose(ctx), chosen))
     log_to_trackers(ctx, results, named, summary)
     if ctx.cfg.tracking.loggers:
         summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)

@@ -437,8 +437,8 @@ def runner_refusals(src, runner: str) -> dict[str, str] | None:
     """{speculative method: the feature named} that Model Runner `runner`
     ("V1" / "V2") lists as unsupported (VllmConfig's
     `_get_v1_model_runner_unsupported_features`, 0.32+): each `if ...method
-    == "x"` (or `in (...)`) and the feature its body appends. None where the
-    release has no such list."""
+    == "x"` (or `in (...)`) and the feature its body appends (0.29+). None
+    where the release has no such list."""
     use = contract.by_name(f"VllmConfig._get_{runner.lower()}_model_runner_unsupported_features")
     fn = src.function(use.modules[0], use.name)
     if fn is None:
@@ -489,12 +489,21 @@ def draft_method_unservable(src, method: str, triton: bool, environ) -> str | No
     which model runner it would run on and what each refuses, read from its
     source (the runners' unsupported lists, how V2 is chosen and whether it
     needs Triton), not a version table. `triton`: whether vLLM's interpreter
-    has Triton; `environ`: the stage's, for VLLM_USE_V2_MODEL_RUNNER."""
+    has Triton; `environ`: the stage's, for VLLM_USE_V2_MODEL_RUNNER.
+    Not modelled: V2's other fallbacks to V1 (its own unsupported features,
+    e.g. microbatching), which a plain evaluate server does not use."""
+    if method not in src.string_constants("config.speculative", method):   # a literal of its own
+        return (f"vLLM {src.version} has no speculative method {method!r} (its "
+                "config/speculative.py names none): upgrade vLLM")
     v1, v2 = runner_refusals(src, "V1"), runner_refusals(src, "V2")
     if v1 is None or method not in v1:
         return None   # (a release without the lists: no runner choice to refuse it)
-    feature = f"\"Model Runner V1 does not support: {v1[method]}\" (vllm/config/vllm.py)"
-    var, asked = contract.ENV_V2_RUNNER, environ.get(contract.ENV_V2_RUNNER)
+    feature = f"\"Model Runner V1 does not support: {v1[method]}\", vllm/config/vllm.py"
+    var = contract.ENV_V2_RUNNER
+    try:   # vLLM reads it as bool(int(value))
+        asked = None if environ.get(var) in (None, "") else str(int(bool(int(environ[var]))))
+    except ValueError:
+        asked = None
     if v2 is not None and method in v2:
         return f"vLLM {src.version} serves {method} on neither model runner: {feature}"
     if asked == "0":

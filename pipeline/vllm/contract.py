@@ -146,7 +146,7 @@ USES: tuple[Use, ...] = (
     # -- read by doctor from the source ------------------------------------------
     Use("SupportsEagle3", ("model_executor.models.interfaces",), ("doctor",)),
     Use("VllmConfig._get_v1_model_runner_unsupported_features", ("config.vllm",), ("doctor",),
-        why="the speculative methods Model Runner V1 refuses (DSpark, 0.32)"),
+        why="the speculative methods Model Runner V1 refuses (DSpark, 0.29+)"),
     Use("VllmConfig._get_v2_model_runner_unsupported_features", ("config.vllm",), ("doctor",),
         why="the speculative methods Model Runner V2 refuses"),
     Use("VllmConfig._validate_v2_model_runner", ("config.vllm",), ("doctor",),

