@@ -112,8 +112,8 @@ def chosen_by(which: str, named: Path | None, measured: list[Path]) -> str:
 
 
 def train_chose(ctx: StageContext) -> Path | None:
-    """The checkpoint train's last summary names (None: no such summary, or
-    not one of its checkpoints)."""
+    """The checkpoint train's last summary names (None: train has not
+    succeeded, or named none); whether it is still there is the caller's."""
     fin = last_event(ctx.run.events_path("train"), ("stage_finished",))
     named = ((fin or {}).get("summary") or {}).get("checkpoint")
     return Path(named) if named and fin.get("status") == "succeeded" else None
