@@ -99,6 +99,10 @@ def test_which_runner_serves_a_method_is_read_from_vllms_source(version):
     assert "has no speculative method 'dspark'" in compat.draft_method_unservable(
         old, "dspark", True, {})
     assert compat.draft_method_unservable(old, "dflash", False, {}) is None
+    # nothing to read it from (no config/speculative.py, before 0.10): no refusal made up
+    from pipeline.vllm.source import VllmSource
+    assert compat.draft_method_unservable(VllmSource("0.8.5", lambda rel: None), "dspark",
+                                          False, {}) is None
 
 
 def test_doctor_says_evaluate_skips_a_draft_this_vllm_cannot_serve(tmp_path):

@@ -492,7 +492,9 @@ def draft_method_unservable(src, method: str, triton: bool, environ) -> str | No
     has Triton; `environ`: the stage's, for VLLM_USE_V2_MODEL_RUNNER.
     Not modelled: V2's other fallbacks to V1 (its own unsupported features,
     e.g. microbatching), which a plain evaluate server does not use."""
-    if method not in src.string_constants("config.speculative", method):   # a literal of its own
+    # (a release without config/speculative.py, before 0.10: nothing to tell by)
+    if src.has_module("config.speculative") and \
+            method not in src.string_constants("config.speculative", method):
         return (f"vLLM {src.version} has no speculative method {method!r} (its "
                 "config/speculative.py names none): upgrade vLLM")
     v1, v2 = runner_refusals(src, "V1"), runner_refusals(src, "V2")
@@ -514,7 +516,7 @@ def draft_method_unservable(src, method: str, triton: bool, environ) -> str | No
     only_v2 = f"vLLM {src.version} serves {method} drafts on Model Runner V2 only ({feature})"
     if reads_has_triton(src, "_validate_v2_model_runner"):
         return (f"{only_v2}, and V2 requires Triton (\"Model Runner V2 requires Triton\"), "
-                "which vLLM's interpreter lacks (the CPU build has none)")
+                "which vLLM's interpreter lacks")
     if asked != "1" and reads_has_triton(src, "use_v2_model_runner"):
         return (f"{only_v2}, and without Triton (vLLM's interpreter has none) it chooses V1; "
                 f"{var}=1 in [runtime] env asks for V2 (untried without Triton here)")
