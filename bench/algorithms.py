@@ -153,7 +153,7 @@ def train_one(a, base: Path, work: Path, name: str) -> dict:
     info["train_s"] = round(time.time() - t0, 1)
     try:   # a draft vLLM fails to serve is a row that says why, not the end of the bench
         cli(["run", "--wait", "--stage", "evaluate"], d, a, name)
-    except SystemExit as e:
+    except (SystemExit, Blocked) as e:   # (doctor blocking evaluate only: the row stays)
         info["evaluate_failed"] = str(e).splitlines()[0]
     info["train_and_evaluate_s"] = round(time.time() - t0, 1)
     return info
@@ -230,7 +230,8 @@ def measure(a, names: list[str], work: Path) -> None:
     budget = f"{a.steps} steps each" if a.steps else f"{a.budget_s:.0f} s of training each"
     for r in rows:
         measured = (f"vLLM acceptance {r.acceptance:.3f}" if r.acceptance is not None
-                    else f"not measured: {r.not_measured or 'see its evaluate log'}")
+                    else "not measured: " + (r.not_measured or runs[r.run].get("evaluate_failed")
+                                             or "see its evaluate log"))
         est = "-" if r.estimate is None else f"{r.estimate:.3f}"
         print(f"{r.algorithm:<9} {budget}: train {r.train_s or 0:.1f} s, "
               f"{(r.parameters or 0) / 1e6:.2f}M parameters, val loss "
