@@ -48,40 +48,27 @@ sys.path.insert(0, str(ROOT / "bench"))
 from vs_speculators import run, tail  # noqa: E402
 
 from pipeline.paths import VLLM_VENV  # noqa: E402
+from tests.configs import tiny_pipeline, write  # noqa: E402
 
 PROBE_STEPS = 6   # steps timed per algorithm for --budget-s (the first is left out: warm-up)
 
 
-def config_text(a, extra_train: str = "", evaluate: bool = True) -> str:
-    """The bundled config's settings for the built-in targets (config.toml),
-    the same for every algorithm but `extra_train`."""
-    return f"""[run]
-name = "bench"
-[model]
-target = "{a.target}"
-trust_remote_code = {"true" if "kimi" in a.target.lower() else "false"}
-[data]
-max_samples = {a.samples}
-[runtime]
-vllm_python = "{a.vllm_python}"
-[stages.regenerate]
-enabled = false
-[stages.prepare]
-seq_length = 256
-[stages.extract]
-layer_ids = [1, 2, 3]
-[stages.vocab]
-draft_vocab_size = 224
-[stages.train]
-seed = 0
-lr = 0.001
-{extra_train}[stages.evaluate]
-enabled = {"true" if evaluate else "false"}
-max_prompts = {a.eval_prompts}
-max_tokens = {a.max_tokens}
-num_speculative_tokens = {a.k}
-baseline = {"true" if a.baseline else "false"}
-"""
+def config(a, train: dict | None = None, evaluate: bool = True) -> dict:
+    """The built-in target's pipeline as the bundled config.toml runs it
+    (tests.configs.tiny_pipeline at its seq_length, vocabulary and the
+    budget rule), the same for every algorithm but `train`."""
+    return tiny_pipeline("bench", a.samples, **{
+        "model": {"target": a.target, "trust_remote_code": "kimi" in a.target.lower()},
+        "runtime": {"vllm_python": a.vllm_python},
+        "stages": {
+            "regenerate": {"enabled": False},
+            "prepare": {"seq_length": 256},
+            "vocab": {"draft_vocab_size": 224},
+            # epochs and total_seq_len 0: the budget rule, as by default
+            "train": {"epochs": 0, "total_seq_len": 0, "seed": 0, **(train or {})},
+            "evaluate": {"enabled": evaluate, "max_prompts": a.eval_prompts,
+                         "max_tokens": a.max_tokens, "num_speculative_tokens": a.k,
+                         "baseline": a.baseline}}})
 
 
 class Blocked(Exception):
@@ -135,19 +122,18 @@ def train_one(a, base: Path, work: Path, name: str) -> dict:
     """One algorithm from train on: probed and sized (--budget-s) or at --steps."""
     d = work / name
     copy_run(base, d)
-    algo = f'algorithm = "{name}"\n'
     info: dict = {"algorithm": name}
     if a.steps:
         steps = a.steps
     else:
-        (d / "config.toml").write_text(config_text(a, algo + f"epochs = 1\nmax_steps = "
-                                                   f"{PROBE_STEPS}\n", evaluate=False))
+        write(d / "config.toml", config(a, {"algorithm": name, "epochs": 1,
+                                            "max_steps": PROBE_STEPS}, evaluate=False))
         cli(["run", "--wait", "--stage", "train"], d, a, f"{name} (timing probe)")
         per = seconds_per_step(d / "runs" / "bench")
         steps = max(PROBE_STEPS, int(a.budget_s / per))
         info.update(probe_s_per_step=round(per, 4))
     info["max_steps"] = steps
-    (d / "config.toml").write_text(config_text(a, algo + f"max_steps = {steps}\n"))
+    write(d / "config.toml", config(a, {"algorithm": name, "max_steps": steps}))
     t0 = time.time()
     cli(["run", "--wait", "--stage", "train"], d, a, name)
     info["train_s"] = round(time.time() - t0, 1)
@@ -200,7 +186,7 @@ def measure(a, names: list[str], work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     base = work / "base"
     base.mkdir()
-    (base / "config.toml").write_text(config_text(a, evaluate=False))
+    write(base / "config.toml", config(a, evaluate=False))
     t0 = time.time()
     for stage in ("prepare", "extract", "vocab"):
         cli(["run", "--wait", "--stage", stage], base, a, stage)

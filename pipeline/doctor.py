@@ -599,7 +599,7 @@ def draft_layer(cfg: Config, m: ModelInfo, cpu_build: bool) -> str:
     train stage decides the same way): "auto" is MLA for an MLA target where
     vLLM's CPU build serves it, else a Llama layer."""
     from pipeline.train.algorithms import get
-    if not get(getattr(cfg.stages.train, "algorithm", "eagle3")).eagle3_layers:
+    if not get(cfg.stages.train.algorithm).eagle3_layers:
         return "own"   # speculators' qwen3 layers: GQA attention, whatever the target
     want = getattr(cfg.stages.train, "draft_layer", "auto")
     if want != "auto":

@@ -606,7 +606,8 @@ def body(ctx: StageContext) -> dict:
         raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
     tracking.require(ctx.cfg.tracking.loggers, StageError)
     save = ctx.out_of("train") / "checkpoints"
-    chosen = checkpoints(save, sec.checkpoints, train_chose(ctx))
+    train_named = train_chose(ctx)
+    chosen = checkpoints(save, sec.checkpoints, train_named)
     if not chosen:
         raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
     prompts, max_len = choose_prompts(ctx)
@@ -636,8 +637,8 @@ def body(ctx: StageContext) -> dict:
     summary = report(ctx, results, named, baseline, len(prompts), servers)
     summary["checkpoint_path"] = str(next(c for c in chosen if c.name == named))
     summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(results)}"
-                                       if len(results) > 1 else chosen_by(sec.checkpoints,
-                                                                          train_chose(ctx), chosen))
+                                       if len(results) > 1 else
+                                       chosen_by(sec.checkpoints, train_named, chosen))
     log_to_trackers(ctx, results, named, summary)
     if ctx.cfg.tracking.loggers:
         summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)

@@ -479,7 +479,7 @@ def reads_has_triton(src, qualname: str) -> bool:
     variable unset) falls back to V1 without it (0.32, 0.33)."""
     use = contract.by_name(f"VllmConfig.{qualname}")
     fn = src.function(use.modules[0], use.name)
-    return fn is not None and any(isinstance(n, ast.Name) and n.id == "HAS_TRITON"
+    return fn is not None and any(isinstance(n, ast.Name) and n.id == contract.HAS_TRITON
                                   for n in ast.walk(fn))
 
 
@@ -502,13 +502,13 @@ def draft_method_unservable(src, method: str, triton: bool, environ) -> str | No
         return None   # (a release without the lists: no runner choice to refuse it)
     feature = f"\"Model Runner V1 does not support: {v1[method]}\", vllm/config/vllm.py"
     var = contract.ENV_V2_RUNNER
-    try:   # vLLM reads it as bool(int(value))
-        asked = None if environ.get(var) in (None, "") else str(int(bool(int(environ[var]))))
+    try:   # vLLM reads it as bool(int(value)); None: unset, vLLM's own choice
+        asked = bool(int(environ[var])) if environ.get(var) else None
     except ValueError:
         asked = None
     if v2 is not None and method in v2:
         return f"vLLM {src.version} serves {method} on neither model runner: {feature}"
-    if asked == "0":
+    if asked is False:
         return (f"{feature}, and {var}=0 in the stage's environment keeps V1: remove it "
                 "([runtime] env)")
     if triton:
@@ -517,7 +517,7 @@ def draft_method_unservable(src, method: str, triton: bool, environ) -> str | No
     if reads_has_triton(src, "_validate_v2_model_runner"):
         return (f"{only_v2}, and V2 requires Triton (\"Model Runner V2 requires Triton\"), "
                 "which vLLM's interpreter lacks")
-    if asked != "1" and reads_has_triton(src, "use_v2_model_runner"):
+    if asked is None and reads_has_triton(src, "use_v2_model_runner"):
         return (f"{only_v2}, and without Triton (vLLM's interpreter has none) it chooses V1; "
                 f"{var}=1 in [runtime] env asks for V2 (untried without Triton here)")
     return None

@@ -162,6 +162,9 @@ READ_MODULES = ("model_executor.models.registry", "engine.arg_utils", "envs", "c
                 "v1.worker.gpu_worker", "v1.attention.backends.mla.cpu_mla",
                 "v1.attention.backends.cpu_attn",
                 "model_executor.layers.mamba.ops.cpu.gdn_attention")   # the CPU build's GDN path
+# The name vLLM's runner choice reads for Triton (vllm.triton_utils), looked for
+# in VllmConfig's runner functions above (compat.reads_has_triton).
+HAS_TRITON = "HAS_TRITON"
 
 # vLLM's environment variables eagle-panel sets or reads.
 ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"      # the engine route: 0 (compat.force_v1_runner)

@@ -103,8 +103,8 @@ class VllmSource:
     def signature(self, module: str, qualname: str) -> dict | None:
         """{"params": [(name, required)], "var_kw": bool} of a function or
         method, `self`/`cls` left out; None where it is not defined there."""
-        fn = self._node(module, qualname)
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        fn = self.function(module, qualname)
+        if fn is None:
             return None
         a = fn.args
         pos = a.posonlyargs + a.args
@@ -116,8 +116,8 @@ class VllmSource:
 
     def function_params(self, module: str, qualname: str) -> list[str] | None:
         """Parameter names of a function or method (`Class.__init__`), in order."""
-        fn = self._node(module, qualname)
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        fn = self.function(module, qualname)
+        if fn is None:
             return None
         a = fn.args
         names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
@@ -126,8 +126,8 @@ class VllmSource:
     def returned_list(self, module: str, qualname: str) -> list | None:
         """The list literal a method returns (`return [576]`,
         `return [MultipleOf(32)]`): ints, and ("multiple", k) for MultipleOf(k)."""
-        fn = self._node(module, qualname)
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        fn = self.function(module, qualname)
+        if fn is None:
             return None
         for node in ast.walk(fn):
             if isinstance(node, ast.Return) and isinstance(node.value, ast.List):
@@ -190,7 +190,7 @@ class VllmSource:
         return out
 
     def has_function(self, module: str, name: str) -> bool:
-        return isinstance(self._node(module, name), (ast.FunctionDef, ast.AsyncFunctionDef))
+        return self.function(module, name) is not None
 
     def class_bases(self, module: str, cls: str) -> list[str] | None:
         node = self._node(module, cls)
