@@ -205,14 +205,14 @@ def outcome_lines(snap) -> list[str]:
     return (lines or [""]) + [loads] if loads else lines
 
 
-def status_rows(snap, ex, now: float | None = None) -> list[dict]:
+def status_rows(snap, now: float | None = None) -> list[dict]:
     """`status --json`'s stages: one row per stage of the snapshot."""
     now = time.time() if now is None else now
     rows = []
     for st in snap.stages.values():
         reason = st.reason
         if st.slurm_job and st.running:   # pending in the queue, or running: Slurm's words
-            reason = reason or ex.describe(dict(st.state)) or f"Slurm job {st.slurm_job}"
+            reason = reason or st.job or f"Slurm job {st.slurm_job}"
         rows.append({
             "stage": st.name, "status": st.status, "attempt": st.attempt,
             "duration_s": st.seconds(now), "exit_code": st.exit_code, "signal": st.signal,
@@ -233,7 +233,7 @@ def cmd_status(args) -> int:
     rd.check_readable()   # a damaged file is named before anything is printed
     ex = executor.for_run(rd)
     snap = read_run(rd, ex)
-    rows = status_rows(snap, ex)
+    rows = status_rows(snap)
     state = {"stages": {name: dict(st.state) for name, st in snap.stages.items()}}
     if args.json:
         json.dump({"run_id": rd.id, "path": str(rd.path), "driver_pid": snap.driver_pid,

@@ -3,7 +3,7 @@ states and seed, measured by the same vLLM: the table a user would make to
 choose one (pipeline/train/algorithms.py).
 
     python bench/algorithms.py [--target builtin:tiny-llama] [--samples 0]
-                               [--algorithms eagle3,eagle3.1,peagle,dflash,dspark]
+                               [--algorithms eagle3,eagle3.1,peagle,dflash,dspark,dflash2]
                                [--budget-s 240 | --steps N] [--eval-prompts 20]
                                [--skip-checks] [--json PATH] [--keep DIR]
     python bench/algorithms.py --samples 16 --steps 3 --algorithms eagle3,dspark \
@@ -21,7 +21,7 @@ algorithm differs. The budget is the same for all:
     (its plateau stop can end one sooner).
   --steps N: the same optimizer steps for all (the smallest size: the path, not
     the figures).
-An algorithm the installed vLLM cannot serve (DSpark on the CPU build) is
+An algorithm the installed vLLM cannot serve (DSpark, DFlash2 on the CPU build) is
 trained and reported with evaluate's reason in place of a measurement; one
 doctor blocks (an own-layer draft beside an MLA target on the CPU build) is
 reported with doctor's reason, or with --skip-checks trained anyway and
@@ -149,7 +149,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="builtin:tiny-llama")
     p.add_argument("--samples", type=int, default=0, help="conversations (0: all bundled)")
-    p.add_argument("--algorithms", default="eagle3,eagle3.1,peagle,dflash,dspark")
+    p.add_argument("--algorithms", default="eagle3,eagle3.1,peagle,dflash,dspark,dflash2")
     p.add_argument("--budget-s", type=float, default=240.0,
                    help="training wall time per algorithm (default 240)")
     p.add_argument("--steps", type=int, default=0, help="the same optimizer steps for all "

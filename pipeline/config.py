@@ -119,7 +119,14 @@ class ClusterSection:
     partition: str = ""
     account: str = ""
     nodes: int = 1              # for extract (data parallel over nodes) and train (torchrun)
+    # the fewest nodes a multi-node job may start on (sbatch --nodes=MIN-MAX; 0 = `nodes`):
+    # below `nodes`, a resume after a lost node runs on the nodes that are up
+    min_nodes: int = 0
     lost_after_s: float = 120.0   # a node worker silent this long is lost: its samples are redone
+    # train over nodes: torchrun's agents wait this long for every node to join, and a
+    # rank this long on one collective (a peer's node lost) ends the training, failed
+    rendezvous_timeout_s: float = 600.0
+    collective_timeout_s: float = 1800.0
     gpus_per_node: int = 0      # --gpus-per-node for the GPU stages (0: none asked)
     time_limit: str = ""        # --time, e.g. "24:00:00" ("" = the partition's default)
     sbatch_args: list[str] = field(default_factory=list)   # any other sbatch flags
@@ -223,7 +230,9 @@ class TrainSection(StageCommon):
     # N = exactly N (no plateau stop for an explicit epochs).
     epochs: int = 0
     lr: float = 1e-4
-    num_layers: int = 1
+    # the draft's decoder layers: 0 = speculators' own for the algorithm (1 for the
+    # EAGLE-3 family and P-EAGLE, 5 for the DFlash family)
+    num_layers: int = 0
     total_seq_len: int = 0
     target_steps: int = 2400
     min_steps: int = 300
@@ -250,11 +259,20 @@ class TrainSection(StageCommon):
     # the draft's decoder layer: "auto" = MLA for an MLA target where the vLLM in
     # use needs it (its CPU build), else speculators' Llama layer
     draft_layer: str = "auto"
-    # the draft algorithm (pipeline.train.algorithms): "eagle3", "eagle3.1",
-    # "peagle", "dflash", "dspark"; block_size: a block drafter's block (DFlash,
-    # DSpark; 0 = speculators' default, 16 / 8)
+    # the draft algorithm (pipeline.train.algorithms): "eagle3", "eagle3.1", "peagle",
+    # "dflash", "dspark", "dflash2"; block_size: a block drafter's block (DFlash, DSpark,
+    # DFlash2; 0 = speculators' default, 16 / 8 / 8)
     algorithm: str = "eagle3"
     block_size: int = 0
+    # speculators' --loss-fn as weights of its losses ({ kl_div = 1.0 }; { ce = 0.1,
+    # tv = 0.9 }); empty = the algorithm's own (kl_div; ce for DFlash)
+    loss_weights: dict[str, float] = field(default_factory=dict)
+    # the per-position loss weight: EAGLE-3's TTT-step decay (step k weighs decay^k),
+    # the DFlash family's decay gamma (position p weighs exp(-(p-1)/gamma)); 0 = speculators'
+    position_decay: float = 0.0
+    # training processes per node: 0 = one per GPU the stage is given (one on a
+    # CPU-only node); on a CPU-only node more train data parallel over gloo
+    ranks_per_node: int = 0
     seed: int = 0
     log_freq: int = 1
 
@@ -338,6 +356,12 @@ class Config:
             return 'off ([pipeline] mode = "online": train asks vLLM for the hidden states)'
         if not getattr(self.stage(name), "enabled", True):
             return f"off ([stages.{name}] enabled = false)"
+        if name == "vocab":
+            from pipeline.train.algorithms import get
+            algo = get(self.stages.train.algorithm)
+            if algo.full_vocab:
+                return (f"off ([stages.train] algorithm = {algo.name!r}: {algo.display} trains "
+                        "on the target's whole vocabulary, no draft vocabulary to map)")
         return None
 
     @property
@@ -393,6 +417,15 @@ class Config:
         d = dataclasses.asdict(self.stage(name))
         if not d.get("override_server_flags", True):
             del d["override_server_flags"]   # decides no output: a run's fingerprints stay
+        if name == "train":
+            from pipeline.train.algorithms import num_layers
+            # what decides the draft, not how it is spelled: 0 is the algorithm's own count,
+            # and keys at their defaults are left out (runs made before them stay up to date)
+            d["num_layers"] = num_layers(self.stages.train)
+            for key, default in (("ranks_per_node", 0), ("loss_weights", {}),
+                                 ("position_decay", 0.0)):
+                if d.get(key) == default:
+                    del d[key]
         if name == "train" and d.get("algorithm") == "eagle3" and not d.get("block_size"):
             del d["algorithm"], d["block_size"]   # their defaults: runs made before them stay
         if name == "train" and d.get("epochs") and d.get("total_seq_len"):
@@ -431,7 +464,7 @@ def _type_name(tp) -> str:
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}s"
     if origin is dict:
-        return "a table of strings"
+        return f"a table of {_type_name(typing.get_args(tp)[1]).split(' ', 1)[1]}s"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -470,9 +503,12 @@ def _check_value(value, tp, where: str, src: str):
         (item,) = typing.get_args(tp)
         return [_check_value(v, item, f"{where}[{i}]", src) for i, v in enumerate(value)]
     if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        if not isinstance(value, dict):
             raise bad
-        return dict(value)
+        item = typing.get_args(tp)[1]
+        if item is str and not all(isinstance(v, str) for v in value.values()):
+            raise bad
+        return {k: _check_value(v, item, f"{where}.{k}", src) for k, v in value.items()}
     raise AssertionError(f"unsupported config type {tp}")
 
 
@@ -573,6 +609,10 @@ def _check_choices(cfg: Config, src: str) -> None:
         raise ConfigError(f'{src}: `cluster.nodes` = {cfg.cluster.nodes} needs `cluster.scheduler '
                           '= "slurm"` (the nodes come from the scheduler\'s allocation). Set '
                           "`cluster.nodes = 1`, or scheduler = \"slurm\".")
+    if cfg.cluster.min_nodes > cfg.cluster.nodes:
+        raise ConfigError(f"{src}: `cluster.min_nodes` = {cfg.cluster.min_nodes} is more than "
+                          f"`cluster.nodes` = {cfg.cluster.nodes}. Set `cluster.min_nodes` to at "
+                          "most `nodes` (0: exactly `nodes`).")
     which = cfg.stages.evaluate.checkpoints
     if not (which.startswith("best-") and which[5:].isdigit() and int(which[5:]) > 0):
         # best-K: the K checkpoints train estimates best, the draft named by vLLM's measure
@@ -614,6 +654,7 @@ def _check_algorithm(cfg: Config, src: str) -> None:
                           f"speculators trains {algorithms.PEAGLE_DEPTHS} depths, so positions "
                           "past them have no metrics and no estimate. Set num_speculative_tokens "
                           f"<= {algorithms.PEAGLE_DEPTHS}.")
+    _check_loss(cfg, algo, src)
     if algo.block and cfg.enabled("evaluate"):
         block, most = train.block_size or algo.block, algo.most_drafted(train.block_size)
         if k > most:
@@ -624,13 +665,41 @@ def _check_algorithm(cfg: Config, src: str) -> None:
                 "it. Lower num_speculative_tokens, or raise `stages.train.block_size`.")
 
 
+def _check_loss(cfg: Config, algo, src: str) -> None:
+    """`loss_weights` names speculators' losses with positive weights;
+    DFlash's default per-position weight (DPACE) takes the cross-entropy loss
+    alone ("--per-position-loss-weight=dpace requires --loss-fn=ce");
+    `position_decay` is for an algorithm that has one."""
+    from pipeline.train.algorithms import LOSSES
+    train = cfg.stages.train
+    for name, weight in train.loss_weights.items():
+        if name not in LOSSES:
+            raise ConfigError(f"{src}: `stages.train.loss_weights` names {name!r}, which is not "
+                              f"one of speculators' losses ({', '.join(LOSSES)}). Fix the name.")
+        if not weight > 0:
+            raise ConfigError(f"{src}: `stages.train.loss_weights.{name}` = {weight}: a weight "
+                              "must be positive. Remove the loss, or give it a weight above 0.")
+    if algo.name == "dflash" and train.loss_weights and set(train.loss_weights) != {"ce"}:
+        raise ConfigError(f"{src}: `stages.train.loss_weights` = {train.loss_weights} with DFlash:"
+                          " its per-position weight (DPACE, speculators' default for DFlash) "
+                          "takes the cross-entropy loss alone. Set loss_weights = { ce = 1.0 } "
+                          "(or remove it).")
+    if train.position_decay and not algo.decay_flag:
+        raise ConfigError(f"{src}: `stages.train.position_decay` = {train.position_decay} with "
+                          f"{algo.display}, which weighs every position alike. Remove "
+                          "`position_decay`.")
+    if algo.name == "dflash" and train.position_decay:
+        raise ConfigError(f"{src}: `stages.train.position_decay` with DFlash: its per-position "
+                          "weight is DPACE (speculators' default for DFlash), which has no decay. "
+                          "Remove `position_decay`, or train dspark or dflash2, which decay.")
+
+
 def _check_ranges(cfg: Config, src: str) -> None:
     """Counts that must be positive, shares in (0, 1], layer numbers."""
     for where, value in (
         ("stages.prepare.seq_length", cfg.stages.prepare.seq_length),
         ("stages.extract.batch_tokens", cfg.stages.extract.batch_tokens),
         ("stages.vocab.draft_vocab_size", cfg.stages.vocab.draft_vocab_size),
-        ("stages.train.num_layers", cfg.stages.train.num_layers),
         ("stages.train.target_steps", cfg.stages.train.target_steps),
         ("stages.train.max_epochs", cfg.stages.train.max_epochs),
         ("stages.train.ttt_steps", cfg.stages.train.ttt_steps),
@@ -649,6 +718,8 @@ def _check_ranges(cfg: Config, src: str) -> None:
         ("stages.evaluate.concurrency", cfg.stages.evaluate.concurrency),
         ("cluster.nodes", cfg.cluster.nodes),
         ("cluster.lost_after_s", cfg.cluster.lost_after_s),
+        ("cluster.rendezvous_timeout_s", cfg.cluster.rendezvous_timeout_s),
+        ("cluster.collective_timeout_s", cfg.cluster.collective_timeout_s),
     ):
         if value <= 0:
             raise ConfigError(f"{src}: `{where}` must be positive, got {value}. "

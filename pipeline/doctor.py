@@ -468,7 +468,7 @@ def check_shapes(x: Inputs) -> list[Finding]:
                 out.append(Finding("shapes", BLOCK, f"{what} (+8) = {n:,} tokens per request, "
                                    f"more than the target's max_position_embeddings "
                                    f"{m.max_position:,}", f"lower {what.split(' + ')[-1]}"))
-    if m.vocab_size and sec.vocab.draft_vocab_size > m.vocab_size:
+    if m.vocab_size and cfg.enabled("vocab") and sec.vocab.draft_vocab_size > m.vocab_size:
         out.append(Finding("shapes", BLOCK, f"[stages.vocab] draft_vocab_size "
                            f"{sec.vocab.draft_vocab_size:,} is larger than the target's vocabulary "
                            f"({m.vocab_size:,} tokens)",
@@ -508,7 +508,8 @@ def check_draft_method(x: Inputs) -> list[Finding]:
     environ = {**os.environ, **x.cfg.runtime.env, **x.cfg.stage("evaluate").env}
 
     def why_not(a):
-        return compat.draft_method_unservable(x.source, a.vllm_method, x.vllm.triton, environ)
+        return compat.draft_method_unservable(x.source, a.vllm_method, x.vllm.triton, environ,
+                                              a.architectures)
     why = why_not(algo)
     if why is None:
         return [Finding("evaluate", OK, f"vLLM {x.vllm.version} serves {algo.display} drafts "

@@ -3,9 +3,11 @@
 #
 #   scripts/install.sh            panel + stages (.venv), and vLLM's CPU build (.venv-vllm)
 #   scripts/install.sh --dev      the same plus the test tools (pytest, ruff) and the system
-#                                 packages the tests use (tmux, a one-node Slurm: slurmctld,
-#                                 slurmd, slurm-client, munge) through apt where this user may
-#                                 (root or sudo without a password; EAGLE_PANEL_NO_APT=1 skips)
+#                                 packages the tests use (tmux; a two-node Slurm cluster in
+#                                 network namespaces: slurmctld, slurmd, slurm-client, munge,
+#                                 iproute2, and sshfs + openssh-sftp-server for the nodes'
+#                                 shared disk: no sshd is installed or started) through apt where this user may (root or sudo without a
+#                                 password; EAGLE_PANEL_NO_APT=1 skips)
 #   scripts/install.sh --trackers also the [tracking] loggers' packages: TensorBoard, MLflow
 #                                 (skinny, with SQLite's SQLAlchemy/Alembic), W&B, Trackio
 #                                 (--dev installs the first two: the tests read them back)
@@ -60,6 +62,9 @@ if [ "$dev" = 1 ]; then
   need=()
   command -v tmux >/dev/null || need+=(tmux)
   command -v slurmctld >/dev/null || need+=(slurmctld slurmd slurm-client munge)
+  command -v ip >/dev/null || need+=(iproute2)
+  [ -x /usr/lib/openssh/sftp-server ] || need+=(openssh-sftp-server)
+  command -v sshfs >/dev/null || need+=(sshfs)
   if [ ${#need[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo -n"

@@ -93,7 +93,9 @@ NUMBERS = [
     ("stages.vocab", "draft_vocab_size", "99_999_999_999_999"),
     ("stages.train", "dataloader_workers", "-2"), ("stages.train", "lr", "1e400"),
     ("cluster", "nodes", "2"), ("cluster", "nodes", "0"), ("cluster", "gpus_per_node", "-8"),
-    ("cluster", "lost_after_s", "0"),
+    ("cluster", "lost_after_s", "0"), ("cluster", "collective_timeout_s", "0"),
+    ("cluster", "rendezvous_timeout_s", "-1"), ("cluster", "min_nodes", "-1"),
+    ("stages.train", "ranks_per_node", "-2"),
     # zero where zero means nothing: a rate, a frequency, a timeout
     ("stages.train", "lr", "0"), ("stages.train", "checkpoint_freq", "0"),
     ("stages.train", "log_freq", "0"), ("stages.train", "online_max_inflight", "0"),
@@ -105,7 +107,7 @@ NUMBERS = [
     ("stages.evaluate", "num_speculative_tokens", "0"), ("stages.evaluate", "concurrency", "0"),
     ("stages.regenerate", "concurrency", "0"), ("stages.regenerate", "max_tokens", "0"),
     ("stages.evaluate", "max_tokens", "0"), ("stages.evaluate", "max_prompts", "0"),
-    ("stages.extract", "max_num_seqs", "0"), ("stages.train", "num_layers", "0"),
+    ("stages.extract", "max_num_seqs", "0"), ("stages.train", "position_decay", "-0.5"),
     ("stages.train", "ttt_steps", "0"), ("stages.extract", "gpu_memory_utilization", "0"),
     ("gpus", "memory_gb", "-1"), ("stages.train", "keep_generated_gb", "-1"),
 ]

@@ -43,11 +43,16 @@ def config(tmp_path, train: str, evaluate: str = ""):
     ('algorithm = "eagle_3"', "", "Did you mean 'eagle3'"),
     ('algorithm = "dspark"\nblock_size = 4', "num_speculative_tokens = 5",
      "DSpark's block of 4: vLLM drafts at most block_size = 4"),
-    ('algorithm = "dflash2"', "", "whole vocabulary"),
+    ('loss_weights = { cross_entropy = 1.0 }', "", "not one of speculators' losses"),
+    ('loss_weights = { kl_div = 0.0 }', "", "a weight must be positive"),
+    ('algorithm = "dflash"\nloss_weights = { kl_div = 1.0 }', "", "DPACE"),
+    ('algorithm = "peagle"\nposition_decay = 0.8', "", "weighs every position alike"),
+    ('algorithm = "dflash2"', "num_speculative_tokens = 8", "at most block_size - 1 = 7"),
     ('algorithm = "peagle"\ndraft_layer = "mla"', "", "the llama and MLA draft layers"),
     ('algorithm = "dflash"\ndraft_layer = "llama"', "", "trains its own layers"),
     ('algorithm = "peagle"', "num_speculative_tokens = 9", "speculators trains 8 depths"),
-    ('block_size = 8', "", "`stages.train.block_size` is for the block drafters (dflash, dspark)"),
+    ('block_size = 8', "", "`stages.train.block_size` is for the block drafters (dflash, dspark, "
+                           "dflash2)"),
     ('algorithm = "dflash"\nblock_size = 4', "num_speculative_tokens = 5",
      "at most block_size - 1 = 3 tokens"),
     ('algorithm = "dflash"\nblock_size = 1', "", "a block of 2 or more"),
@@ -70,6 +75,33 @@ def test_train_flags_per_algorithm(tmp_path):
     dflash = load_config(config(tmp_path, 'algorithm = "dflash"\nblock_size = 8')).stages.train
     assert algorithm_flags(dflash) == ["--speculator-type", "dflash", "--block-size", "8"]
     assert flags["dspark"] == ["--speculator-type", "dspark"]
+    assert flags["dflash2"] == ["--speculator-type", "dflash2"]
+    # loss weights: one loss by name, several as speculators' JSON; the decay each one has
+    tuned = load_config(config(tmp_path, 'algorithm = "dspark"\nposition_decay = 2.0\n'
+                                         'loss_weights = { ce = 0.1, tv = 0.9 }')).stages.train
+    assert algorithm_flags(tuned) == ["--speculator-type", "dspark", "--loss-fn",
+                                      '{"ce": 0.1, "tv": 0.9}', "--dflash-decay-gamma", "2.0"]
+    eagle = load_config(config(tmp_path, 'loss_weights = { tv = 1.0 }\nposition_decay = 0.8'))
+    assert algorithm_flags(eagle.stages.train) == ["--loss-fn", "tv",
+                                                   "--ttt-step-loss-decay", "0.8"]
+
+
+def test_each_algorithm_has_its_own_layers_and_dflash2_its_whole_vocabulary(tmp_path):
+    """num_layers 0 (the default) is speculators' own for the algorithm (5 for
+    the DFlash family), and what a fingerprint holds (a run made at the old
+    default 1 stays up to date); DFlash2 turns the vocab stage off and trains
+    without a vocabulary mapping."""
+    dflash = load_config(config(tmp_path, 'algorithm = "dflash"'))
+    assert algorithms.num_layers(dflash.stages.train) == 5
+    assert dflash.section_dict("train")["num_layers"] == 5
+    plain = load_config(config(tmp_path, "lr = 0.001"))
+    assert plain.section_dict("train")["num_layers"] == 1
+    assert plain.fingerprint("train", {}) == load_config(
+        config(tmp_path, "lr = 0.001\nnum_layers = 1")).fingerprint("train", {})
+    two = load_config(config(tmp_path, 'algorithm = "dflash"\nnum_layers = 2'))
+    assert algorithms.num_layers(two.stages.train) == 2
+    dflash2 = load_config(config(tmp_path, 'algorithm = "dflash2"'))
+    assert "whole vocabulary" in dflash2.off_reason("vocab") and plain.enabled("vocab")
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
@@ -92,6 +124,12 @@ def test_which_runner_serves_a_method_is_read_from_vllms_source(version):
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in forced
     for method in ("eagle3", "dflash"):
         assert compat.draft_method_unservable(src, method, triton=False, environ={}) is None
+    # DFlash2: method dflash, refused by its architecture (a candidate-head draft) on V1
+    refused = compat.runner_arch_refusals(src, "V1")
+    assert any(m == "dflash" and "DFlash2DraftModel" in archs for m, archs in refused), refused
+    arch = compat.draft_method_unservable(src, "dflash", False, {}, ("DFlash2DraftModel",))
+    assert "Model Runner V1 does not support: DFlash candidate-head drafts" in arch, arch
+    assert compat.draft_method_unservable(src, "dflash", True, {}, ("DFlash2DraftModel",)) is None
     assert compat.draft_method_unservable(src, "dspark", True,
                                           {"VLLM_USE_V2_MODEL_RUNNER": "00"}) is not None
     # a release that does not know the method (0.22 has DFlash, not DSpark)
@@ -99,6 +137,8 @@ def test_which_runner_serves_a_method_is_read_from_vllms_source(version):
     assert "has no speculative method 'dspark'" in compat.draft_method_unservable(
         old, "dspark", True, {})
     assert compat.draft_method_unservable(old, "dflash", False, {}) is None
+    assert "no model class for DFlash2DraftModel" in compat.draft_method_unservable(
+        old, "dflash", True, {}, ("DFlash2DraftModel",))
     # nothing to read it from (no config/speculative.py, before 0.10): no refusal made up
     from pipeline.vllm.source import VllmSource
     assert compat.draft_method_unservable(VllmSource("0.8.5", lambda rel: None), "dspark",
@@ -120,6 +160,13 @@ def test_doctor_says_evaluate_skips_a_draft_this_vllm_cannot_serve(tmp_path):
                           source=vllm_releases.source("0.32.0"))
         (f,) = doctor.check_draft_method(x)
         assert f.level == level and says in f.message, f
+    # DFlash2: refused by its architecture (a candidate-head draft), read the same way
+    env["packages"]["triton"] = None
+    x = doctor.Inputs(load_config(config(tmp_path, 'algorithm = "dflash2"')), env,
+                      doctor.vllm_env_from(env), None, source=vllm_releases.source("0.32.0"))
+    (f,) = doctor.check_draft_method(x)
+    assert f.level == doctor.WARN and "DFlash candidate-head drafts" in f.message, f
+    assert "dflash2" not in f.fix.split("serves (")[-1], f.fix   # not among those it serves
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +197,9 @@ def train_once(prepared, name: str):
         from tests.helpers import run_body
         shutil.copytree(prepared / "r", prepared / name)
         # 4 epochs (~50 steps: a draft vLLM accepts from); DFlash ~1.4 s a step on 2 cores: 3
-        extra = "epochs = 1\nmax_steps = 3\n" if algorithms.get(name).block else "epochs = 4\n"
+        # (the block drafters at 1 layer: speculators' 5 take ~4x the time a step)
+        extra = "epochs = 1\nmax_steps = 3\nnum_layers = 1\n" if algorithms.get(name).block \
+            else "epochs = 4\n"
         cfg = BASE + f'algorithm = "{name}"\n' + extra + EVALUATE
         TRAINED[name] = (*run_body(prepared, "train", train.body, cfg, run=name), cfg)
     return TRAINED[name]
@@ -160,7 +209,7 @@ EVALUATE = "[stages.evaluate]\nmax_prompts = 4\nmax_tokens = 24\nbaseline = fals
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["eagle3.1", "peagle", "dflash", "dspark"])
+@pytest.mark.parametrize("name", ["eagle3.1", "peagle", "dflash", "dspark", "dflash2"])
 def test_each_algorithm_trains_and_gives_its_estimate(prepared, name):
     """A real speculators training of `name` (4 epochs; DFlash 3 steps),
     on the same hidden states: its flags in the replayable argv, its
@@ -173,11 +222,17 @@ def test_each_algorithm_trains_and_gives_its_estimate(prepared, name):
     assert s["algorithm"] == name
     assert " ".join(["--speculator-type", algorithms.get(name).speculator_type,
                      *algorithms.get(name).flags]) in s["train_argv"]
-    # DFlash: eal over its block (15 + 1); DSpark: over all 8 of its block (+ 1)
-    most = {"dflash": 16.0, "dspark": 9.0}.get(name, 4.0)
+    # DFlash: eal over its block (15 + 1); DSpark: over all 8 of its block (+ 1); DFlash2 7 + 1
+    most = {"dflash": 16.0, "dspark": 9.0, "dflash2": 8.0}.get(name, 4.0)
     assert s["acceptance_length"] is not None and 1.0 <= s["acceptance_length"] <= most, s
     written = json.loads((rd.stage_dir("train") / "out/checkpoints/0/config.json").read_text())
     assert written["speculators_model_type"] == algorithms.get(name).speculator_type, written
+    if algorithms.get(name).full_vocab:   # DFlash2: the target's vocabulary, no mapping
+        assert "--d2t-path" not in s["train_argv"] and "--draft-vocab-size" not in s["train_argv"]
+        target = load_config(prepared / "config.toml").target_path()
+        assert written["draft_vocab_size"] == json.loads(
+            (target / "config.json").read_text())["vocab_size"], written
+        assert written["architectures"] == list(algorithms.get(name).architectures)
     val = [e for e in evs if e["type"] == "metric" and e.get("split") == "val"]
     assert val and val[-1]["values"].get("acceptance_estimate") == pytest.approx(
         s["acceptance_length"]), val[-1]
@@ -219,10 +274,14 @@ def test_each_algorithm_is_measured_by_the_real_vllm(prepared, name):
 
 
 @pytest.mark.vllm
-def test_a_draft_this_vllm_cannot_serve_skips_evaluate_with_its_reason(prepared):
-    """DSpark on this machine's vLLM (the CPU build, no Triton): evaluate
-    is skipped, not failed, with the reason read from that vLLM's source,
-    before any server starts; the run keeps train's estimate."""
+@pytest.mark.parametrize("name, says", [
+    ("dspark", "Model Runner V1 does not support: dspark speculative decoding"),
+    ("dflash2", "Model Runner V1 does not support: DFlash candidate-head drafts")])
+def test_a_draft_this_vllm_cannot_serve_skips_evaluate_with_its_reason(prepared, name, says):
+    """DSpark and DFlash2 on this machine's vLLM (the CPU build, no Triton):
+    evaluate is skipped, not failed, with the reason read from that vLLM's
+    source (DSpark's method, DFlash2's architecture), before any server
+    starts; the run keeps train's estimate."""
     from pipeline.paths import VLLM_VENV
     from pipeline.stages import evaluate
     from pipeline.vllm.environment import probe
@@ -231,14 +290,13 @@ def test_a_draft_this_vllm_cannot_serve_skips_evaluate_with_its_reason(prepared)
     env = probe(str(py)) if py.exists() else None
     if env is None or env.unusable([]) or env.triton:
         pytest.skip(f"no real vLLM without Triton in {VLLM_VENV}")
-    code, rd, _, cfg = train_once(prepared, "dspark")
+    code, rd, _, cfg = train_once(prepared, name)
     assert code == 0
-    code, rd, evs = run_body(prepared, "evaluate", evaluate.body, cfg, run="dspark")
+    code, rd, evs = run_body(prepared, "evaluate", evaluate.body, cfg, run=name)
     assert code == 0
     fin = finished(evs)
     assert fin["status"] == "skipped", fin
-    assert "Model Runner V1 does not support: dspark speculative decoding" in \
-        fin["summary"]["skipped"], fin
+    assert says in fin["summary"]["skipped"], fin
     assert not (rd.stage_dir("evaluate") / "out/results.json").exists()
 
 

@@ -55,13 +55,19 @@ def test_malformed_toml_names_the_line():
 
 def test_bad_values():
     assert "is not one of" in err('[stages.extract]\nbackend = "tensorrt"\n')
-    assert "must be positive" in err("[stages.train]\nnum_layers = 0\n")
+    assert "must be positive" in err("[stages.train]\nttt_steps = 0\n")
+    assert "`stages.train.loss_weights.ce` must be a number" in err(
+        '[stages.train]\nloss_weights = { ce = "high" }\n')
     assert "train_ratio" in err("[stages.train]\ntrain_ratio = 1.5\n")
     assert "plain folder name" in err('[run]\nname = "a/b"\n')
     assert "`stages.extract.gpu_memory_utilization` must be in (0, 1]" in err(
         "[stages.extract]\ngpu_memory_utilization = 1.5\n")
     assert "`stages.extract.max_num_seqs` must be positive" in err(
         "[stages.extract]\nmax_num_seqs = 0\n")
+    assert "`cluster.min_nodes` = 3 is more than `cluster.nodes` = 2" in err(
+        '[cluster]\nscheduler = "slurm"\nnodes = 2\nmin_nodes = 3\n')
+    assert "`cluster.collective_timeout_s` must be positive" in err(
+        "[cluster]\ncollective_timeout_s = 0\n")
     assert "each vLLM server / engine takes 2" in err(
         '[gpus]\ndevices = [0, 1, 2]\n[stages.extract]\nbackend = "vllm-engine"\n'
         "tensor_parallel = 2\n", gpu_count=lambda: 8)

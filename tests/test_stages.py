@@ -544,3 +544,21 @@ def test_a_killed_writers_temp_files_are_removed_and_nothing_else(tmp_path):
     assert hsfile.remove_leftovers(tmp_path) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmpnotours", "hs_2.safetensors",
                                                           "keep.tmpx"]
+
+
+def test_a_sample_is_published_once_and_never_replaced(tmp_path):
+    """A second writer of the same sample (a node cut off mid-write whose
+    write goes through after another node wrote the file) does not replace
+    it: the first file stays, inode and bytes, and no temp file is left."""
+    from safetensors.torch import load_file
+    final = hsfile.hs_path(tmp_path, 0)
+    ids = torch.arange(4)
+    hsfile.write_sample(final, torch.ones(4, 2, 3), ids)
+    first = final.stat().st_ino
+    hsfile.write_sample(final, torch.full((4, 2, 3), 7.0), ids)   # the stale writer
+    assert final.stat().st_ino == first
+    assert float(load_file(str(final))["hidden_states"].max()) == 1.0
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+    # two writers of one process and thread never share a temp name (nor two nodes' writers
+    # with the same pid and thread id: pid namespaces)
+    assert hsfile.temp_path(final) != hsfile.temp_path(final)

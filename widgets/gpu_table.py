@@ -9,7 +9,8 @@ the width, never wrapped.
 
 A Slurm run's nodes (pipeline.cluster.node_telemetry) are shown one line per node
 (sums, mean utilization, hottest GPU, the stage, STALE when its sampler went
-quiet while the stage runs); `drill_next` shows one node's GPUs in the
+quiet while the stage runs, LOST with the scheduler's word when it says the
+node is down or not responding); `drill_next` shows one node's GPUs in the
 one-machine layout, then the next node's, then all nodes again."""
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ class GpuTable(Vertical):
     def _node_state(self, node) -> tuple[str, str]:
         if node.stage not in self.running:
             return f"{node.stage} ended" if node.stage else "ended", "dim"
+        if node.lost:   # the scheduler's word in full: the node's own line (g)
+            return f"LOST {node.stale_s:.0f}s", "bold red"
         if node.stale:
             return f"STALE {node.stale_s:.0f}s", "bold red"
         return node.stage, "bold cyan"
@@ -181,6 +184,8 @@ class GpuTable(Vertical):
                 else {}
             history = {g.index: self.history.get((node.host, g.index), ()) for g in node.gpus}
             self._draw_gpus(node.gpus, None, sim, history, holders)
+            if node.lost:
+                state += f" (Slurm: {node.lost})"
             title = Text.assemble((f" node {node.host}", "bold"),
                                   f" ({self.drill + 1} of {len(nodes)})  ", (state, style),
                                   f"  job {node.job or '-'}  g: next node")

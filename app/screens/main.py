@@ -275,6 +275,9 @@ class MainScreen(Screen):
                 t.append(f"\n  hint: {err['hint']}", style="yellow")
             if info.reason:
                 t.append(f"\n  {info.reason}", style="dim")
+        elif info.running and info.job and not info.job.endswith(" running"):
+            # waiting in the scheduler's queue, or the scheduler not answering: its words
+            t.append(info.job, style="bold yellow" if "not answering" in info.job else "cyan")
         elif stalled := [v for v in info.servers if v.stalled_s and info.running]:
             ev = stalled[0].event
             t.append(f"{stalled[0].label} {stalled[0].name}: {startup.describe(ev)}",

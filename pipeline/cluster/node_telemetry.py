@@ -14,7 +14,9 @@ every step of the job).
 
 A node that stops writing is stale, never dropped: staleness is judged by
 the reader's own monotonic clock (the `seq` counter has not moved for
-STALE_S), so no clock of two machines is compared.
+STALE_S), so no clock of two machines is compared. A stale node is lost when
+the scheduler says so too (down, not responding: Slurm's word is shown); only
+a stale node is asked about, at most every LOST_CHECK_S.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pipeline.run.rundir import atomic_write_json
 from pipeline.telemetry import GpuSample, HostSample, Telemetry
 
 STALE_S = 10.0
+LOST_CHECK_S = 10.0
 SIMULATE_ENV = "EAGLE_PANEL_SIMULATE_GPUS"   # labelled simulated GPUs (demos, tests)
 
 
@@ -77,6 +80,7 @@ class NodeReport:
     stale_s: float = 0.0          # how long its seq has not moved (0: a new sample this look)
     stale: bool = False
     job: str | None = None
+    lost: str = ""                # the scheduler's word for a stale node not up ("down*")
 
 
 @dataclass
@@ -91,6 +95,8 @@ class NodeWatch:
     _seen: dict[str, tuple[int, float]] = field(default_factory=dict)
     _last: dict[str, NodeReport] = field(default_factory=dict)
     _files: dict[Path, tuple] = field(default_factory=dict)   # path -> its stat at the last parse
+    _lost: dict[str, str] = field(default_factory=dict)       # host -> the scheduler's word
+    _lost_asked: float = -LOST_CHECK_S
 
     def read(self, now: float | None = None) -> list[NodeReport]:
         now = time.monotonic() if now is None else now
@@ -125,13 +131,28 @@ class NodeWatch:
                 host, raw.get("stage", ""), raw.get("source", "none"), gpus,
                 HostSample(**hs) if hs else None, raw.get("banner"), job=raw.get("job"))
         self._files = files
-        out = []
-        for host, rep in sorted(self._last.items()):
-            age = now - self._seen[host][1]
-            # A new report each look (what was parsed is shared): a snapshot
-            # already handed to the screen keeps the staleness it was read with.
-            out.append(dataclasses.replace(rep, stale_s=age, stale=age >= self.stale_after_s))
-        return out
+        ages = {host: now - self._seen[host][1] for host in self._last}
+        self._ask_lost([h for h, age in ages.items() if age >= self.stale_after_s], now)
+        # A new report each look (what was parsed is shared): a snapshot
+        # already handed to the screen keeps the staleness it was read with.
+        return [dataclasses.replace(rep, stale_s=ages[host], stale=ages[host] >= self.stale_after_s,
+                                    lost=self._lost.get(host, "") if ages[host] >= self.stale_after_s
+                                    else "")
+                for host, rep in sorted(self._last.items())]
+
+    def _ask_lost(self, stale: list[str], now: float) -> None:
+        """The scheduler's word on the stale nodes (a Slurm run's: the files
+        are only ever written by its jobs), at most every LOST_CHECK_S; none
+        asked while every node writes."""
+        if not stale or now - self._lost_asked < LOST_CHECK_S:
+            return
+        self._lost_asked = now
+        from pipeline.cluster import slurm
+        if slurm.missing_tools():
+            return
+        found = slurm.nodes_not_up(stale)
+        if found is not None:
+            self._lost = found
 
 
 _GPU_FIELDS = {f.name for f in dataclasses.fields(GpuSample)}

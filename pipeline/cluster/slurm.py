@@ -25,6 +25,7 @@ that interface (it never imports cluster/); pipeline.control registers it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -34,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.run.events import EventWriter
 from pipeline.run.executor import ALIVE, GONE, Scheduler, SchedulerError
 from pipeline.run.rundir import RunDir
 
@@ -41,7 +43,11 @@ ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
           "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
 TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo")
 CACHE_S = 1.0
+# While slurmctld does not answer, each question costs its MessageTimeout (10 s by
+# default) before failing: ask again only this often, and answer "no verdict" between.
+SILENT_RETRY_S = 15.0
 _cache: dict[str, tuple[float, JobState | None]] = {}
+_silence: dict[str, float | None] = {"since": None, "asked": 0.0}
 
 
 class SlurmError(SchedulerError):
@@ -61,7 +67,13 @@ class JobState:
         return f"Slurm job {job} {self.state.lower()}" + (f" ({self.reason})" if self.reason else "")
 
 
-def _run(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+# A question to slurmctld that has no answer by then has none: the client tools
+# retry a controller that does not answer for 30 s and more (measured: squeue 35 s
+# at MessageTimeout=5), and `status` or the panel must not wait that long.
+QUERY_TIMEOUT_S = 10.0
+
+
+def _run(argv: list[str], timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -81,7 +93,12 @@ def preflight(cluster, runs_dir: Path | None = None) -> None:
         raise SlurmError(f'[cluster] scheduler = "slurm", but {", ".join(missing)} is not on '
                          "PATH here. Run eagle-panel on a node with the Slurm client tools, or "
                          'set [cluster] scheduler = "local".')
-    r = _run(["sinfo", "-h", "-o", "%R|%a"])
+    try:
+        r = _run(["sinfo", "-h", "-o", "%R|%a"])
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"slurmctld did not answer sinfo within {QUERY_TIMEOUT_S:.0f} s: "
+                         "nothing was submitted. Is the controller up and reachable from "
+                         "here (`scontrol ping`)?") from None
     if r.returncode:
         raise SlurmError(f"sinfo failed: {(r.stderr or r.stdout).strip()[:300]}. "
                          "Is slurmctld up and this node part of the cluster?")
@@ -100,14 +117,41 @@ def preflight(cluster, runs_dir: Path | None = None) -> None:
 MULTI_NODE_STAGES = ("extract", "train")
 
 
+def job_nodes(cluster, up: int | None) -> int:
+    """The nodes a multi-node job asks for: `nodes`; with `min_nodes` below it,
+    as many of the partition's nodes as are up (`up`; None: unknown), never
+    fewer than `min_nodes` (a resume after a lost node runs on the nodes left).
+    An exact count, not sbatch's MIN-MAX range: a range may start a job on
+    fewer nodes while one is briefly busy (seen: 1 of 2 idle nodes)."""
+    if not 0 < cluster.min_nodes < cluster.nodes or up is None:
+        return cluster.nodes
+    return max(cluster.min_nodes, min(cluster.nodes, up))
+
+
+def nodes_up(partition: str) -> tuple[int, list[str]] | None:
+    """(how many of the partition's nodes can take a job, "n1 down*" for each
+    that cannot); None when the controller does not answer."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N %T"] + ([f"--partition={partition}"] if partition else [])
+    try:
+        r = _run(argv, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode:
+        return None
+    states = dict(line.split()[:2] for line in r.stdout.splitlines() if len(line.split()) >= 2)
+    good = {"idle", "mixed", "allocated", "completing"}
+    down = sorted(f"{n} {st}" for n, st in states.items() if st not in good)
+    return len(states) - len(down), down
+
+
 def sbatch_argv(cluster, stage: str, run_id: str, log: Path, workdir: Path,
-                gpu_stage: bool) -> list[str]:
+                gpu_stage: bool, nodes: int | None = None) -> list[str]:
     argv = ["sbatch", "--parsable", f"--job-name=ep-{run_id}-{stage}", f"--output={log}",
             "--open-mode=append", f"--chdir={workdir}"]
     if cluster.nodes > 1 and stage in MULTI_NODE_STAGES:
         # One task per node; a failed node does not end the job: the others
         # take over its samples (extract), or the stage resumes (train).
-        argv += [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", "--no-kill"]
+        argv += [f"--nodes={nodes or cluster.nodes}", "--ntasks-per-node=1", "--no-kill"]
     else:
         argv += ["--nodes=1", "--ntasks=1"]
     if cluster.partition:
@@ -122,12 +166,21 @@ def sbatch_argv(cluster, stage: str, run_id: str, log: Path, workdir: Path,
 
 
 def submit(cluster, stage: str, run_id: str, log: Path, workdir: Path, gpu_stage: bool,
-           command: list[str], script: Path, env: dict[str, str]) -> str:
+           command: list[str], script: Path, env: dict[str, str]) -> tuple[str, str]:
     """Write the batch script (kept beside the stage's log) and submit it;
-    returns the job id. The job gets the stage's environment (sbatch
-    exports it), so it runs exactly what a local launch would."""
-    text = ("#!/bin/sh\n# written by eagle-panel; submitted with:\n# "
-            + shlex.join(sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage)) + "\n")
+    returns the job id and a note for the user ("" or why it asks for fewer
+    nodes). The job gets the stage's environment (sbatch exports it), so it
+    runs exactly what a local launch would."""
+    nodes, note = None, ""
+    if cluster.nodes > 1 and stage in MULTI_NODE_STAGES and 0 < cluster.min_nodes < cluster.nodes:
+        seen = nodes_up(cluster.partition)
+        nodes = job_nodes(cluster, seen[0] if seen else None)
+        if seen and nodes < cluster.nodes:
+            note = (f"{len(seen[1])} of the partition's nodes cannot take a job "
+                    f"({', '.join(seen[1])}): the {stage} job asks for {nodes} of [cluster] "
+                    f"nodes = {cluster.nodes} (min_nodes = {cluster.min_nodes})")
+    argv = sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage, nodes)
+    text = ("#!/bin/sh\n# written by eagle-panel; submitted with:\n# " + shlex.join(argv) + "\n")
     if gpu_stage:
         # Each node's GPUs into the run directory for the panel
         # (pipeline.cluster.node_telemetry); a step beside the stage's, ended with the job.
@@ -137,12 +190,11 @@ def submit(cluster, stage: str, run_id: str, log: Path, workdir: Path, gpu_stage
                                "--run-dir", str(workdir), "--stage", stage]) + " &\n")
     script.write_text(text + "exec " + shlex.join(command) + "\n")
     script.chmod(0o700)
-    r = subprocess.run([*sbatch_argv(cluster, stage, run_id, log, workdir, gpu_stage),
-                        str(script)], capture_output=True, text=True, env=env, timeout=60,
+    r = subprocess.run([*argv, str(script)], capture_output=True, text=True, env=env, timeout=60,
                        check=False)
     if r.returncode:
         raise SlurmError(f"sbatch refused the {stage} job: {(r.stderr or r.stdout).strip()[:400]}")
-    return r.stdout.strip().split(";")[0]
+    return r.stdout.strip().split(";")[0], note
 
 
 def job_state(job: str, fresh: bool = False) -> JobState | None:
@@ -151,9 +203,29 @@ def job_state(job: str, fresh: bool = False) -> JobState | None:
     hit = _cache.get(job)
     if hit and not fresh and now - hit[0] < CACHE_S:
         return hit[1]
+    if not fresh and _silence["since"] is not None and now - _silence["asked"] < SILENT_RETRY_S:
+        return None
     state = _ask(job)
-    _cache[job] = (now, state)
+    answered = time.monotonic()   # a silent controller's question takes QUERY_TIMEOUT_S
+    _silence["asked"] = answered
+    _silence["since"] = (_silence["since"] or now) if state is None else None
+    _cache[job] = (answered, state)
     return state
+
+
+def controller_silent_s() -> float | None:
+    """How long slurmctld has not answered this process (None: it answers)."""
+    since = _silence["since"]
+    return None if since is None else time.monotonic() - since
+
+
+def silence_text() -> str:
+    """The controller's silence in words, "" while it answers."""
+    silent = controller_silent_s()
+    if silent is None:
+        return ""
+    return (f"Slurm controller not answering for {silent:.0f} s: the stage is taken to be "
+            f"alive (no verdict without it); asked again every {SILENT_RETRY_S:.0f} s")
 
 
 def _ask(job: str) -> JobState | None:
@@ -197,7 +269,8 @@ def cancel(job: str, signal: str | None = None) -> None:
     """scancel the job; with a signal, to the batch script and every
     process of the job (--full), so the stage gets it as on one machine."""
     argv = ["scancel", job] if signal is None else ["scancel", f"--signal={signal}", "--full", job]
-    _run(argv)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        _run(argv)   # a controller that does not answer: the job is reported as still there
     _cache.pop(job, None)
 
 
@@ -213,14 +286,22 @@ class SlurmScheduler(Scheduler):
         return ALIVE if state is None or state.active else GONE
 
     def describe(self, st: dict) -> str:
-        state = job_state(st["slurm_job"]) if st.get("slurm_job") else None
-        return state.describe(st["slurm_job"]) if state else ""
+        if not st.get("slurm_job"):
+            return ""
+        state = job_state(st["slurm_job"])
+        return state.describe(st["slurm_job"]) if state else silence_text()
 
     def submit(self, cfg, rd: RunDir, stage: str, attempt: int, gpu_stage: bool,
                command: list[str], env: dict[str, str]) -> str:
-        """The batch script beside the stage's log (slurm-ATTEMPT.sh), submitted."""
-        return submit(cfg.cluster, stage, rd.id, rd.log_path(stage), rd.path, gpu_stage,
-                      command, rd.stage_dir(stage) / f"slurm-{attempt}.sh", env)
+        """The batch script beside the stage's log (slurm-ATTEMPT.sh), submitted;
+        a job asking for fewer nodes than `[cluster] nodes` is the stage's warning."""
+        job, note = submit(cfg.cluster, stage, rd.id, rd.log_path(stage), rd.path, gpu_stage,
+                           command, rd.stage_dir(stage) / f"slurm-{attempt}.sh", env)
+        if note:
+            with EventWriter(rd.events_path(stage)) as events:
+                events.warning(note, hint="once the node is back, the next job asks for all "
+                                          "`nodes` again")
+        return job
 
     def job_gone(self, job: str) -> bool:
         state = job_state(job, fresh=True)
@@ -235,6 +316,39 @@ def allocation_tasks() -> int:
     if not os.environ.get("SLURM_JOB_ID"):
         return 0
     return int(os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NNODES") or 0)
+
+
+def nodes_not_up(nodes: list[str] | str) -> dict[str, str] | None:
+    """Of these nodes (names, or a Slurm hostlist), those Slurm does not count
+    as up, each with its word for it ("down* (Not responding)"); None when the
+    controller does not answer. `*` after a state: the node does not respond."""
+    nodelist = nodes if isinstance(nodes, str) else ",".join(nodes)
+    if not nodelist:
+        return {}
+    try:
+        r = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T|%E"], timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode:
+        return None
+    out = {}
+    for line in r.stdout.splitlines():
+        node, _, rest = line.partition("|")
+        state, _, why = rest.partition("|")
+        if state.endswith("*") or any(w in state for w in ("down", "fail", "drain", "unk")):
+            why = why if why and why != "none" else "not responding" if state.endswith("*") else ""
+            out[node] = state + (f" ({why})" if why else "")
+    return out
+
+
+def allocation_nodes_down() -> str:
+    """What Slurm says of this allocation's nodes that are not up ("Slurm: node
+    n1 down* (Not responding)"), asked from inside the job; "" when all are
+    up, or outside a job, or the controller does not answer."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    bad = nodes_not_up(nodelist) if nodelist else None
+    return ("Slurm: " + ", ".join(f"node {n} {why}" for n, why in sorted(bad.items()))
+            if bad else "")
 
 
 def rendezvous(port_base: int = 29500) -> str:

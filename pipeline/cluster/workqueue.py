@@ -228,11 +228,16 @@ class WorkQueue:
             time.sleep(POLL_S)
 
     def _claim(self, k: int, gen: int) -> bool:
+        path = self.folder / "claims" / f"{k}.{gen}"
         try:
-            fd = os.open(self.folder / "claims" / f"{k}.{gen}", os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-                         0o640)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)
         except FileExistsError:
             return False
+        except PermissionError:
+            # sshfs says a lost O_EXCL race this way (SFTP v3 has no "exists" status)
+            if path.exists():
+                return False
+            raise
         with os.fdopen(fd, "w") as f:
             f.write(self.worker)
         return True

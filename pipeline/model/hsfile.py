@@ -8,17 +8,22 @@ connector and the train stage's checks:
                                                       speculators' layout, pipeline.model.fp8)
 
 i is the row of prepare/out/data. A file is written to a temp name in the
-same folder and renamed, so a file that exists under its final name is
-whole; `validate_file` says whether it is also the right one (shape, dtype,
-token ids, finite values). torch and safetensors are imported on use: the
+same folder and then given its final name only if that name is free
+(`publish`), so a file that exists under its final name is whole and was
+written once: on a cluster, a node cut off mid-write whose writes go through
+when its link comes back must not replace the file another node wrote in its
+place. `validate_file` says whether a file is also the right one (shape,
+dtype, token ids, finite values). torch and safetensors are imported on use: the
 module is loaded by stages and by vLLM's workers, never by the panel.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import re
+import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +38,35 @@ def hs_path(folder: Path, i: int) -> Path:
 
 
 def temp_path(final: Path) -> Path:
-    """A temp name beside `final`, unique per process and thread; a leftover
-    (a kill mid-write) matches `.*.tmp` and never looks finished."""
-    return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    """A temp name beside `final`, unique per writer: random, because a pid and a
+    thread id are unique on one node only (two nodes' writers can have both the
+    same); a leftover (a kill mid-write) matches `.*.tmp` and never looks finished."""
+    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def publish(tmp: Path, final: Path) -> bool:
+    """Give `tmp` the name `final` unless a file has it already (then `tmp` is
+    dropped); True if this writer's file is the one there now. A hard link is
+    the no-replace rename that NFS, Lustre, GPFS and sshfs all do atomically; a
+    filesystem without hard links gets the plain rename (and loses the guard)."""
+    try:
+        os.link(tmp, final)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if final.exists():
+            return False   # taken, said as another error (sshfs: EPERM; SFTP v3 has no "exists")
+        if e.errno not in NO_HARD_LINKS:
+            raise
+        publish(tmp, final)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK,
+                 errno.ENOSYS}
 
 
 # safetensors' writer (Rust) writes through a temp file of its own beside the
@@ -75,7 +106,7 @@ def write_sample(final: Path, hidden_states, token_ids, check_finite: bool = Fal
         tensors.update(hidden_states=q, **{SCALES_KEY: scales})
     try:
         save_file(tensors, str(tmp))
-        os.replace(tmp, final)
+        publish(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from pipeline.run.events import EventTail, EventType
-from pipeline.run.executor import Executor, driver_alive
+from pipeline.run.executor import Executor, driver_alive, for_run
 from pipeline.run.reconcile import observe
 from pipeline.run.rundir import RunDir, RunDirError, Status
 from pipeline.stage_graph import STAGE_NAMES
@@ -125,6 +125,8 @@ class StageView:
     devices: tuple[int, ...]
     reason: str | None
     slurm_job: str | None
+    job: str                          # a running attempt's job as its scheduler says it
+                                      # ("Slurm job 12 pending (Resources)"; "" locally)
     progress: Progress | None
     servers: tuple[ServerView, ...]   # the current attempt's, by name
     kv_reports: Mapping[str, Mapping]  # server (or "engine") -> its last kv_cache event
@@ -293,6 +295,7 @@ class RunReader:
         self._state_sig = None
         self._polls = 0
         self._unsafe: set[str] = set()   # stages whose events file is damaged or a link out
+        self._jobs: dict[str, str] = {}  # a running stage's job, as its scheduler says
         self.version = 0
 
     def poll(self) -> bool:
@@ -339,9 +342,11 @@ class RunReader:
             return False
         self._state_sig = sig
         try:
-            self._state = observe(self.run, self.executor) if self.executor else \
-                observe(self.run)
+            ex = self.executor or for_run(self.run)
+            self._state = observe(self.run, ex)
             self._state_error, self._state_exc = None, None
+            self._jobs = {s: ex.describe(st) for s, st in self._state["stages"].items()
+                          if st.get("slurm_job") and st.get("status") == Status.RUNNING}
         except RunDirError as e:
             self._state_error, self._state_exc = str(e), e
         self._check_events()
@@ -456,7 +461,8 @@ class RunReader:
             earlier_s=_earlier_s(attempts, st.get("attempt") or 0),
             exit_code=st.get("exit_code"), signal=st.get("signal"), pid=st.get("pid"),
             devices=tuple(st.get("devices") or ()), reason=st.get("reason"),
-            slurm_job=st.get("slurm_job"), progress=_progress(info.progress),
+            slurm_job=st.get("slurm_job"), job=self._jobs.get(name, ""),
+            progress=_progress(info.progress),
             servers=tuple(_server(k, info.servers[k], info.kv.get(k))
                           for k in sorted(info.servers)),
             kv_reports=MappingProxyType(dict(info.kv)),

@@ -102,18 +102,16 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
     """The `speculators train` flags for this run: a user can replay them
     (the budget's epochs and total_seq_len written out)."""
     sec = ctx.section
-    n = ctx.cfg.stages.vocab.draft_vocab_size
-    vocab = ctx.out_of("vocab")
     argv = [
         "--verifier-name-or-path", str(ctx.cfg.target_path()),
         "--data-path", str(ctx.out_of("prepare") / "data"),
         "--hidden-states-path", str(ctx.out_of("extract") / "hidden_states"),
-        "--d2t-path", str(vocab / f"d2t-{n}.npy"), "--t2d-path", str(vocab / f"t2d-{n}.npy"),
-        "--draft-vocab-size", str(n),
+        *vocab_flags(ctx),
         "--target-layer-ids", *map(str, meta["aux_layer_ids"]),
         "--save-path", str(ctx.out / "checkpoints"), *logger_flags(ctx),
         "--epochs", str(budget.epochs), "--lr", str(sec.lr),
-        "--num-layers", str(sec.num_layers), "--total-seq-len", str(budget.total_seq_len),
+        "--num-layers", str(algorithms.num_layers(sec)),
+        "--total-seq-len", str(budget.total_seq_len),
         "--ttt-steps", str(sec.ttt_steps), "--train-data-ratio", str(sec.train_ratio),
         "--checkpoint-freq", str(sec.checkpoint_freq), "--log-freq", str(sec.log_freq),
         "--hidden-states-dtype", meta["dtype"], "--seed", str(sec.seed),
@@ -134,15 +132,32 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
     return argv
 
 
+def vocab_flags(ctx: StageContext) -> list[str]:
+    """The draft vocabulary: vocab's mapping, or none for an algorithm that
+    trains on the target's whole vocabulary (DFlash2: the vocab stage is off)."""
+    if algorithms.get(ctx.section.algorithm).full_vocab:
+        return []
+    n, vocab = ctx.cfg.stages.vocab.draft_vocab_size, ctx.out_of("vocab")
+    return ["--d2t-path", str(vocab / f"d2t-{n}.npy"), "--t2d-path", str(vocab / f"t2d-{n}.npy"),
+            "--draft-vocab-size", str(n)]
+
+
 def algorithm_flags(sec) -> list[str]:
     """`--speculator-type` and the flags `[stages.train] algorithm` needs
-    (pipeline.train.algorithms); nothing for plain EAGLE-3, speculators' default."""
+    (pipeline.train.algorithms), its loss weights and per-position decay;
+    nothing for plain EAGLE-3 at speculators' defaults."""
     algo = algorithms.get(sec.algorithm)
-    if algo.name == "eagle3":
-        return []
-    flags = ["--speculator-type", algo.speculator_type, *algo.flags]
+    flags = [] if algo.name == "eagle3" else ["--speculator-type", algo.speculator_type,
+                                              *algo.flags]
     if algo.block and sec.block_size:
         flags += ["--block-size", str(sec.block_size)]
+    if sec.loss_weights:
+        weights = dict(sec.loss_weights)
+        alone = next(iter(weights)) if len(weights) == 1 and set(weights.values()) == {1.0} \
+            else None
+        flags += ["--loss-fn", alone or json.dumps(weights)]
+    if sec.position_decay:
+        flags += [algo.decay_flag, str(sec.position_decay)]
     return flags
 
 
@@ -195,7 +210,7 @@ def plan_budget(ctx: StageContext) -> Budget:
     parallel ranks as will train."""
     sec = ctx.section
     lengths = train_lengths(ctx)
-    ranks = len(ctx.devices) * max(1, ctx.cfg.cluster.nodes) if ctx.devices != ["cpu"] else 1
+    ranks = ranks_per_node(ctx) * train_nodes(ctx)
     budget = plan(lengths, epochs=sec.epochs, total_seq_len=sec.total_seq_len,
                   target_steps=sec.target_steps, min_steps=sec.min_steps,
                   max_epochs=sec.max_epochs,
@@ -256,7 +271,7 @@ def write_draft_config(ctx: StageContext) -> tuple[Path, list[str]]:
     """The MLA draft's decoder config, derived from the target's, as a file
     `--draft-config` reads (and a user replaying the flags)."""
     raw = json.loads((ctx.cfg.target_path() / "config.json").read_text())
-    cfg, notes = draft_layer_config(raw, ctx.section.num_layers)
+    cfg, notes = draft_layer_config(raw, algorithms.num_layers(ctx.section))
     path = ctx.out / "draft_config.json"
     ctx.write_json(path, cfg)
     return path, notes
@@ -325,12 +340,35 @@ def start_online(ctx: StageContext, meta: dict, training: Training) -> None:
     training.argv = replace_flags(training.argv, online_argv(servers, ctx.section))
 
 
+def ranks_per_node(ctx: StageContext) -> int:
+    """Training processes per node: one per GPU the stage is given; on a
+    CPU-only node one, or `ranks_per_node` (data parallel over gloo)."""
+    want = ctx.section.ranks_per_node
+    if ctx.devices == ["cpu"]:
+        return max(1, want)
+    if want and want != len(ctx.devices):
+        raise StageError(f"[stages.train] ranks_per_node = {want}, but the stage is given "
+                         f"{len(ctx.devices)} GPU(s): one rank trains on each GPU",
+                         hint="set ranks_per_node = 0 (one per GPU), or give the stage "
+                              f"{want} GPUs ([gpus])")
+    return len(ctx.devices)
+
+
+def train_nodes(ctx: StageContext) -> int:
+    """The nodes training spreads over: the Slurm allocation's tasks where
+    `[cluster] nodes` > 1 (fewer than `nodes` when a resume got only those
+    up, `min_nodes`), else this one."""
+    if ctx.cfg.cluster.nodes <= 1:
+        return 1
+    return max(1, slurm.allocation_tasks() or ctx.cfg.cluster.nodes)
+
+
 def run_trainer(ctx: StageContext, training: Training) -> None:
-    """Train (torchrun with several GPUs or nodes, else in this process);
+    """Train (torchrun with several ranks or nodes, else in this process);
     the online servers stopped however it ends."""
     servers = training.servers
     try:
-        if len(ctx.devices) > 1 or (ctx.devices and ctx.cfg.cluster.nodes > 1):
+        if ranks_per_node(ctx) > 1 or ctx.cfg.cluster.nodes > 1:
             run_torchrun(ctx, training.argv)
         else:
             training.metrics = run_in_process(ctx, training.argv, training.device_type, servers)
@@ -467,29 +505,34 @@ def replace_flags(argv: list[str], flags: list[str]) -> list[str]:
     return out
 
 
-def torchrun_command(module: str, args: list[str], nproc: int, nodes: int = 1) -> list[str]:
+def torchrun_command(module: str, args: list[str], nproc: int, nodes: int = 1,
+                     rendezvous_timeout_s: float = 600.0) -> list[str]:
     """`python -m module args` under torchrun, `nproc` processes per node: on
     this node (--standalone), or over the `nodes` tasks of the Slurm
     allocation this runs in (srun starts one torchrun agent per node; they
-    meet at the allocation's first node, c10d rendezvous keyed by the job)."""
+    meet at the allocation's first node, c10d rendezvous keyed by the job,
+    each wait of the rendezvous bounded by `rendezvous_timeout_s`)."""
     run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     tail = ["-m", module, *args]
     if nodes <= 1:
         return [*run, "--standalone", *tail]
+    wait = max(1, round(rendezvous_timeout_s))
     return ["srun", f"--ntasks={nodes}", "--kill-on-bad-exit=1", "--label", *run,
             f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={slurm.rendezvous()}",
-            f"--rdzv-id=eagle-panel-{os.environ.get('SLURM_JOB_ID', '0')}", *tail]
+            f"--rdzv-id=eagle-panel-{os.environ.get('SLURM_JOB_ID', '0')}",
+            f"--rdzv-conf=join_timeout={wait},read_timeout={wait}", *tail]
 
 
 def run_torchrun(ctx: StageContext, argv: list[str]) -> None:
-    """One process per GPU under torchrun (over the allocation's nodes with
-    `[cluster] nodes` > 1); global rank 0 writes the events."""
-    nodes = slurm.allocation_tasks() if ctx.cfg.cluster.nodes > 1 else 1
+    """The ranks under torchrun (over the allocation's nodes with `[cluster]
+    nodes` > 1); global rank 0 writes the events. A failure says what the
+    scheduler knows of the allocation's nodes (a lost node: Slurm's reason)."""
+    nodes, nproc = train_nodes(ctx), ranks_per_node(ctx)
     cmd = torchrun_command("pipeline.train.worker",
-                           ["--run-dir", str(ctx.run.path), "--", *argv], len(ctx.devices),
-                           max(1, nodes))
-    if nodes > 1:
-        print(f"train: torchrun over {nodes} nodes x {len(ctx.devices)} GPUs", flush=True)
+                           ["--run-dir", str(ctx.run.path), "--", *argv], nproc, nodes,
+                           ctx.cfg.cluster.rendezvous_timeout_s)
+    where = "GPUs" if ctx.devices != ["cpu"] else "CPU ranks (gloo)"
+    print(f"train: torchrun over {nodes} node(s) x {nproc} {where}", flush=True)
     proc = subprocess.Popen(cmd, env=os.environ.copy())
     try:
         code = proc.wait()
@@ -498,8 +541,11 @@ def run_torchrun(ctx: StageContext, argv: list[str]) -> None:
     if ctx.stop_requested:
         raise Interrupted()
     if code != 0:
-        raise StageError(f"torchrun exited with code {code}",
-                         hint=f"see {ctx.run.log_path('train')}")
+        down = slurm.allocation_nodes_down() if nodes > 1 else ""
+        raise StageError(f"torchrun exited with code {code}" + (f"; {down}" if down else ""),
+                         hint=("resume continues from the last checkpoint" + (
+                             " (with [cluster] min_nodes below nodes, on the nodes that are up)"
+                             if down else "") + f"; see {ctx.run.log_path('train')}"))
 
 
 def main() -> None:

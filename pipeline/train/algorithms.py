@@ -22,11 +22,23 @@ vLLM 0.32's speculators adapter:
 - DFlash logs `eal`, the mean accepted run per block plus the bonus token,
   over its block of `block_size` - 1 drafted tokens; vLLM serves at most
   that many (`num_speculative_tokens` <= block_size - 1). Its
-  `position_{p}_acc` count from 1. speculators' DFlash recipe has 5
-  layers; `[stages.train] num_layers` (default 1) is passed to every
-  algorithm, so set it for DFlash.
+  `position_{p}_acc` count from 1; its default per-position weight (DPACE)
+  needs the cross-entropy loss alone.
 - DSpark is DFlash with a Markov head and a confidence head; it logs `eal`
   too, over all `block_size` tokens (it samples from the anchor).
+- DFlash2 is DFlash with a local convolution and a candidate selector over
+  the unary head's top-K: its `eal` is the selector's greedy path (the
+  target in the unary top-K). It needs the target's whole vocabulary
+  ("DFlash2 currently requires the full verifier vocabulary",
+  models/dflash2/core.py): no d2t/t2d, so the vocab stage is off. vLLM's
+  speculators adapter serves it as method `dflash` with its own
+  architecture, which Model Runner V1 refuses ("DFlash candidate-head
+  drafts", VllmConfig._is_dflash_candidate_draft).
+- The layers: `[stages.train] num_layers` 0 (the default) is speculators'
+  own per algorithm, 1 for the EAGLE-3 family and P-EAGLE, 5 for the DFlash
+  family (train/config/schema.py); `loss_weights` is speculators'
+  `--loss-fn`; `position_decay` its per-position weight (EAGLE-3's TTT-step
+  decay, the DFlash family's decay gamma).
 - P-EAGLE trains `num_depths` depths (speculators' default 8, not passed):
   an estimate over more served tokens than that has no metrics.
 The others speculators trains are named with why the pipeline does not run
@@ -88,6 +100,13 @@ class Algorithm:
     title: str = ""                # as papers and model cards write it
     block: int = 0                 # a block drafter's default block (speculators'); 0: none
     from_anchor: bool = False      # it drafts the block's anchor too: block tokens, not block - 1
+    layers: int = 1                # speculators' default --num-layers for it
+    full_vocab: bool = False       # it trains on the target's whole vocabulary: no vocab stage
+    # the draft's architecture as vLLM reads it, where vLLM refuses by architecture
+    # (a candidate-head draft under Model Runner V1); () where the method decides
+    architectures: tuple[str, ...] = ()
+    # the flag of its per-position loss weight ([stages.train] position_decay); "" none
+    decay_flag: str = ""
 
     def most_drafted(self, block_size: int = 0) -> int:
         """How many tokens vLLM drafts at most from one block (`block_size`,
@@ -100,16 +119,22 @@ class Algorithm:
         return self.title or self.name
 
 
+EAGLE3_DECAY = "--ttt-step-loss-decay"   # TTT step k weighs decay ** k
+DFLASH_DECAY = "--dflash-decay-gamma"    # block position p weighs exp(-(p - 1) / gamma)
+
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("eagle3", "eagle3", eagle3_estimate, "1 + sum of full_acc_i", title="EAGLE-3"),
+    Algorithm("eagle3", "eagle3", eagle3_estimate, "1 + sum of full_acc_i", title="EAGLE-3",
+              decay_flag=EAGLE3_DECAY),
     Algorithm("eagle3.1", "eagle3", eagle3_estimate, "1 + sum of full_acc_i",
-              flags=("--fc-norm", "--no-norm-before-fc", "--norm-output"), title="EAGLE-3.1"),
+              flags=("--fc-norm", "--no-norm-before-fc", "--norm-output"), title="EAGLE-3.1",
+              decay_flag=EAGLE3_DECAY),
     Algorithm("peagle", "peagle", chain_of_depths,   # (depths: speculators' default 8)
               "1 + sum of running products of position_d_acc (depths taken as independent)",
               vllm_extra={"parallel_drafting": True}, eagle3_layers=False, title="P-EAGLE"),
     Algorithm("dflash", "dflash", expected_accepted_length,
               "speculators' eal (accepted run per block + the bonus token)",
-              vllm_method="dflash", eagle3_layers=False, title="DFlash", block=16),
+              vllm_method="dflash", eagle3_layers=False, title="DFlash", block=16, layers=5,
+              decay_flag=DFLASH_DECAY),
     # DFlash plus a Markov head over the block's earlier tokens and a
     # confidence head (models/dspark); it samples from the anchor (its
     # default), so it drafts all `block_size` tokens. vLLM serves it on
@@ -118,15 +143,23 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("dspark", "dspark", expected_accepted_length,
               "speculators' eal (accepted run per block + the bonus token)",
               vllm_method="dspark", eagle3_layers=False, title="DSpark", block=8,
-              from_anchor=True),
+              from_anchor=True, layers=5, decay_flag=DFLASH_DECAY),
+    # DFlash plus a local convolution and a candidate selector (models/dflash2);
+    # vLLM serves it as `dflash`, refusing its architecture on Model Runner V1.
+    Algorithm("dflash2", "dflash2", expected_accepted_length,
+              "speculators' eal (the candidate selector's greedy path per block + the bonus "
+              "token)", vllm_method="dflash", eagle3_layers=False, title="DFlash2", block=8,
+              layers=5, full_vocab=True, architectures=("DFlash2DraftModel",),
+              decay_flag=DFLASH_DECAY),
 )}
+
+# speculators' losses (losses/utils.py): `[stages.train] loss_weights` names some of these
+LOSSES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
 
 PEAGLE_DEPTHS = 8   # speculators' --num-depths default (not passed): the depths it logs
 
 # What speculators also trains, and why the pipeline does not run it yet.
 NOT_YET: dict[str, str] = {
-    "dflash2": "it needs the target's whole vocabulary (no vocab stage) and vLLM's V1 runner "
-               "does not serve candidate-head drafts",
     "xpress": "it logs no acceptance estimate to stop or choose by",
     "mtp": "it fine-tunes the target's own MTP module and logs losses only",
 }
@@ -134,3 +167,9 @@ NOT_YET: dict[str, str] = {
 
 def get(name: str) -> Algorithm:
     return ALGORITHMS[name]
+
+
+def num_layers(sec) -> int:
+    """The draft's decoder layers: `[stages.train] num_layers`, or at 0
+    speculators' own default for the algorithm."""
+    return sec.num_layers or get(sec.algorithm).layers

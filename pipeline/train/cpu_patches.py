@@ -1,7 +1,10 @@
 """speculators 0.9's Trainer on a machine without an accelerator (docs/FACTS.md).
 
-It assumes one in three places, each replaced in speculators' module
+It assumes one in four places, each replaced in speculators' module
 namespace for this process:
+  0. under torchrun, `maybe_setup_distributed` sets the accelerator's device
+     index and starts its backend ("No accelerator found")  -> gloo
+     (`patch_distributed`, which also bounds every collective's wait)
   1. `model.to(local_rank)` with an int rank (means cuda:N)  -> the CPU device
   2. `_StepTimer` calls `torch.accelerator.synchronize()`    -> not called
   3. the checkpointer loads onto `get_current_device()`      -> "cpu"
@@ -74,6 +77,44 @@ def _float32_iteration(grad, ns_coefficients, ns_steps, eps):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if wide else x
+
+
+def patch_distributed(dist_mod, cli_mod, cpu: bool, timeout_s: float) -> None:
+    """dist_mod / cli_mod: speculators.train.distributed / .cli. Under torchrun:
+    every collective waits at most `timeout_s` (a rank whose peer's node is
+    lost fails instead of hanging: speculators starts its process group with the
+    backend's default wait, 30 minutes for gloo), and on the CPU the group is
+    gloo. speculators' own setup sets module state its getters read (rank,
+    world size, the data-parallel groups its sampler and DDP use): this one
+    sets the same. DDP, speculators' default, works over gloo unchanged; its
+    checkpoints are the single-process format (rank 0 writes, all meet)."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    real = getattr(dist_mod.maybe_setup_distributed, "__wrapped__",
+                   dist_mod.maybe_setup_distributed)
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def maybe_setup_distributed(sp_size: int = 1) -> None:
+        if "LOCAL_RANK" not in os.environ:
+            return real(sp_size)
+        if not cpu:
+            # the accelerator's own setup, with the wait bounded
+            dist_mod.dist = _TorchProxy(dist, init_process_group=lambda *a, **kw: dist
+                                        .init_process_group(*a, **{"timeout": timeout, **kw}))
+            return real(sp_size)
+        dist_mod._local_rank = int(os.environ["LOCAL_RANK"])
+        dist_mod._is_distributed = True
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timeout)
+        dist_mod._rank, dist_mod._world_size = dist.get_rank(), dist.get_world_size()
+        dist_mod._init_sp_process_groups(dist_mod._rank, dist_mod._world_size, sp_size)
+        return None
+
+    maybe_setup_distributed.__wrapped__ = real
+    dist_mod.maybe_setup_distributed = cli_mod.maybe_setup_distributed = maybe_setup_distributed
 
 
 class _TorchProxy:

@@ -175,7 +175,8 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
         from pipeline.train.online import keyed_dataset_class
         dl_mod.ArrowDataset = keyed_dataset_class()   # our key, our servers
     hooks = Hooks(ctx, metrics, plateau_watch(ctx))
-    panel_trainer.install(cpu=device_type == "cpu", hooks=hooks)
+    panel_trainer.install(cpu=device_type == "cpu", hooks=hooks,
+                          collective_timeout_s=ctx.cfg.cluster.collective_timeout_s)
     if draft_config_path(argv) is not None:
         # the MLA draft: its layer in speculators' registry, for this
         # process (in-process training, or this torchrun rank), and each

@@ -143,11 +143,15 @@ def announce_saves(checkpointer, on_phase) -> None:
     checkpointer.save_checkpoint = announced
 
 
-def install(cpu: bool, hooks) -> None:
+def install(cpu: bool, hooks, collective_timeout_s: float = 1800.0) -> None:
     """Patch speculators' training modules for this process."""
     from speculators.train import checkpointer as ck_mod
     from speculators.train import cli as cli_mod
+    from speculators.train import distributed as dist_mod
     from speculators.train import trainer as tr_mod
+
+    from pipeline.train.cpu_patches import patch_distributed
+    patch_distributed(dist_mod, cli_mod, cpu, collective_timeout_s)
 
     tr_mod.SingleGPUCheckpointer = safe_checkpointer(ck_mod.SingleGPUCheckpointer)
     cli_mod.Trainer = panel_trainer(tr_mod.Trainer, hooks)

@@ -40,7 +40,7 @@ def main() -> int:
 
     signal.signal(signal.SIGINT, stop)
     try:
-        run_in_process(ctx, argv, "cuda")
+        run_in_process(ctx, argv, "cpu" if ctx.devices == ["cpu"] else "cuda")
     except Interrupted:
         return 130
     return 0

@@ -457,15 +457,53 @@ def runner_refusals(src, runner: str) -> dict[str, str] | None:
     return out
 
 
-def _methods_compared(test) -> list[str]:
-    """The string constants a test compares `<x>.method` with by == or in."""
+def runner_arch_refusals(src, runner: str) -> dict[tuple[str, frozenset[str]], str]:
+    """{(speculative method, draft architectures): the feature named} that
+    Model Runner `runner` refuses by the draft's architecture: each `if
+    self.<predicate>()` of its unsupported list whose predicate (a VllmConfig
+    method declared in the contract table) returns early unless `.method ==
+    "x"` (or `!= "x"` returns) and intersects the draft's architectures with a
+    set of names (0.32's `_is_dflash_candidate_draft`: DFlash2's and
+    LiLiCorr's candidate heads under dflash). {} where there is none."""
+    use = contract.by_name(f"VllmConfig._get_{runner.lower()}_model_runner_unsupported_features")
+    fn = src.function(use.modules[0], use.name)
+    out: dict[tuple[str, frozenset[str]], str] = {}
+    for node in ast.walk(fn) if fn is not None else ():
+        if not isinstance(node, ast.If):
+            continue
+        called = [c.func.attr for c in ast.walk(node.test) if isinstance(c, ast.Call)
+                  and isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
+                  and c.func.value.id == "self"]
+        feature = next((a.value for c in ast.walk(ast.Module(node.body, []))
+                        if isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "append"
+                        for a in c.args if isinstance(a, ast.Constant)
+                        and isinstance(a.value, str)), None)
+        for name in called:
+            if not any(u.name == f"VllmConfig.{name}" for u in contract.USES):
+                continue   # a predicate the table does not declare is not read
+            pred = src.function(use.modules[0], f"VllmConfig.{name}")
+            if pred is None:
+                continue
+            methods = _methods_compared(pred, ne=True)
+            archs = frozenset(e.value for c in ast.walk(pred) if isinstance(c, (ast.Set, ast.Tuple))
+                              for e in c.elts if isinstance(e, ast.Constant)
+                              and isinstance(e.value, str) and e.value.endswith("Model"))
+            for m in methods if archs else ():
+                out.setdefault((m, archs), feature or f"{m} drafts of {', '.join(sorted(archs))}")
+    return out
+
+
+def _methods_compared(test, ne: bool = False) -> list[str]:
+    """The string constants a test compares `<x>.method` with by == or in
+    (and by != with `ne`: a guard that returns unless the method is it)."""
     found = []
     for c in ast.walk(test):
         if not (isinstance(c, ast.Compare) and isinstance(c.left, ast.Attribute)
                 and c.left.attr == "method" and len(c.ops) == 1):
             continue
         op, right = c.ops[0], c.comparators[0]
-        if isinstance(op, ast.Eq) and isinstance(right, ast.Constant):
+        if (isinstance(op, ast.Eq) or (ne and isinstance(op, ast.NotEq))) and \
+                isinstance(right, ast.Constant):
             found.append(right.value)
         elif isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
             found += [e.value for e in right.elts if isinstance(e, ast.Constant)]
@@ -483,8 +521,10 @@ def reads_has_triton(src, qualname: str) -> bool:
                                   for n in ast.walk(fn))
 
 
-def draft_method_unservable(src, method: str, triton: bool, environ) -> str | None:
+def draft_method_unservable(src, method: str, triton: bool, environ,
+                            architectures: tuple[str, ...] = ()) -> str | None:
     """Why the installed vLLM cannot serve a draft of speculative `method`
+    (and architecture, where vLLM refuses by it: DFlash2's candidate heads)
     here (one sentence with the fix, where there is one), or None: from
     which model runner it would run on and what each refuses, read from its
     source (the runners' unsupported lists, how V2 is chosen and whether it
@@ -497,23 +537,34 @@ def draft_method_unservable(src, method: str, triton: bool, environ) -> str | No
             method not in src.string_constants("config.speculative", method):
         return (f"vLLM {src.version} has no speculative method {method!r} (its "
                 "config/speculative.py names none): upgrade vLLM")
+    unknown = [a for a in architectures if src.model_class(a) is None]
+    if architectures and len(unknown) == len(architectures) and \
+            src.has_module("model_executor.models.registry"):
+        return (f"vLLM {src.version} has no model class for {', '.join(unknown)} (its model "
+                "registry names none): upgrade vLLM")
     v1, v2 = runner_refusals(src, "V1"), runner_refusals(src, "V2")
-    if v1 is None or method not in v1:
+    if v1 is None:
         return None   # (a release without the lists: no runner choice to refuse it)
-    feature = f"\"Model Runner V1 does not support: {v1[method]}\", vllm/config/vllm.py"
+    by_arch = {m: f for (m, archs), f in runner_arch_refusals(src, "V1").items()
+               if m == method and archs & set(architectures)}
+    if method not in v1 and not by_arch:
+        return None
+    what = v1.get(method) or by_arch[method]
+    label = method if method in v1 else f"{method} ({', '.join(architectures)})"
+    feature = f"\"Model Runner V1 does not support: {what}\", vllm/config/vllm.py"
     var = contract.ENV_V2_RUNNER
     try:   # vLLM reads it as bool(int(value)); None: unset, vLLM's own choice
         asked = bool(int(environ[var])) if environ.get(var) else None
     except ValueError:
         asked = None
     if v2 is not None and method in v2:
-        return f"vLLM {src.version} serves {method} on neither model runner: {feature}"
+        return f"vLLM {src.version} serves {label} on neither model runner: {feature}"
     if asked is False:
         return (f"{feature}, and {var}=0 in the stage's environment keeps V1: remove it "
                 "([runtime] env)")
     if triton:
         return None
-    only_v2 = f"vLLM {src.version} serves {method} drafts on Model Runner V2 only ({feature})"
+    only_v2 = f"vLLM {src.version} serves {label} drafts on Model Runner V2 only ({feature})"
     if reads_has_triton(src, "_validate_v2_model_runner"):
         return (f"{only_v2}, and V2 requires Triton (\"Model Runner V2 requires Triton\"), "
                 "which vLLM's interpreter lacks")

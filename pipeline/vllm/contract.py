@@ -149,6 +149,9 @@ USES: tuple[Use, ...] = (
         why="the speculative methods Model Runner V1 refuses (DSpark, 0.29+)"),
     Use("VllmConfig._get_v2_model_runner_unsupported_features", ("config.vllm",), ("doctor",),
         why="the speculative methods Model Runner V2 refuses"),
+    Use("VllmConfig._is_dflash_candidate_draft", ("config.vllm",), ("doctor",),
+        why="the draft architectures Model Runner V1 refuses under method dflash (DFlash2's "
+            "candidate heads, 0.32+)"),
     Use("VllmConfig._validate_v2_model_runner", ("config.vllm",), ("doctor",),
         why="whether V2 requires Triton (HAS_TRITON: 0.32)"),
     Use("VllmConfig.use_v2_model_runner", ("config.vllm",), ("doctor",),
