@@ -332,3 +332,28 @@ def test_the_default_algorithm_keeps_older_runs_fingerprints(tmp_path):
     peagle = load_config(config(tmp_path, 'lr = 0.001\nalgorithm = "peagle"'))
     assert peagle.section_dict("train")["algorithm"] == "peagle"
     assert default.fingerprint("train", {}) != peagle.fingerprint("train", {})
+
+
+def test_evaluate_checks_the_tokens_against_what_the_checkpoint_records(tmp_path):
+    """A block drafter's checkpoint that drafts fewer tokens than evaluate asks
+    (trained with a smaller block than today's config says) is an error before
+    any server; EAGLE-3 past its TTT steps a warning."""
+    from types import SimpleNamespace
+
+    from pipeline.stage_error import StageError
+    from pipeline.stages.evaluate import check_drafted_tokens, recorded_tokens
+    ckpt = tmp_path / "0"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"speculators_config": {
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]}}))
+    assert recorded_tokens(ckpt) == 3 and recorded_tokens(tmp_path) is None
+    said = []
+    ctx = SimpleNamespace(section=SimpleNamespace(num_speculative_tokens=5),
+                          events=SimpleNamespace(warning=lambda m, hint=None: said.append(m)))
+    with pytest.raises(StageError, match="drafts at most 3 tokens"):
+        check_drafted_tokens(ctx, algorithms.get("dflash"), [ckpt])
+    check_drafted_tokens(ctx, algorithms.get("eagle3"), [ckpt])
+    assert said and "trained for 3" in said[0]
+    ctx.section.num_speculative_tokens = 3
+    check_drafted_tokens(ctx, algorithms.get("dflash"), [ckpt])   # within: nothing said
+    assert len(said) == 1

@@ -111,6 +111,42 @@ def chosen_by(which: str, named: Path | None, measured: list[Path]) -> str:
         else "last checkpoint (train named none)"
 
 
+def recorded_tokens(ckpt: Path) -> int | None:
+    """The tokens a checkpoint was trained to draft, as speculators records
+    them (config.json: speculators_config.proposal_methods[0].speculative_tokens)."""
+    try:
+        spec = json.loads((ckpt / "config.json").read_text())["speculators_config"]
+        return int(spec["proposal_methods"][0]["speculative_tokens"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def check_drafted_tokens(ctx: StageContext, algo, chosen: list[Path]) -> None:
+    """`num_speculative_tokens` against what each checkpoint records: more than a
+    block drafter's block holds is an error before any server starts (vLLM cannot
+    draft them; the config's own check sees only today's block_size, not the one
+    the draft was trained with); more than EAGLE-3's TTT steps a warning (vLLM
+    drafts on, past what the draft was trained for)."""
+    k = ctx.section.num_speculative_tokens
+    for ckpt in chosen:
+        most = recorded_tokens(ckpt)
+        if most is None or k <= most:
+            continue
+        if algo.block:
+            raise StageError(f"[stages.evaluate] num_speculative_tokens = {k}, but checkpoint "
+                             f"{ckpt.name} of {algo.display} drafts at most {most} tokens (its "
+                             f"config.json: speculators_config.proposal_methods[0]."
+                             "speculative_tokens)",
+                             hint=f"set num_speculative_tokens <= {most}, or train again with a "
+                                  "larger [stages.train] block_size")
+        ctx.events.warning(f"[stages.evaluate] num_speculative_tokens = {k}, but checkpoint "
+                           f"{ckpt.name} was trained for {most} (its TTT steps): vLLM drafts the "
+                           "rest past what the draft learned, and accepts few of them",
+                           hint=f"set num_speculative_tokens <= {most}, or [stages.train] "
+                                f"ttt_steps >= {k}")
+        return
+
+
 def train_chose(ctx: StageContext) -> Path | None:
     """The checkpoint train's last summary names (None: train has not
     succeeded, or named none); whether it is still there is the caller's."""
@@ -610,6 +646,7 @@ def body(ctx: StageContext) -> dict:
     chosen = checkpoints(save, sec.checkpoints, train_named)
     if not chosen:
         raise StageError(f"no complete checkpoint in {save}", hint="run the train stage first")
+    check_drafted_tokens(ctx, algo, chosen)
     prompts, max_len = choose_prompts(ctx)
     atomic_write_bytes(ctx.out / PROMPTS_FILE,
                        "".join(json.dumps(as_row(p)) + "\n" for p in prompts).encode())
