@@ -4,6 +4,16 @@ pipeline/vllm/draft_swap.py), on the same trained run, prompts and settings.
 
     python bench/target_loads.py [--samples 48] [--epochs 3] [--prompts 12]
     python bench/target_loads.py --run-dir RUN --config CONFIG   # a trained run's checkpoints
+    python bench/target_loads.py --regenerate [--samples 48] [--max-tokens 128]
+
+--regenerate: what sharing one server between regenerate and extract costs
+(`[stages.regenerate] share_server`, pipeline/extract/shared_server.py): the
+same regeneration (the bundled conversations, greedy, regenerate's own client)
+on a plain server and on extract's capture server, which generates with every
+decode step through the speculative verify path and the aux hidden states
+copied aside: generation time and tokens/s each way, the server starts, and
+whether the answers are the same token for token. Not run in CI (two server
+starts); tests/test_shared_server.py checks the shared path itself.
 
 Without --run-dir it first trains one on the built-in target (prepare,
 extract through vLLM, vocab, train: `epochs` checkpoints). Then the
@@ -85,6 +95,61 @@ def train_a_run(folder: Path, samples: int, epochs: int, prompts: int) -> tuple[
     return run, cfg
 
 
+def regenerate_both_ways(samples: int, max_tokens: int, concurrency: int) -> None:
+    """Regenerate's generation on a plain server and on the shared one."""
+    from types import SimpleNamespace
+
+    from pipeline.config import load as load_config
+    from pipeline.extract.server_flags import extraction_flags
+    from pipeline.model.info import kv_bytes_per_token, read_model, validate_layer_ids
+    from pipeline.paths import VLLM_VENV
+    from pipeline.stages.regenerate import conversations, run_chunk
+    from pipeline.vllm.environment import probe
+    from pipeline.vllm.server import make_server, serving
+    folder = Path(tempfile.mkdtemp(prefix="bench-regenerate-"))
+    try:
+        (folder / "config.toml").write_text(f"[data]\nmax_samples = {samples}\n")
+        cfg = load_config(folder / "config.toml")
+        target, m = cfg.target_path(), read_model(cfg.target_path())
+        env = probe(str(VLLM_VENV / "bin" / "python"))
+        items = list(conversations(SimpleNamespace(cfg=cfg)))
+        sec = SimpleNamespace(max_tokens=max_tokens, temperature=0.0, seed=0,
+                              request_timeout_s=600, concurrency=concurrency)
+        limit, out = cfg.stages.prepare.seq_length, {}
+        max_len, layers = limit + max_tokens + 8, validate_layer_ids([1, 2, 3], m.layers)
+        for way in ("plain", "shared"):
+            storage = folder / way
+            flags = extraction_flags(layers, storage, True) if way == "shared" else []
+            per_token = kv_bytes_per_token(m, 1, 4) + (len(layers) * m.hidden * 4
+                                                       if flags else 0)
+            server = make_server(0, env, target, [], folder / f"{way}.log", "float32", max_len,
+                                 False, flags, "", concurrency * max_len, per_token)
+            server.shared = way == "shared"   # (regenerate's requests then carry the skip key)
+            t0 = time.time()
+            with serving(server, 900, lambda: False):
+                start = time.time() - t0
+                t1 = time.time()
+                res = run_chunk(server, str(target), items, sec, limit, lambda: False)
+                gen = time.time() - t1
+            tokens = sum(sum(r["loss_mask"]) for r in res["rows"])
+            out[way] = {"start_s": start, "gen_s": gen, "tokens": tokens,
+                        "files": len(list(storage.iterdir())) if storage.exists() else 0,
+                        "ids": [r["input_ids"] for r in res["rows"]]}
+            print(f"{way:7} server start {start:.1f} s; {len(res['rows'])} answers, {tokens} "
+                  f"tokens in {gen:.2f} s: {tokens / gen:.0f} tokens/s; files written "
+                  f"{out[way]['files']}", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    plain, shared = out["plain"], out["shared"]
+    slower = shared["gen_s"] / plain["gen_s"]
+    print(f"generation on the shared (capture) server: {slower:.2f}x the plain server's time; "
+          f"the same answers token for token: {plain['ids'] == shared['ids']}")
+    print(f"sharing pays while regenerate's generation takes less than one start "
+          f"/ {slower - 1:.2f}: here {plain['start_s'] / max(slower - 1, 1e-9):.0f} s "
+          f"of generation (on a target that loads in 15 minutes: "
+          f"{900 / max(slower - 1, 1e-9) / 60:.0f} minutes)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", type=Path, help="a trained run (its train/out/checkpoints)")
@@ -92,7 +157,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=12, help="[stages.evaluate] max_prompts")
+    ap.add_argument("--regenerate", action="store_true",
+                    help="regenerate's generation on a plain and on the shared server instead")
+    ap.add_argument("--max-tokens", type=int, default=128, help="--regenerate: per answer")
+    ap.add_argument("--concurrency", type=int, default=8, help="--regenerate: in flight")
     a = ap.parse_args()
+    if a.regenerate:
+        regenerate_both_ways(a.samples, a.max_tokens, a.concurrency)
+        return
     folder = Path(tempfile.mkdtemp(prefix="bench-loads-"))
     try:
         if a.run_dir:

@@ -173,6 +173,10 @@ class RegenerateSection(ServerCommon):
     temperature: float = 0.0    # 0 = greedy
     seed: int = 0
     concurrency: int = 8        # conversations in flight
+    # one vLLM server for regenerate and extract (extract's, which captures hidden
+    # states): one target load fewer, generation slower on it (1.4-1.5x measured on
+    # the CPU build): pipeline.extract.shared_server
+    share_server: bool = False
 
 
 @dataclass
@@ -417,6 +421,8 @@ class Config:
         d = dataclasses.asdict(self.stage(name))
         if not d.get("override_server_flags", True):
             del d["override_server_flags"]   # decides no output: a run's fingerprints stay
+        if name == "regenerate" and not d.get("share_server"):
+            del d["share_server"]   # its default: runs made before it stay up to date
         if name == "train":
             from pipeline.train.algorithms import num_layers
             # what decides the draft, not how it is spelled: 0 is the algorithm's own count,

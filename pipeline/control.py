@@ -5,10 +5,12 @@ notifying and exit codes are the caller's. A run is driven by a detached
 driver (pipeline.run.driver, started as `python -m pipeline.control drive`),
 so none of these calls keeps a stage alive.
 
-This module sits above run/ and cluster/: it registers Slurm's executor
-(pipeline.cluster.slurm.SlurmScheduler) with pipeline.run.executor, which
-run/ asks whether a stage still runs and never imports cluster/ for. Every
-process that launches, drives or reads a run imports this module.
+This module sits above run/, cluster/ and extract/: it registers Slurm's
+executor (pipeline.cluster.slurm.SlurmScheduler) with pipeline.run.executor,
+which run/ asks whether a stage still runs and never imports cluster/ for,
+and the run-level services with the driver (the shared vLLM server of
+regenerate and extract, pipeline.extract.shared_server). Every process that
+launches, drives or reads a run imports this module.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from pipeline import config as config_mod
 from pipeline.cluster import slurm
 from pipeline.config import Config, ConfigError
+from pipeline.extract import shared_server
 from pipeline.run import driver, executor
 from pipeline.run.driver import CancelResult, Step
 from pipeline.run.reconcile import reconcile
@@ -30,6 +33,7 @@ from pipeline.run.rundir import RunDir, RunDirError, check_run_id, check_runs_di
 from pipeline.stage_graph import STAGE_NAMES
 
 executor.register(slurm.SlurmScheduler())
+driver.SERVICES.append(shared_server.Service)
 
 # Grace times when a run's config cannot be read (config.py's defaults).
 DEFAULT_GRACE = (config_mod.RuntimeSection.cancel_grace_s, config_mod.RuntimeSection.term_grace_s)

@@ -711,14 +711,17 @@ def planned_loads(x: Inputs, swap_why: str | None) -> list[tuple[str, int, int, 
     loads the run makes: a vLLM server's each (regenerate, extract's per
     data-parallel group, online train's, evaluate's and its baseline's);
     `swap_why`: why evaluate cannot swap drafts (None: one server)."""
+    from pipeline.extract.shared_server import why_not as not_shared
     cfg, out = x.cfg, []
     every = max(1, len(cfg.stage_devices("regenerate")))
-    if cfg.enabled("regenerate"):
+    shared = x.uses_vllm and not cfg.online and not_shared(cfg) is None
+    if cfg.enabled("regenerate") and not shared:
         out.append(("regenerate", 1, every, ""))
     if x.uses_vllm:
         tp = max(1, cfg.stages.extract.tensor_parallel)
         groups = max(1, len(cfg.stage_devices("extract")) // tp)
-        out.append(("train (online)" if cfg.online else "extract", groups, tp,
+        out.append(("regenerate + extract (one server: share_server)" if shared else
+                    "train (online)" if cfg.online else "extract", groups, tp,
                     "" if cfg.online else "extract_hidden_states"))
     if cfg.enabled("evaluate"):
         sec, n = cfg.stages.evaluate, evaluated_checkpoints(cfg)

@@ -179,7 +179,7 @@ def test_data_parallel_servers_share_the_samples(prepared, fake_vllm):
 def test_serve_command_line_carries_the_extraction_settings(tmp_path):
     import json
 
-    from pipeline.extract.vllm_server import extraction_flags
+    from pipeline.extract.server_flags import extraction_flags
     from pipeline.vllm.server import serve_argv
     extra = extraction_flags([2, 30, 58, 61], tmp_path, True) + ["--gpu-memory-utilization", "0.9"]
     argv = serve_argv("/opt/env/bin/python", "", Path("/models/kimi"), 8001, 8, "bfloat16",

@@ -63,7 +63,20 @@ def slurm_config(tmp_path, actions=None, extra="", name="t"):
     return stagekit_config(tmp_path, actions, CLUSTER.format(extra=extra), name)
 
 
-def test_stages_run_as_slurm_jobs(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def time_limited(cluster, tmp_path_factory):
+    """A run whose vocab job outlives its one-minute time limit (--time=1),
+    started by the first test that asks for it and looked at by a later one:
+    its minute passes beside the tests between them (a sleeping stage costs no
+    CPU), not on its own."""
+    d = tmp_path_factory.mktemp("time-limit")
+    slurm_config(d, {"vocab": "sleep_once:600"}, extra='time_limit = "1"')
+    cli("run", cwd=d, check=0)
+    yield d, RunDir(d / "runs" / "t")
+    cli("cancel", cwd=d, timeout=120)   # (whatever is left of it: its driver too)
+
+
+def test_stages_run_as_slurm_jobs(cluster, tmp_path, time_limited):
     slurm_config(tmp_path)
     p = cli("run", "--wait", cwd=tmp_path, timeout=300, check=0)
     rd = RunDir(tmp_path / "runs" / "t")
@@ -108,20 +121,6 @@ def test_cancel_scancel_kill_and_resume(cluster, tmp_path):
     assert st["status"] == "cancelled", (st, p.stdout, p.stderr)
     assert not slurm.job_state(train_job, fresh=True).active
     assert "train: cancelled (sent SIGINT" in p.stdout
-
-
-def test_a_job_past_its_time_limit_is_resumed(cluster, tmp_path):
-    """--time=1 (a minute): Slurm stops the job; the stage reads as failed
-    with the scheduler's TIMEOUT, and resume completes it."""
-    slurm_config(tmp_path, {"vocab": "sleep_once:600"}, extra='time_limit = "1"')
-    p = cli("run", "--wait", cwd=tmp_path, timeout=400, check=1)
-    rd = RunDir(tmp_path / "runs" / "t")
-    st = rd.read_state()["stages"]["vocab"]
-    assert st["status"] == "failed"
-    assert "timeout" in (st.get("reason") or "").lower() or \
-        "TIME LIMIT" in rd.log_path("vocab").read_text(), (st, p.stdout)
-    cli("resume", "--wait", cwd=tmp_path, timeout=300, check=0)
-    assert rd.read_state()["stages"]["evaluate"]["status"] == "succeeded"
 
 
 def test_a_scheduler_that_would_refuse_is_said_before_anything(cluster, tmp_path):
@@ -364,6 +363,20 @@ def _freeze_holding_a_chunk(queue, hs, task: str) -> bool:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
+
+
+def test_a_job_past_its_time_limit_is_resumed(cluster, time_limited):
+    """--time=1 (a minute): Slurm stops the job; the stage reads as failed
+    with the scheduler's TIMEOUT, and resume completes it."""
+    d, rd = time_limited
+    wait_for(lambda: rd.read_state()["stages"]["vocab"]["status"] not in ("pending", "running"),
+             timeout=400, poll=1, what="vocab past its time limit")
+    st = rd.read_state()["stages"]["vocab"]
+    assert st["status"] == "failed"
+    assert "timeout" in (st.get("reason") or "").lower() or \
+        "TIME LIMIT" in rd.log_path("vocab").read_text(), st
+    cli("resume", "--wait", cwd=d, timeout=300, check=0)
+    assert rd.read_state()["stages"]["evaluate"]["status"] == "succeeded"
 
 
 def _files(hs: Path) -> dict[str, tuple[int, int, int]]:

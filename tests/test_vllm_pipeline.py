@@ -1,8 +1,8 @@
 """The whole pipeline through the real vLLM of this machine (.venv-vllm):
-regenerate (the target answers the user turns), prepare, extract, vocab,
-train, evaluate (the trained draft served as EAGLE-3: acceptance length from
-the real /metrics; both checkpoints on one server, the second swapped in),
-with kills: regenerate SIGKILLed after its first chunk and evaluate while
+regenerate (the target answers the user turns) and extract on one server
+(share_server), prepare, vocab, train, evaluate (the trained draft served as
+EAGLE-3: acceptance length from the real /metrics; both checkpoints on one
+server, the second swapped in), with kills: regenerate SIGKILLed after its first chunk and evaluate while
 it measures the baseline, each resumed, redoing only what was not finished,
 with no server left behind. A swapped draft measured against a fresh server
 of it. Skipped, with the reason, when no usable vLLM is installed. Without
@@ -36,6 +36,7 @@ max_samples = 48
 [stages.regenerate]
 enabled = true
 max_tokens = 64
+share_server = true
 [stages.prepare]
 seq_length = 192
 [stages.extract]
@@ -86,7 +87,8 @@ def run(tmp_path_factory):
     wait_for(chunk.exists, timeout=600, poll=0.05, what="regenerate's first chunk")
     seen["chunk_mtime"] = chunk.stat().st_mtime_ns
     kill_stage(rd, "regenerate")
-    wait_for(lambda: not server_pids(), timeout=30, what="the regenerate server gone")
+    # the server regenerate shared: the driver's, stopped as its run ended (regenerate failed)
+    wait_for(lambda: not server_pids(), timeout=60, what="the shared server gone")
     # 2. resume; SIGKILL evaluate once both checkpoints are measured (the second
     # swapped into the first one's server) and the baseline is being measured;
     # resume to the end: only the baseline is measured again.
@@ -118,6 +120,13 @@ def test_regenerate_resumed_from_its_chunks(run):
         assert r["messages"][-1]["role"] == "assistant"
     # prepare read the target's answers
     assert stage_summary(rd, "prepare")["rows_in"] == s["rows"]
+    # the first attempt of regenerate, and extract, on one server the driver started (the
+    # resumed attempt had no chunk left to generate: it asked no server)
+    assert "on the run's shared server" in rd.log_path("regenerate").read_text().split(
+        "attempt 2")[0] and "on the run's shared server" in rd.log_path("extract").read_text()
+    assert rd.read_state()["shared_server"]["status"] == "stopped"
+    assert not [p for p in (rd.out_dir("extract") / "hidden_states").iterdir()
+                if not p.name.startswith("hs_")]
 
 
 def test_evaluate_measured_every_checkpoint_on_one_server_and_resumed(run):

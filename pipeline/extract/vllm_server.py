@@ -19,7 +19,6 @@ on failure. KV cache: the server's log lines give a `kv_cache` event, its
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import queue
 import shutil
@@ -27,7 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.extract import shared_server
 from pipeline.extract.job import ExtractJob
+from pipeline.extract.server_flags import extraction_flags
 from pipeline.model.hsfile import Counters, check_header, hs_path, write_sample
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.diskspace import DiskFull
@@ -38,27 +39,6 @@ from pipeline.vllm.server import VllmServer, make_server, served_model_name, ser
 from pipeline.vllm.source import VllmSource
 
 LOCK_SUFFIX = ".lock"
-
-
-def extraction_flags(layer_ids: list[int], storage: Path, own_connector: bool,
-                     fp8: bool = False, linear_layers: bool = False) -> list[str]:
-    """The server's extraction flags. fp8: our connector writes FP8 files
-    itself; with the stock connector the stage quantizes as it takes each
-    staged file (take_staged). linear_layers (a hybrid target: gated delta
-    net, KDA): no prefix caching, which for them is vLLM's mamba cache mode
-    'align' and requires the chunked prefill turned off here (vLLM 0.32:
-    "Chunked prefill is required for mamba cache mode 'align'")."""
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
-    kv = {"kv_connector": compat.STOCK_CONNECTOR, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-    if own_connector:
-        kv.update(kv_connector=compat.OWN_CONNECTOR_CLASS,
-                  kv_connector_module_path=compat.OWN_CONNECTOR_MODULE)
-        kv["kv_connector_extra_config"][compat.FP8_KEY] = fp8
-    return [vs.FLAG_NO_CHUNKED_PREFILL, *([vs.FLAG_NO_PREFIX_CACHING] if linear_layers else []),
-            vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec), vs.FLAG_KV_TRANSFER_CONFIG,
-            json.dumps(kv)]
 
 
 def wait_written(path: Path) -> bool:
@@ -163,7 +143,10 @@ class Extraction:
         per_token = (kv_bytes_per_token(target, sec.tensor_parallel, job.dtype.itemsize)
                      + job.bytes_per_token)
         self.servers: list[VllmServer] = []
-        for k, group in enumerate(job.groups()):
+        self.salt = None
+        shared = self.adopt_shared(job, max_len, "linear" in target.kinds) \
+            if job.node == "" else None
+        for k, group in enumerate([] if shared else job.groups()):
             storage = job.folder if self.own else self.staging / f"server{k}"
             if not self.own:
                 if storage.exists():
@@ -177,6 +160,8 @@ class Extraction:
                                  "linear" in target.kinds) + list(sec.server_args),
                 sec.serve_command, sec.max_inflight * max_len, per_token,
                 report=job.on_event, stall_after_s=sec.stall_after_s))
+        if shared:
+            self.servers, self.salt = [shared], shared_server.CACHE_SALT
         self.work: queue.Queue = queue.Queue()
         for i in sorted(job.todo, key=lambda i: -job.lengths[i]):
             self.work.put(i)
@@ -185,6 +170,27 @@ class Extraction:
         self.done = Counters()
         self.errors: list[BaseException] = []
         self._usage_at = 0.0
+
+    def adopt_shared(self, job: ExtractJob, max_len: int, linear: bool) -> VllmServer | None:
+        """The run's shared server (started by the driver for regenerate and
+        extract: pipeline.extract.shared_server), where it captures exactly as
+        this stage's own server would; else None, said when one was there."""
+        shared = shared_server.adopt("vLLM server (regenerate + extract)", report=None)
+        if shared is None:
+            return None
+        want = extraction_flags(job.layer_ids, job.folder, self.own, job.fp8, linear) + \
+            list(job.section.server_args)
+        why = "eagle-panel's connector is not available" if not self.own else \
+            "its GPUs are not extract's one group" if len(job.groups()) != 1 or \
+            list(job.groups()[0]) != list(shared.devices) else \
+            shared_server.check_adoptable(shared, want, max_len)
+        if why is not None:
+            job.on_event("warning", {"message": f"the run's shared server is not used: {why}; "
+                                                "extract starts its own"})
+            return None
+        print(f"extract: on the run's shared server ({shared.url}), which regenerate used: "
+              "no new target load; its requests salt their prefix hashes", flush=True)
+        return shared
 
     def poll_servers(self, usage_now: bool = False) -> None:
         for s in self.servers:
@@ -250,6 +256,8 @@ class Extraction:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
         if self.own:
             body["kv_transfer_params"] = {compat.INDEX_KEY: i}
+        if self.salt:   # a shared server: never regenerate's cached prefix (its row, decoded)
+            body["cache_salt"] = self.salt
         resp = server.post(vs.ROUTE_COMPLETIONS, body, job.section.request_timeout_s)
         path = (resp.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:

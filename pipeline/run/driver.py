@@ -126,10 +126,12 @@ def plan(cfg: Config, state: dict, only: str | None = None, force: bool = False)
 
 # -- launching --------------------------------------------------------------
 
-def _stage_env(cfg: Config, stage: str, attempt: int) -> dict[str, str]:
+def _stage_env(cfg: Config, stage: str, attempt: int,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
     env = os.environ.copy()
     env.update(cfg.runtime.env)
     env.update(cfg.stage(stage).env)
+    env.update(extra or {})
     env["PYTHONPATH"] = pythonpath_with_project(env.get("PYTHONPATH"))
     env["PYTHONUNBUFFERED"] = "1"
     # The supervisor hands the token to the stage only: a scan for the token
@@ -159,10 +161,11 @@ def _reset_outputs(rd: RunDir, stage: str) -> None:
 
 
 def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = False,
-           ex: Executor | None = None) -> dict:
+           ex: Executor | None = None, extra_env: dict[str, str] | None = None) -> dict:
     """Start one stage attempt under its supervisor (as a job when the
     config's executor is a scheduler); returns the stage state. The caller
-    must hold the run's launcher lock."""
+    must hold the run's launcher lock. `extra_env`: what the run's services
+    give the stage (the shared server's endpoint)."""
     ex = ex or for_scheduler(cfg.cluster.scheduler, rd.path)
     st = rd.read_state()["stages"][stage]
     if st["status"] == Status.RUNNING and ex.alive(st):
@@ -194,7 +197,7 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
         sup = subprocess.Popen(
             supervise,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=_stage_env(cfg, stage, attempt), cwd=str(rd.path),
+            env=_stage_env(cfg, stage, attempt, extra_env), cwd=str(rd.path),
             start_new_session=True,
         )
     return rd.update_stage(stage, supervisor_pid=sup.pid,
@@ -229,6 +232,29 @@ def wait_stage(rd: RunDir, stage: str, poll: float = POLL_S, ex: Executor | None
         time.sleep(poll)
 
 
+# Run-level services: factories of objects with begin(run, cfg, steps), env(stage) ->
+# the stage's extra environment, after(stage, term_grace) and close(term_grace).
+# pipeline.control registers them (run/ imports nothing above it): the shared
+# vLLM server of regenerate and extract (pipeline.extract.shared_server).
+SERVICES: list = []
+
+
+def _begin_services(rd: RunDir, cfg: Config, steps: list[Step]) -> list:
+    """The run's services, started; one that cannot start is said and left
+    out (each stage then does without it: starts its own server)."""
+    out = []
+    for make in SERVICES:
+        svc = make()
+        try:
+            svc.begin(rd, cfg, steps)
+        except Exception as e:  # noqa: BLE001 - a service is an optimization: the run goes on
+            _say(f"{type(svc).__module__}: not started ({type(e).__name__}: {e})")
+            svc.close(cfg.runtime.term_grace_s)
+            continue
+        out.append(svc)
+    return out
+
+
 def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
     """Run the pipeline to its end (the body of the detached driver)."""
     fd = rd.try_lock()
@@ -245,10 +271,12 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         state["driver"] = {"pid": os.getpid(), "create_time": proc_start_ticks(os.getpid()),
                            "started_at": time.time(), "only": only, "force": force}
         state["cancel_requested"] = False
-    result = 0
+    result, services = 0, []
     try:
         fps = fingerprints(cfg)
-        for step in plan(cfg, reconcile(rd, ex), only, force):
+        steps = plan(cfg, reconcile(rd, ex), only, force)
+        services = _begin_services(rd, cfg, steps)
+        for step in steps:
             if step.action == "blocked":
                 _say(f"[{step.stage}] {step.why}")
                 result = 1
@@ -268,9 +296,12 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
             st = rd.read_state()["stages"][step.stage]
             if not (st["status"] == Status.RUNNING and ex.alive(st)):
                 _say(f"[{step.stage}] starting: {step.why}")
-                launch(rd, cfg, step.stage, fps[step.stage], force, ex)
+                launch(rd, cfg, step.stage, fps[step.stage], force, ex,
+                       {k: v for svc in services for k, v in svc.env(step.stage).items()})
             st = wait_stage(rd, step.stage, ex=ex)
             _say(f"[{step.stage}] {st['status']}")
+            for svc in services:
+                svc.after(step.stage, cfg.runtime.term_grace_s)
             if st["status"] not in DONE:
                 result = 130 if st["status"] == Status.CANCELLED else 1
                 break
@@ -278,6 +309,8 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         _say(f"eagle-panel: {e}. {e.hint}")
         result = EXIT_DISK_FULL
     finally:
+        for svc in services:
+            svc.close(cfg.runtime.term_grace_s)
         try:
             with rd.mutate_state() as state:
                 state["driver"] = None

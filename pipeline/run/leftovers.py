@@ -148,7 +148,12 @@ def survivors(state: dict, alive=None) -> list[dict]:
     marked running is still running (default: marked running = alive).
     Nothing is signalled or written: readers call it."""
     out, snap = [], None
-    for stage, st in (state.get("stages") or {}).items():
+    # the run's shared vLLM server (pipeline.extract.shared_server) is an attempt
+    # of the driver's: its supervisor is the driver, alive while the driver is
+    owned = list((state.get("stages") or {}).items())
+    if isinstance(state.get("shared_server"), dict):
+        owned.append(("shared server", state["shared_server"]))
+    for stage, st in owned:
         if not isinstance(st, dict) or not st.get("token") or st.get("slurm_job"):
             continue   # (a Slurm job's processes are on its node: the scheduler's)
         if st.get("status") == "running" and (alive is None or alive(st)):
@@ -199,6 +204,7 @@ def stop_survivors(state: dict, alive=None) -> list[int]:
     returns the pids that outlived SIGKILL."""
     left = []
     for stage in {s["stage"] for s in survivors(state, alive)}:
-        left += stop_attempt(state["stages"][stage], term_grace=2.0, kill_grace=2.0)
+        st = state["shared_server"] if stage == "shared server" else state["stages"][stage]
+        left += stop_attempt(st, term_grace=2.0, kill_grace=2.0)
     return left
 

@@ -31,10 +31,12 @@ from pathlib import Path
 
 from pipeline.data.chat_mask import RowError, normalize, wire_messages
 from pipeline.data.rows import iter_raw, regenerated_rows
+from pipeline.extract import shared_server
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
 from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.vllm import contract_strings as vs
+from pipeline.vllm.compat import SKIP_KEY
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import make_server, server_log, serving
 
@@ -87,6 +89,8 @@ def _answer(server, model: str, prefix: list[dict], tools, sec) -> dict:
     """One answer of the target to `prefix`, as exact token ids."""
     body = {"model": model, "messages": wire_messages(prefix), "max_tokens": sec.max_tokens,
             "temperature": sec.temperature, "seed": sec.seed, "return_token_ids": True}
+    if server.shared:   # the server it shares with extract captures: not these
+        body["kv_transfer_params"] = {SKIP_KEY: True}
     if tools:   # in the prompt, as the template renders them; no tool parser needed
         body.update(tools=tools, tool_choice="none")
     resp = server.post(vs.ROUTE_CHAT, body, sec.request_timeout_s)
@@ -171,11 +175,24 @@ def split_chunks(ctx: StageContext, items: list) -> Chunks:
 
 
 def start_server(ctx: StageContext, env, devices: list):
-    """The one vLLM server regenerate asks (not started yet)."""
+    """The one vLLM server regenerate asks (not started yet): the run's
+    shared server where the driver started one for regenerate and extract
+    (pipeline.extract.shared_server), else its own."""
     sec, target = ctx.section, ctx.cfg.target_path()
     dtype = ctx.cfg.dtype_name(bool(devices))
     elem = 4 if dtype == "float32" else 2
     max_len = ctx.cfg.stages.prepare.seq_length + sec.max_tokens + 8
+    shared = shared_server.adopt("vLLM server (regenerate + extract)",
+                                 report=lambda kind, f: ctx.events.emit(kind, **f),
+                                 stall_after_s=sec.stall_after_s)
+    if shared is not None:
+        why = shared_server.check_adoptable(shared, max_len=max_len)
+        if why is None:
+            print(f"regenerate: on the run's shared server ({shared.url}): extract uses it "
+                  "next, one target load for both", flush=True)
+            return shared
+        ctx.events.warning(f"the run's shared server is not used: {why}; regenerate starts "
+                           "its own")
     return make_server(0, env, target, devices, server_log(ctx.run.stage_dir("regenerate"), 0),
                        dtype, max_len, ctx.cfg.model.trust_remote_code,
                        list(sec.server_args), sec.serve_command,

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from pipeline.extract.job import gpu_groups
-from pipeline.extract.vllm_server import extraction_flags
+from pipeline.extract.server_flags import extraction_flags
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
 from pipeline.run.stage_context import StageContext, StageError

@@ -70,6 +70,7 @@ STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 OWN_CONNECTOR_MODULE, OWN_CONNECTOR_CLASS = "pipeline.vllm.connector", "HiddenStatesConnector"
 INDEX_KEY = "eagle_panel_index"   # kv_transfer_params key: the sample a request is for
 FP8_KEY = "eagle_panel_fp8"       # our connector's extra config: write FP8 files
+SKIP_KEY = "eagle_panel_skip"     # kv_transfer_params key: save nothing (a shared server's generation)
 # What pipeline.vllm.connector uses of the stock connector (0.29+).
 OWN_CONNECTOR_NEEDS = ("_submit_async_write", "_write_tensors", "_on_write_done",
                        "build_connector_meta", "_kv_cache", "_block_size", "_is_tp_rank_zero",

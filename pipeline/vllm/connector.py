@@ -9,8 +9,10 @@ It extends vLLM's own ExampleHiddenStatesConnector of the generation that
 reads a finished request's hidden states from the KV cache
 (`_submit_async_write`, vLLM 0.29+; pipeline.vllm.compat checks that every
 name used here is in the installed release before the stage picks this
-connector). Three things change:
+connector). What changes:
   - the file name comes from the sample index, not the request id;
+  - a request marked `eagle_panel_skip` is not saved at all (regenerate's
+    generations on the server it shares with extract);
   - the write goes to a temp name and is renamed (the stock one writes in
     place: a kill mid-write leaves a file that looks whole);
   - non-finite values are refused (logged, no file): the stage checks only
@@ -31,7 +33,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
 
 from pipeline.model.hsfile import hs_path, write_sample
-from pipeline.vllm.compat import FP8_KEY, INDEX_KEY
+from pipeline.vllm.compat import FP8_KEY, INDEX_KEY, SKIP_KEY
 
 
 class _Done:
@@ -56,7 +58,14 @@ class HiddenStatesConnector(stock.ExampleHiddenStatesConnector):
         for new_req in scheduler_output.scheduled_new_reqs:
             params = new_req.sampling_params
             extra = (params.extra_args or {}) if params is not None else {}
-            index = (extra.get("kv_transfer_params") or {}).get(INDEX_KEY)
+            kv = extra.get("kv_transfer_params") or {}
+            if kv.get(SKIP_KEY):
+                # a generation on a shared server (regenerate's): nothing saved, and
+                # no filename, so request_finished frees its blocks at once
+                self._request_filenames.pop(new_req.req_id, None)
+                meta.new_req_filenames.pop(new_req.req_id, None)
+                continue
+            index = kv.get(INDEX_KEY)
             if index is None:
                 continue   # a request of someone else's: the stock name
             filename = str(hs_path(self._storage_path, int(index)))

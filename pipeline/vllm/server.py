@@ -76,14 +76,31 @@ def served_model_name(target: Path, server_args: list[str]) -> str:
 # new in Python 3.11; setpgid in the child does the same on 3.10).
 OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
+
+def _own_group_dying_with_parent() -> None:
+    """In the child: its own process group, and SIGTERM from the kernel when
+    the process that started it dies (PR_SET_PDEATHSIG): a server owned by the
+    driver ends with the driver, however the driver ends (SIGKILL included)."""
+    import ctypes
+    import signal
+    os.setpgrp()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+
+
+DIE_WITH_PARENT = {"preexec_fn": _own_group_dying_with_parent}
+
 class VllmServer:
     """One vLLM server process tree on a set of GPUs (or the CPU)."""
 
+    shared = False   # the run's server, adopted by this stage (pipeline.extract.shared_server)
+
     def __init__(self, k: int, argv: list[str], port: int, api_key: str, devices: list[int],
                  log_path: Path, env: dict[str, str], what: str = "vLLM server",
-                 report=None, stall_after_s: float = 600.0):
+                 report=None, stall_after_s: float = 600.0, die_with_parent: bool = False):
         """report(kind, fields): where its `server` events go (the stage's
-        events); None: nowhere."""
+        events); None: nowhere. die_with_parent: SIGTERM to it when its starter
+        dies (the driver's shared server)."""
+        self.die_with_parent = die_with_parent
         self.k, self.argv, self.devices, self.log_path = k, argv, devices, Path(log_path)
         self.env, self.api_key, self.what = env, api_key, what
         self.url = f"http://127.0.0.1:{port}"
@@ -128,7 +145,7 @@ class VllmServer:
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**self.env, **attempt, SERVER_TOKEN_VAR: self.token,
                      "VLLM_API_KEY": self.api_key},
-                **OWN_GROUP)
+                **(DIE_WITH_PARENT if self.die_with_parent else OWN_GROUP))
 
     # -- its log ---------------------------------------------------------------
     def new_log_lines(self) -> list[str]:
@@ -299,7 +316,8 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
                 dtype: str, max_model_len: int, trust: bool, flags: list[str],
                 serve_command: str = "", kv_tokens: int = 0, kv_bytes_per_token: int = 0,
                 what: str = "vLLM server", report=None,
-                stall_after_s: float = 600.0, extra_env: dict | None = None) -> VllmServer:
+                stall_after_s: float = 600.0, extra_env: dict | None = None,
+                die_with_parent: bool = False) -> VllmServer:
     """A server (not started) the way every stage starts one: the stage's
     own `flags` then the user's server_args in them; tensor parallel over
     its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
@@ -314,7 +332,7 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
     provenance.note_server(argv, env.version, env.dist, env.python)
     return VllmServer(k, argv, port, key, devices, log_path,
                       {**process_env(env, devices, kv_gib), **(extra_env or {})}, what, report,
-                      stall_after_s)
+                      stall_after_s, die_with_parent)
 
 
 def bring_up(server: VllmServer, startup_timeout: float, should_stop, poll=None) -> None:

@@ -1,0 +1,197 @@
+"""Regenerate and extract on one vLLM server ([stages.regenerate] share_server;
+pipeline.extract.shared_server): when the driver starts it, what stops it
+(extract's end, the driver's end however it ends), what the stages send
+it; and through the real vLLM of this machine, the same answers and the same
+hidden states as two servers, with one target load instead of two."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pipeline.config import load as load_config
+from pipeline.extract import shared_server
+from pipeline.run.rundir import RunDir, proc_start_ticks
+from tests.helpers import ROOT, cli, wait_for
+
+
+def config(tmp_path, extra: str = ""):
+    (tmp_path / "config.toml").write_text(textwrap.dedent("""\
+        [stages.regenerate]
+        enabled = true
+        share_server = true
+        """) + (extra or '[stages.extract]\nbackend = "auto"\n'))
+    return load_config(tmp_path / "config.toml")
+
+
+def test_what_shares_and_what_does_not(tmp_path):
+    assert shared_server.why_not(config(tmp_path)) is None
+    assert shared_server.why_not(config(tmp_path, '[stages.extract]\nbackend = "hf"\n')) == \
+        "extract's backend is 'hf'"
+    assert shared_server.why_not(config(tmp_path, '[pipeline]\nmode = "online"\n')) == \
+        "extract is off"
+    assert "server_args" in shared_server.why_not(config(
+        tmp_path, '[stages.extract]\nbackend = "auto"\nserver_args = ["--max-num-seqs", "4"]\n'))
+    (tmp_path / "config.toml").write_text("[stages.regenerate]\nenabled = true\n")
+    off = load_config(tmp_path / "config.toml")
+    assert shared_server.why_not(off) == "[stages.regenerate] share_server = false"
+    # at its default it is no part of regenerate's fingerprint (runs made before stay
+    # up to date); set, it is (a sampled answer may take another path on that server)
+    assert "share_server" not in off.section_dict("regenerate")
+    assert config(tmp_path).section_dict("regenerate")["share_server"] is True
+
+
+def test_doctor_counts_one_load_for_both(tmp_path):
+    from pipeline import doctor
+    from tests.fakes import vllm_releases
+    for share, says in (("true", ("3 target loads: ", "regenerate + extract (one server: "
+                                                       "share_server) 1")),
+                        ("false", ("4 target loads: ", "regenerate 1", "; extract 1"))):
+        (tmp_path / "config.toml").write_text(
+            f"[stages.regenerate]\nenabled = true\nshare_server = {share}\n"
+            "[stages.extract]\nbackend = \"vllm-server\"\n")
+        x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env={},
+                          vllm=None, gpus=None, source=vllm_releases.source("0.32.0"),
+                          backend="vllm-server")
+        (f,) = doctor.check_target_loads(x)
+        assert f.message.startswith(says[0]) and all(p in f.message for p in says), f.message
+
+
+def test_a_server_the_driver_owns_dies_with_the_driver(tmp_path):
+    """PR_SET_PDEATHSIG: a SIGKILLed driver takes its shared server along
+    (here a stand-in command in VllmServer's own way of starting one), and
+    a server that outlived it anyway is the next launch's to stop: the
+    record names the driver as its supervisor."""
+    from pipeline.run.leftovers import stop_survivors, survivors
+    out = tmp_path / "server.pid"
+    script = textwrap.dedent(f"""\
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from pipeline.vllm.server import VllmServer
+        s = VllmServer(0, ["sleep", "600"], 1, "k", [], Path({str(tmp_path / 'log')!r}), {{}},
+                       die_with_parent=True)
+        s.start()
+        Path({str(out)!r}).write_text(str(s.proc.pid))
+        time.sleep(600)
+        """)
+    driver = subprocess.Popen([sys.executable, "-c", script])
+    pid = int(wait_for(lambda: out.exists() and out.read_text(), timeout=30,
+                       what="the stand-in server started"))
+    driver.kill()
+    driver.wait()
+    wait_for(lambda: proc_start_ticks(pid) is None, timeout=10,
+             what="the server ended with its driver")
+    # the record: an ended driver's server is a survivor, found by its token
+    token = "t/shared-server/abcd"
+    stray = subprocess.Popen(["sleep", "600"], env={**os.environ, "EAGLE_PANEL_TOKEN": token})
+    try:
+        state = {"stages": {}, "shared_server": {
+            "token": token, "status": "running", "supervisor_pid": driver.pid,
+            "supervisor_create_time": 1}}
+        found = survivors(state, alive=lambda st: False)
+        assert [s["stage"] for s in found] == ["shared server"], found
+        stop_survivors(state, alive=lambda st: False)
+        stray.wait(timeout=10)
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+
+
+# ---- through the real vLLM ---------------------------------------------------------------
+
+@pytest.mark.vllm
+def test_one_server_gives_what_two_servers_give(tmp_path):
+    """The same run twice, on one shared server and on two: regenerate's rows
+    the same (greedy), extract's hidden-state files the same, bit for bit;
+    one target load against two; no file for regenerate's generations; the
+    server stopped once extract ended. On the shared side the driver is first
+    SIGKILLed while regenerate starts the server: the server goes with it (no
+    vLLM process of the run left), and `resume` finishes the run."""
+    from safetensors.torch import load_file
+
+    from pipeline.paths import VLLM_VENV
+    from pipeline.vllm.environment import probe
+    from tests.test_vllm_real import server_pids
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists() or probe(str(py)).unusable([]):
+        pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
+    runs, env = {}, dict(os.environ, RUN_OF=str(os.getpid()))   # (server_pids' mark)
+    for share in ("true", "false"):
+        d = tmp_path / f"share-{share}"
+        d.mkdir()
+        (d / "config.toml").write_text(textwrap.dedent(f"""\
+            [run]
+            name = "s"
+            [data]
+            max_samples = 16
+            [stages.regenerate]
+            enabled = true
+            max_tokens = 32
+            share_server = {share}
+            [stages.prepare]
+            seq_length = 192
+            [stages.extract]
+            backend = "vllm-server"
+            layer_ids = [1, 2, 3]
+            [stages.vocab]
+            draft_vocab_size = 256
+            [stages.train]
+            epochs = 1
+            total_seq_len = 1024
+            [stages.evaluate]
+            enabled = false
+            """))
+        rd = RunDir(d / "runs" / "s")
+        if share == "true":
+            kill_the_driver_while_the_server_starts(d, rd, env)
+        t0 = time.time()
+        p = cli("resume" if share == "true" else "run", "--wait", cwd=d, timeout=900, env=env)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+        runs[share] = (rd, time.time() - t0)
+    (one, one_s), (two, two_s) = runs["true"], runs["false"]
+
+    assert "on the run's shared server" in one.log_path("extract").read_text()
+    assert (one.out_dir("regenerate") / "rows.jsonl").read_text() == \
+        (two.out_dir("regenerate") / "rows.jsonl").read_text()
+    hs1, hs2 = one.out_dir("extract") / "hidden_states", two.out_dir("extract") / "hidden_states"
+    names = sorted(p.name for p in hs1.iterdir())
+    assert names == sorted(p.name for p in hs2.iterdir()) and all(
+        n.startswith("hs_") for n in names), names    # nothing saved for regenerate's requests
+    import torch
+    for n in names:
+        a, b = load_file(str(hs1 / n)), load_file(str(hs2 / n))
+        assert torch.equal(a["token_ids"], b["token_ids"]), n
+        assert torch.equal(a["hidden_states"], b["hidden_states"]), n
+    starts = {rd: sum(1 for s in ("regenerate", "extract") for e in map(
+        json.loads, open(rd.events_path(s))) if e["type"] == "server" and
+        e.get("phase") == "ready") for rd in (one, two)}
+    # (the killed driver's server never came up: it was killed while loading)
+    assert starts[two] == 2 and starts[one] == 1, starts
+    assert "shared server: started for regenerate and extract" in \
+        (one.path / "driver.log").read_text().split("[regenerate] starting: resume")[0]
+    state = one.read_state()["shared_server"]
+    assert state["status"] == "stopped" and not (one.path / "shared-server" / "key").exists()
+    assert not server_pids()
+    print(f"shared: {len(names)} files identical; regenerate to train in {one_s:.0f} s on one "
+          f"server against {two_s:.0f} s on two")
+
+
+def kill_the_driver_while_the_server_starts(d, rd: RunDir, env) -> None:
+    """SIGKILL the driver once it has started the shared server: the server
+    and the vLLM processes it made go with it (PR_SET_PDEATHSIG); regenerate,
+    left without its server, is cancelled."""
+    from pipeline.run.leftovers import vllm_processes
+    cli("run", cwd=d, check=0, env=env)
+    endpoint = rd.path / "shared-server" / "endpoint.json"
+    pid = json.loads(wait_for(lambda: endpoint.exists() and endpoint.read_text(), timeout=120,
+                              what="the shared server started"))["pid"]
+    os.kill(rd.read_state()["driver"]["pid"], signal.SIGKILL)
+    wait_for(lambda: proc_start_ticks(pid) is None and not vllm_processes(rd.path), timeout=60,
+             what="the shared server gone with its driver")
+    cli("cancel", cwd=d, timeout=120, env=env)
