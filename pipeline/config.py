@@ -119,8 +119,9 @@ class ClusterSection:
     partition: str = ""
     account: str = ""
     nodes: int = 1              # for extract (data parallel over nodes) and train (torchrun)
-    # the fewest nodes a multi-node job may start on (sbatch --nodes=MIN-MAX; 0 = `nodes`):
-    # below `nodes`, a resume after a lost node runs on the nodes that are up
+    # the fewest nodes a multi-node job may start on (0 = exactly `nodes`): below `nodes`,
+    # a job asks for as many as are up (an exact count), so a resume after a lost node
+    # runs on the nodes left
     min_nodes: int = 0
     lost_after_s: float = 120.0   # a node worker silent this long is lost: its samples are redone
     # train over nodes: torchrun's agents wait this long for every node to join, and a
@@ -421,8 +422,10 @@ class Config:
         d = dataclasses.asdict(self.stage(name))
         if not d.get("override_server_flags", True):
             del d["override_server_flags"]   # decides no output: a run's fingerprints stay
-        if name == "regenerate" and not d.get("share_server"):
-            del d["share_server"]   # its default: runs made before it stay up to date
+        if name == "regenerate":
+            # how, not what: the same answers at temperature 0; sampled ones equally the
+            # target's (another random path on the verify step). Toggling it reruns nothing.
+            d.pop("share_server", None)
         if name == "train":
             from pipeline.train.algorithms import num_layers
             # what decides the draft, not how it is spelled: 0 is the algorithm's own count,
@@ -685,7 +688,7 @@ def _check_loss(cfg: Config, algo, src: str) -> None:
         if not weight > 0:
             raise ConfigError(f"{src}: `stages.train.loss_weights.{name}` = {weight}: a weight "
                               "must be positive. Remove the loss, or give it a weight above 0.")
-    if algo.name == "dflash" and train.loss_weights and set(train.loss_weights) != {"ce"}:
+    if algo.name == "dflash" and train.loss_weights not in ({}, {"ce": 1.0}):
         raise ConfigError(f"{src}: `stages.train.loss_weights` = {train.loss_weights} with DFlash:"
                           " its per-position weight (DPACE, speculators' default for DFlash) "
                           "takes the cross-entropy loss alone. Set loss_weights = { ce = 1.0 } "

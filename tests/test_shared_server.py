@@ -37,13 +37,39 @@ def test_what_shares_and_what_does_not(tmp_path):
         "extract is off"
     assert "server_args" in shared_server.why_not(config(
         tmp_path, '[stages.extract]\nbackend = "auto"\nserver_args = ["--max-num-seqs", "4"]\n'))
+    assert "env differ" in shared_server.why_not(config(
+        tmp_path, '[stages.extract]\nbackend = "auto"\nenv = { HF_HOME = "/x" }\n'))
     (tmp_path / "config.toml").write_text("[stages.regenerate]\nenabled = true\n")
     off = load_config(tmp_path / "config.toml")
     assert shared_server.why_not(off) == "[stages.regenerate] share_server = false"
-    # at its default it is no part of regenerate's fingerprint (runs made before stay
-    # up to date); set, it is (a sampled answer may take another path on that server)
-    assert "share_server" not in off.section_dict("regenerate")
-    assert config(tmp_path).section_dict("regenerate")["share_server"] is True
+    # how, not what: no part of regenerate's fingerprint (toggling it reruns nothing)
+    assert off.fingerprint("regenerate", {}) == config(tmp_path, '[stages.extract]\nbackend = '
+                                                                 '"hf"\n').fingerprint(
+        "regenerate", {})
+
+
+def test_a_shared_server_a_stage_cannot_use_is_an_error_on_gpus(tmp_path):
+    """On the CPU a stage that declines the shared server starts its own (said);
+    on GPUs that would load the target a second time on the same GPUs: an
+    error with the fix. A damaged record is an error naming it."""
+    from types import SimpleNamespace
+
+    from pipeline.stage_error import StageError
+    alive = SimpleNamespace(died=lambda: None, flags=["--a"], max_model_len=100)
+    cpu, gpus = SimpleNamespace(**vars(alive), devices=[]), SimpleNamespace(**vars(alive),
+                                                                             devices=[0, 1])
+    assert "flags differ" in shared_server.check_adoptable(cpu, ["--b"])
+    assert shared_server.check_adoptable(cpu, ["--a"], 100) is None
+    with pytest.raises(StageError, match="load the target again on the same GPUs") as e:
+        shared_server.check_adoptable(gpus, ["--a"], 200)
+    assert "share_server = false" in e.value.hint
+    (tmp_path / "endpoint.json").write_text("{not json")
+    os.environ[shared_server.ENV] = str(tmp_path / "endpoint.json")
+    try:
+        with pytest.raises(StageError, match="record .* is unreadable"):
+            shared_server.adopt("x")
+    finally:
+        del os.environ[shared_server.ENV]
 
 
 def test_doctor_counts_one_load_for_both(tmp_path):

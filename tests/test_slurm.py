@@ -56,6 +56,24 @@ def cluster(tmp_path_factory):
             os.environ["SLURM_CONF"] = old
 
 
+@pytest.fixture(autouse=True)
+def fresh_answers():
+    """Each test starts with nothing remembered of the controller (slurm.py's
+    cache and silence gate live in this process: an earlier test's silent
+    controller must not be this one's)."""
+    slurm._cache.clear()
+    slurm._silence.update(since=None, asked=0.0)
+    yield
+
+
+@pytest.fixture
+def cancelled_after(tmp_path):
+    """Whatever run the test left in its folder is cancelled when it ends, passed
+    or failed: no driver left polling a cluster the module then stops."""
+    yield
+    cli("cancel", cwd=tmp_path, timeout=120)
+
+
 CLUSTER = '[cluster]\nscheduler = "slurm"\npartition = "debug"\n{extra}\n'
 
 
@@ -386,7 +404,7 @@ def _files(hs: Path) -> dict[str, tuple[int, int, int]]:
             for p in hs.glob("hs_*.safetensors") for st in [p.stat()]}
 
 
-def test_a_node_cut_off_mid_extract(cluster, tmp_path):
+def test_a_node_cut_off_mid_extract(cluster, tmp_path, cancelled_after):
     """Node n1's link goes down while it holds a chunk it has started (its
     processes keep running; its writes to the shared disk block, as on a hard
     NFS mount): after lost_after_s node n0 does n1's unfinished rows, the stage
@@ -453,7 +471,7 @@ def test_a_node_cut_off_mid_extract(cluster, tmp_path):
     assert not bad and sorted(before) == sorted(hs_path(hs, i).name for i in range(len(rows)))
 
 
-async def test_the_controller_cut_off_from_the_login_node(cluster, tmp_path):
+async def test_the_controller_cut_off_from_the_login_node(cluster, tmp_path, cancelled_after):
     """The login node's link to the cluster goes down while a stage runs as a
     job: `status` and the panel say that the controller does not answer (and
     that the stage is taken to be alive: nothing is failed for it), and both
@@ -503,7 +521,7 @@ async def test_the_controller_cut_off_from_the_login_node(cluster, tmp_path):
           "link came back")
 
 
-def test_a_node_cut_off_mid_train_fails_in_bounded_time_and_resumes(cluster, tmp_path):
+def test_a_node_cut_off_mid_train_fails_in_bounded_time_and_resumes(cluster, tmp_path, cancelled_after):
     """Node n1's link goes down mid-training (torchrun over both nodes): the
     stage fails within the collective timeout, with Slurm's word for the node,
     not a silent hang; `resume` (n1 still cut off; min_nodes = 1) continues

@@ -562,3 +562,19 @@ def test_a_sample_is_published_once_and_never_replaced(tmp_path):
     # two writers of one process and thread never share a temp name (nor two nodes' writers
     # with the same pid and thread id: pid namespaces)
     assert hsfile.temp_path(final) != hsfile.temp_path(final)
+
+
+def test_a_filesystem_without_hard_links_gets_the_plain_rename(tmp_path, monkeypatch):
+    """Where os.link is refused (EPERM: vfat, some FUSE and object-store mounts)
+    the file is still written, by a plain rename; a name already taken is kept."""
+    import errno
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(hsfile.os, "link", no_links)
+    final = hsfile.hs_path(tmp_path, 3)
+    hsfile.write_sample(final, torch.ones(2, 2, 3), torch.arange(2))
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+    first = final.stat().st_ino
+    hsfile.write_sample(final, torch.zeros(2, 2, 3), torch.arange(2))   # taken: kept
+    assert final.stat().st_ino == first and [p.name for p in tmp_path.iterdir()] == [final.name]

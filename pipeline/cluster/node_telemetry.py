@@ -146,11 +146,12 @@ class NodeWatch:
         asked while every node writes."""
         if not stale or now - self._lost_asked < LOST_CHECK_S:
             return
-        self._lost_asked = now
         from pipeline.cluster import slurm
-        if slurm.missing_tools():
-            return
+        if slurm.missing_tools() or slurm.controller_silent_s() is not None:
+            self._lost_asked = now
+            return   # (a silent controller: asked again after its own gate, not per look)
         found = slurm.nodes_not_up(stale)
+        self._lost_asked = time.monotonic()   # after: a question that timed out is not due at once
         if found is not None:
             self._lost = found
 

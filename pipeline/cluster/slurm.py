@@ -25,7 +25,6 @@ that interface (it never imports cluster/); pipeline.control registers it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import shutil
@@ -71,6 +70,7 @@ class JobState:
 # retry a controller that does not answer for 30 s and more (measured: squeue 35 s
 # at MessageTimeout=5), and `status` or the panel must not wait that long.
 QUERY_TIMEOUT_S = 10.0
+CANCEL_TIMEOUT_S = 30.0   # a cancel is an action, not a question: waited for longer
 
 
 def _run(argv: list[str], timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -139,9 +139,17 @@ def nodes_up(partition: str) -> tuple[int, list[str]] | None:
     if r.returncode:
         return None
     states = dict(line.split()[:2] for line in r.stdout.splitlines() if len(line.split()) >= 2)
-    good = {"idle", "mixed", "allocated", "completing"}
-    down = sorted(f"{n} {st}" for n, st in states.items() if st not in good)
+    down = sorted(f"{n} {st}" for n, st in states.items() if not takes_jobs(st))
     return len(states) - len(down), down
+
+
+def takes_jobs(state: str) -> bool:
+    """Whether a node in sinfo's state `state` can run a job: a trailing `*` is
+    a node not responding; the other flags (`~` powered down, `#` powering up,
+    `%`, `+`, `-`, `$`, `@`, `^`, `!`) leave its base state (idle, mixed, ...)."""
+    if state.endswith("*"):
+        return False
+    return state.rstrip("~#%+-$@^!") in {"idle", "mixed", "allocated", "completing", "planned"}
 
 
 def sbatch_argv(cluster, stage: str, run_id: str, log: Path, workdir: Path,
@@ -269,8 +277,11 @@ def cancel(job: str, signal: str | None = None) -> None:
     """scancel the job; with a signal, to the batch script and every
     process of the job (--full), so the stage gets it as on one machine."""
     argv = ["scancel", job] if signal is None else ["scancel", f"--signal={signal}", "--full", job]
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        _run(argv)   # a controller that does not answer: the job is reported as still there
+    try:
+        _run(argv, timeout=CANCEL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        # a controller that does not answer: the job is reported as still there
+        print(f"scancel {job}: no answer ({type(e).__name__})", flush=True)
     _cache.pop(job, None)
 
 
@@ -326,7 +337,7 @@ def nodes_not_up(nodes: list[str] | str) -> dict[str, str] | None:
     if not nodelist:
         return {}
     try:
-        r = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T|%E"], timeout=20)
+        r = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T|%E"])
     except (OSError, subprocess.TimeoutExpired):
         return None
     if r.returncode:
@@ -335,7 +346,7 @@ def nodes_not_up(nodes: list[str] | str) -> dict[str, str] | None:
     for line in r.stdout.splitlines():
         node, _, rest = line.partition("|")
         state, _, why = rest.partition("|")
-        if state.endswith("*") or any(w in state for w in ("down", "fail", "drain", "unk")):
+        if not takes_jobs(state):
             why = why if why and why != "none" else "not responding" if state.endswith("*") else ""
             out[node] = state + (f" ({why})" if why else "")
     return out

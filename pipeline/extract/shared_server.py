@@ -70,6 +70,7 @@ def why_not(cfg) -> str | None:
          "extract runs several servers (data parallel): one would serve regenerate"),
         (list(rg.server_args) != list(ex.server_args) or rg.serve_command != ex.serve_command,
          "regenerate's and extract's server_args / serve_command differ"),
+        (dict(rg.env) != dict(ex.env), "regenerate's and extract's [stages.*] env differ"),
     ]
     return next((why for bad, why in reasons if bad), None)
 
@@ -85,14 +86,20 @@ def capture_flags(cfg, run: RunDir) -> tuple[list[str], int, int]:
     flags = extraction_flags(layer_ids, run.out_dir("extract") / "hidden_states", True,
                              cfg.stages.extract.hidden_states_dtype == "fp8",
                              "linear" in m.kinds)
-    max_len = cfg.stages.prepare.seq_length + cfg.stages.regenerate.max_tokens + 8
-    return flags + list(cfg.stages.extract.server_args), max_len, len(layer_ids)
+    return flags + list(cfg.stages.extract.server_args), regenerate_max_len(cfg), len(layer_ids)
+
+
+def regenerate_max_len(cfg) -> int:
+    """The longest request regenerate sends: a prompt prepare keeps (seq_length)
+    and an answer (max_tokens), + 8; extract's rows, cut at seq_length, fit too."""
+    return cfg.stages.prepare.seq_length + cfg.stages.regenerate.max_tokens + 8
 
 
 class SharedServer:
     """The driver's: started before regenerate, stopped after extract."""
 
     def __init__(self, run: RunDir, cfg, env):
+        self.env = env
         from pipeline.model.info import kv_bytes_per_token, read_model
         from pipeline.vllm.server import make_server, server_log
         self.run, self.cfg = run, cfg
@@ -112,7 +119,9 @@ class SharedServer:
                                   ex.serve_command, max(rg.concurrency, ex.max_inflight) * max_len,
                                   per_token, what="vLLM server (regenerate + extract)",
                                   stall_after_s=ex.stall_after_s,
-                                  extra_env={TOKEN_VAR: self.token}, die_with_parent=True)
+                                  # the stages' own environment, as a stage's server gets it
+                                  extra_env={**cfg.runtime.env, **ex.env, TOKEN_VAR: self.token},
+                                  die_with_parent=True)
         self.max_len = max_len
 
     def start(self) -> None:
@@ -135,7 +144,9 @@ class SharedServer:
             "url": self.server.url, "pid": self.server.proc.pid,
             "create_time": proc_start_ticks(self.server.proc.pid),
             "log": str(self.server.log_path), "flags": self.flags, "max_model_len": self.max_len,
-            "argv": self.server.argv, "devices": self.server.devices})
+            "argv": self.server.argv, "devices": self.server.devices,
+            "vllm": {"version": self.env.version, "dist": self.env.dist,
+                     "python": self.env.python}})
 
     def stop(self, grace: float) -> None:
         """The server's whole tree stopped; its endpoint and record gone."""
@@ -162,15 +173,17 @@ class Service:
         why = why_not(cfg)
         if why is None and not {"regenerate", "extract"} <= planned:
             why = "regenerate and extract do not both run this time"
+        env = None
         if why is None:
-            why = _vllm_refuses(cfg)
+            from pipeline.vllm.environment import probe
+            env = probe(cfg.vllm_python())
+            why = _vllm_refuses(cfg, env)
         if why is not None:
             if cfg.stages.regenerate.share_server:
                 print(f"shared server: not started ({why}): each stage starts its own",
                       flush=True)
             return
-        from pipeline.vllm.environment import probe
-        self.server = SharedServer(run, cfg, probe(cfg.vllm_python()))
+        self.server = SharedServer(run, cfg, env)
         self.server.start()
         print(f"shared server: started for regenerate and extract ({self.server.server.url})",
               flush=True)
@@ -190,15 +203,14 @@ class Service:
             self.server = None
 
 
-def _vllm_refuses(cfg) -> str | None:
-    """What the installed vLLM lacks for sharing: a usable interpreter for
-    extract's GPUs, the vllm-server backend, and the project's connector (0.29+,
-    which also answers requests' `cache_salt`, vLLM 0.9+)."""
+def _vllm_refuses(cfg, env) -> str | None:
+    """What the installed vLLM (`env`) lacks for sharing: a usable interpreter
+    for extract's GPUs, the vllm-server backend, and the project's connector
+    (0.29+, which also answers requests' `cache_salt`, vLLM 0.9+)."""
     from pipeline.model.info import read_model
     from pipeline.vllm import compat
-    from pipeline.vllm.environment import choose_backend, probe
+    from pipeline.vllm.environment import choose_backend
     from pipeline.vllm.source import VllmSource
-    env = probe(cfg.vllm_python())
     devices = cfg.stage_devices("extract")
     problem = env.unusable(devices)
     if problem:
@@ -240,12 +252,21 @@ class _Process:
 def adopt(what: str, report=None, stall_after_s: float = 600.0):
     """The run's shared server for this stage, or None (none was started for
     it: the stage starts its own)."""
+    from pipeline.run import provenance
     from pipeline.vllm.server import VllmServer
     path = os.environ.get(ENV)
-    if not path or not Path(path).exists():
+    if not path:
         return None
-    ep = json.loads(Path(path).read_text())
-    key = (Path(path).parent / "key").read_text()
+    try:
+        ep = json.loads(Path(path).read_text())
+        key = (Path(path).parent / "key").read_text()
+        argv, devices, log, url, pid = ep["argv"], ep["devices"], ep["log"], ep["url"], ep["pid"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StageError(f"the run's shared vLLM server record {path} is unreadable ({e})",
+                         hint="resume starts the server again; or set [stages.regenerate] "
+                              "share_server = false") from None
+    v = ep.get("vllm") or {}
+    provenance.note_server(argv, v.get("version"), v.get("dist"), v.get("python") or "")
 
     class AdoptedServer(VllmServer):
         """A VllmServer whose start and stop are the driver's."""
@@ -264,10 +285,9 @@ def adopt(what: str, report=None, stall_after_s: float = 600.0):
         def stop(self, grace: float = 10.0) -> list[int]:
             return []
 
-    port = int(ep["url"].rsplit(":", 1)[1])
-    server = AdoptedServer(0, ep["argv"], port, key, ep["devices"], Path(ep["log"]), {},
+    server = AdoptedServer(0, argv, int(url.rsplit(":", 1)[1]), key, devices, Path(log), {},
                            what, report, stall_after_s)
-    server.proc = _Process(ep["pid"], ep.get("create_time"))
+    server.proc = _Process(pid, ep.get("create_time"))
     return server
 
 
@@ -275,12 +295,26 @@ CACHE_SALT = "eagle-panel-extract"   # extract's requests on a shared server: th
 
 
 def check_adoptable(server, flags: list[str] | None = None, max_len: int = 0) -> str | None:
-    """Why a stage does not use the shared server (it starts its own)."""
+    """Why a stage does not use the shared server: on the CPU it then starts
+    its own (said); on GPUs that would be a second load of the target beside
+    the first, on the same GPUs, so it is an error with the fix."""
+    why = None
     if flags is not None and server.flags != flags:
-        return "it captures otherwise than this stage would (its flags differ)"
-    if max_len and server.max_model_len < max_len:
-        return f"its max_model_len {server.max_model_len} is under this stage's {max_len}"
+        why = "it captures otherwise than this stage would (its flags differ)"
+    elif max_len and server.max_model_len < max_len:
+        why = f"its max_model_len {server.max_model_len} is under this stage's {max_len}"
     if server.died() is not None:
         raise StageError("the run's shared vLLM server has died",
                          hint=f"see {server.log_path}; resume starts it again")
-    return None
+    return declined(server, why)
+
+
+def declined(server, why: str | None) -> str | None:
+    """`why` a stage does not use the shared server, where it may start its own
+    instead (the CPU); on GPUs its own would load the target a second time, on
+    the GPUs the shared one holds: an error with the fix."""
+    if why and server.devices:
+        raise StageError(f"the run's shared vLLM server cannot serve this stage: {why}; a "
+                         "server of its own would load the target again on the same GPUs",
+                         hint="set [stages.regenerate] share_server = false, then resume")
+    return why

@@ -180,10 +180,12 @@ class Extraction:
             return None
         want = extraction_flags(job.layer_ids, job.folder, self.own, job.fp8, linear) + \
             list(job.section.server_args)
-        why = "eagle-panel's connector is not available" if not self.own else \
-            "its GPUs are not extract's one group" if len(job.groups()) != 1 or \
-            list(job.groups()[0]) != list(shared.devices) else \
-            shared_server.check_adoptable(shared, want, max_len)
+        if not self.own:
+            why = shared_server.declined(shared, "eagle-panel's connector is not available")
+        elif len(job.groups()) != 1 or list(job.groups()[0]) != list(shared.devices):
+            why = shared_server.declined(shared, "its GPUs are not extract's one group")
+        else:
+            why = shared_server.check_adoptable(shared, want, max_len)
         if why is not None:
             job.on_event("warning", {"message": f"the run's shared server is not used: {why}; "
                                                 "extract starts its own"})

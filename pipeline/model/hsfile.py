@@ -59,7 +59,7 @@ def publish(tmp: Path, final: Path) -> bool:
             return False   # taken, said as another error (sshfs: EPERM; SFTP v3 has no "exists")
         if e.errno not in NO_HARD_LINKS:
             raise
-        publish(tmp, final)
+        os.replace(tmp, final)
         return True
     finally:
         tmp.unlink(missing_ok=True)

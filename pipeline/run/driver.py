@@ -255,6 +255,16 @@ def _begin_services(rd: RunDir, cfg: Config, steps: list[Step]) -> list:
     return out
 
 
+def _each_service(services: list, what: str, *args) -> None:
+    """`what` of every service; one that fails is said, never the driver's end
+    (its `finally` must still release the run)."""
+    for svc in services:
+        try:
+            getattr(svc, what)(*args)
+        except Exception as e:  # noqa: BLE001 - said in driver.log; the run goes on
+            _say(f"{type(svc).__module__}: {what} failed ({type(e).__name__}: {e})")
+
+
 def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
     """Run the pipeline to its end (the body of the detached driver)."""
     fd = rd.try_lock()
@@ -300,8 +310,7 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
                        {k: v for svc in services for k, v in svc.env(step.stage).items()})
             st = wait_stage(rd, step.stage, ex=ex)
             _say(f"[{step.stage}] {st['status']}")
-            for svc in services:
-                svc.after(step.stage, cfg.runtime.term_grace_s)
+            _each_service(services, "after", step.stage, cfg.runtime.term_grace_s)
             if st["status"] not in DONE:
                 result = 130 if st["status"] == Status.CANCELLED else 1
                 break
@@ -309,8 +318,7 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
         _say(f"eagle-panel: {e}. {e.hint}")
         result = EXIT_DISK_FULL
     finally:
-        for svc in services:
-            svc.close(cfg.runtime.term_grace_s)
+        _each_service(services, "close", cfg.runtime.term_grace_s)
         try:
             with rd.mutate_state() as state:
                 state["driver"] = None

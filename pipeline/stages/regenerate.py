@@ -181,7 +181,7 @@ def start_server(ctx: StageContext, env, devices: list):
     sec, target = ctx.section, ctx.cfg.target_path()
     dtype = ctx.cfg.dtype_name(bool(devices))
     elem = 4 if dtype == "float32" else 2
-    max_len = ctx.cfg.stages.prepare.seq_length + sec.max_tokens + 8
+    max_len = shared_server.regenerate_max_len(ctx.cfg)
     shared = shared_server.adopt("vLLM server (regenerate + extract)",
                                  report=lambda kind, f: ctx.events.emit(kind, **f),
                                  stall_after_s=sec.stall_after_s)

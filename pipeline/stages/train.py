@@ -210,7 +210,9 @@ def plan_budget(ctx: StageContext) -> Budget:
     parallel ranks as will train."""
     sec = ctx.section
     lengths = train_lengths(ctx)
-    ranks = ranks_per_node(ctx) * train_nodes(ctx)
+    # the configured nodes, not this attempt's allocation: a resume on fewer nodes
+    # (min_nodes) keeps the plan its checkpoints were made under
+    ranks = ranks_per_node(ctx) * max(1, ctx.cfg.cluster.nodes)
     budget = plan(lengths, epochs=sec.epochs, total_seq_len=sec.total_seq_len,
                   target_steps=sec.target_steps, min_steps=sec.min_steps,
                   max_epochs=sec.max_epochs,

@@ -77,17 +77,23 @@ def served_model_name(target: Path, server_args: list[str]) -> str:
 OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
-def _own_group_dying_with_parent() -> None:
-    """In the child: its own process group, and SIGTERM from the kernel when
-    the process that started it dies (PR_SET_PDEATHSIG): a server owned by the
-    driver ends with the driver, however the driver ends (SIGKILL included)."""
+def _dying_with_parent():
+    """Popen's keywords for a child in a process group of its own that gets
+    SIGTERM from the kernel when the process that started it dies
+    (PR_SET_PDEATHSIG): a server owned by the driver ends with the driver,
+    however the driver ends (SIGKILL included). prctl is looked up here, in
+    the parent (no dlopen between fork and exec); a parent that died before
+    the child set it is seen by the child's getppid, and the child exits."""
     import ctypes
     import signal
-    os.setpgrp()
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
 
-
-DIE_WITH_PARENT = {"preexec_fn": _own_group_dying_with_parent}
+    def in_child() -> None:
+        os.setpgrp()
+        prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    return {"preexec_fn": in_child}
 
 class VllmServer:
     """One vLLM server process tree on a set of GPUs (or the CPU)."""
@@ -136,16 +142,19 @@ class VllmServer:
             # the key through the environment (vLLM reads VLLM_API_KEY when no
             # --api-key is given): /proc/PID/environ is readable by its owner only.
             # A process group of its own (a cancel's SIGINT to the stage's group
-            # must not reach it: the stage stops it), but the stage's session:
-            # the supervisor finds it and its renamed EngineCore and workers
-            # there even after a SIGKILL of the stage (pipeline.run.leftovers).
-            # It carries the attempt's EAGLE_PANEL_TOKEN too, whatever env it was given.
-            attempt = {TOKEN_VAR: os.environ[TOKEN_VAR]} if TOKEN_VAR in os.environ else {}
+            # must not reach it: the stage stops it), but its starter's session
+            # (the stage's; the driver's for the shared server): the supervisor, or
+            # the next launch, finds it and its renamed EngineCore and workers there
+            # even after a SIGKILL of its starter (pipeline.run.leftovers). It
+            # carries the attempt's EAGLE_PANEL_TOKEN too, unless it was given a
+            # token of its own (the driver's shared server).
+            attempt = {TOKEN_VAR: os.environ[TOKEN_VAR]} \
+                if TOKEN_VAR in os.environ and TOKEN_VAR not in self.env else {}
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**self.env, **attempt, SERVER_TOKEN_VAR: self.token,
                      "VLLM_API_KEY": self.api_key},
-                **(DIE_WITH_PARENT if self.die_with_parent else OWN_GROUP))
+                **(_dying_with_parent() if self.die_with_parent else OWN_GROUP))
 
     # -- its log ---------------------------------------------------------------
     def new_log_lines(self) -> list[str]:
