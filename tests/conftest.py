@@ -56,10 +56,11 @@ def pytest_collection_modifyitems(config, items):
 
 # The longest files (seconds on one of two busy workers, a fresh clone, 2026-12-02
 # afternoon): every bench script ~560, online training ~380, the tiny-llama pipeline ~280,
-# Slurm ~260, the tiny-kimi pipeline ~220. Only the order depends on it: a stale list costs
+# Slurm ~260 (~470-560 since it runs on two namespaced nodes, 2026-12-04), the tiny-kimi
+# pipeline ~220, the shared server ~160. Only the order depends on it: a stale list costs
 # time, never a result.
-LONGEST = ["test_bench.py", "test_vllm_online.py", "test_vllm_pipeline.py",
-           "test_slurm.py", "test_kimi_pipeline.py"]
+LONGEST = ["test_bench.py", "test_slurm.py", "test_vllm_online.py", "test_vllm_pipeline.py",
+           "test_kimi_pipeline.py", "test_shared_server.py"]
 
 
 def _has_gpu() -> bool:
