@@ -174,6 +174,8 @@ class RegenerateSection(ServerCommon):
     temperature: float = 0.0    # 0 = greedy
     seed: int = 0
     concurrency: int = 8        # conversations in flight
+    # conversations saved together: what a kill can cost (one chunk's answers)
+    chunk_size: int = 50
     # one vLLM server for regenerate and extract (extract's, which captures hidden
     # states): one target load fewer, generation slower on it (1.4-1.5x measured on
     # the CPU build): pipeline.extract.shared_server
@@ -721,6 +723,7 @@ def _check_ranges(cfg: Config, src: str) -> None:
         ("stages.extract.max_num_seqs", cfg.stages.extract.max_num_seqs),
         ("stages.regenerate.max_tokens", cfg.stages.regenerate.max_tokens),
         ("stages.regenerate.concurrency", cfg.stages.regenerate.concurrency),
+        ("stages.regenerate.chunk_size", cfg.stages.regenerate.chunk_size),
         ("stages.evaluate.num_speculative_tokens", cfg.stages.evaluate.num_speculative_tokens),
         ("stages.evaluate.max_prompts", cfg.stages.evaluate.max_prompts),
         ("stages.evaluate.max_tokens", cfg.stages.evaluate.max_tokens),

@@ -118,10 +118,15 @@ def test_doctor_predicted_what_fired_and_the_kv_bytes(kimi_run):
     assert {"language_model_only", "cpu_mla_backend"} <= fired
     assert predicted == fired, (predicted, fired)
     # doctor's KV bytes per token (fp32 MLA latent: 4 layers x 576 x 4 B) and the real
-    # server's, from its cache config (regenerate's server: the target alone)
+    # server's, from its cache config: regenerate's server is the run's shared capture
+    # server, whose cache also holds the 4 captured layers' hidden states (4 x 128 x 4 B)
+    assert cfg.stages.regenerate.share_server and (rd.path / "shared-server").is_dir()
     kv = [e for e in (json.loads(line) for line in open(rd.events_path("regenerate")))
           if e["type"] == "kv_cache"][-1]
-    planned = kv_bytes_per_token(doctor.target_info(cfg), 1, 4)
+    info = doctor.target_info(cfg)
+    planned = kv_bytes_per_token(info, 1, 4)
+    captured = len(stage_summary(rd, "extract")["layer_ids"]) * info.hidden * 4
     served = kv["bytes_per_block"] / kv["block_size"]
-    print(f"KV bytes per token: doctor {planned:,}, vLLM {served:,.1f}")
-    assert planned == 9216 and abs(served - planned) / planned < 1e-3
+    print(f"KV bytes per token: doctor {planned:,} + {captured:,} captured, vLLM {served:,.1f}")
+    assert planned == 9216 and captured == 2048
+    assert abs(served - planned - captured) / (planned + captured) < 1e-3

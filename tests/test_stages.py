@@ -475,6 +475,8 @@ def test_regenerate_answers_where_the_assistant_answered_in_text():
     from tests.data_corpus import AGENTIC
 
     class Server:
+        shared = False      # its own server: regenerate asks nothing of a capture
+
         def __init__(self):
             self.prompts = []
 
@@ -499,6 +501,25 @@ def test_regenerate_answers_where_the_assistant_answered_in_text():
     assert [len(r["messages"]) for r in rows] == [3, 5]   # each row its own conversation
     assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
     assert [r["loss_mask"] for r in rows] == [[0, 0, 1], [0, 0, 1]]
+
+
+def test_a_resume_asks_again_what_the_server_refused(tmp_path, capsys):
+    """A saved chunk keeps its answers; the conversations the server refused (an
+    HTTP error: a wrong key, an overloaded server) are asked again on resume —
+    once, the cause fixed — while a conversation's own fault is not."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.regenerate import REFUSED, split_chunks
+    ctx = SimpleNamespace(out=tmp_path, section=SimpleNamespace(chunk_size=2))
+    chunks = split_chunks(ctx, list(range(5)))
+    assert chunks.parts == [[0, 1], [2, 3], [4]] and chunks.todo == [0, 1, 2]
+    saved = {0: [[0, f"{REFUSED} (HTTP Error 401: Unauthorized)"]],
+             1: [[2, "row 2: no user turn to answer"]]}
+    for k, failed in saved.items():
+        (tmp_path / ".chunks" / f"chunk_{k:06d}.json").write_text(
+            json.dumps({"rows": [], "failed": failed}))
+    assert split_chunks(ctx, list(range(5))).todo == [0, 2]
+    assert "1 saved chunk(s) asked again: the server refused 1" in capsys.readouterr().out
 
 
 def test_a_builtin_targets_build_says_how_far_its_training_is(capsys):

@@ -48,6 +48,7 @@ from pathlib import Path
 from pipeline.run.proctree import TOKEN_VAR
 from pipeline.run.rundir import RunDir, atomic_write_json
 from pipeline.stage_error import StageError
+from pipeline.vllm import compat
 
 ENV = "EAGLE_PANEL_SHARED_SERVER"   # a stage's environment: the endpoint file to adopt
 FOLDER = "shared-server"
@@ -146,7 +147,10 @@ class SharedServer:
             "log": str(self.server.log_path), "flags": self.flags, "max_model_len": self.max_len,
             "argv": self.server.argv, "devices": self.server.devices,
             "vllm": {"version": self.env.version, "dist": self.env.dist,
-                     "python": self.env.python}})
+                     "python": self.env.python},
+            # what make_server adapted for the target (in this process): the
+            # stages that adopt the server report them as their own
+            "adaptations": compat.fired_so_far()})
 
     def stop(self, grace: float) -> None:
         """The server's whole tree stopped; its endpoint and record gone."""
@@ -267,6 +271,8 @@ def adopt(what: str, report=None, stall_after_s: float = 600.0):
                               "share_server = false") from None
     v = ep.get("vllm") or {}
     provenance.note_server(argv, v.get("version"), v.get("dist"), v.get("python") or "")
+    for name, detail in (ep.get("adaptations") or {}).items():
+        compat.fired(name, detail)
 
     class AdoptedServer(VllmServer):
         """A VllmServer whose start and stop are the driver's."""

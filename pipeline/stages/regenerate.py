@@ -40,8 +40,10 @@ from pipeline.vllm.compat import SKIP_KEY
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import make_server, server_log, serving
 
-CHUNK = 50
 MAX_LISTED = 50
+# a conversation the server answered with an HTTP error: not the conversation's
+# fault (a wrong key, an overloaded server), so a resume asks again
+REFUSED = "the server refused it"
 
 
 def conversations(ctx: StageContext):
@@ -135,7 +137,7 @@ def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> 
                     fatal.append(server.died())
                     return
                 with lock:
-                    failed.append((n, f"the server refused it ({e})"))
+                    failed.append((n, f"{REFUSED} ({e})"))
                 continue
             with lock:
                 results[n] = [dict(r, source=n) for r in rows]
@@ -153,7 +155,7 @@ def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> 
 
 @dataclass
 class Chunks:
-    """The conversations in chunks of CHUNK, each saved as it is regenerated."""
+    """The conversations in chunks of `chunk_size`, each saved as it is regenerated."""
     folder: Path
     parts: list[list]
     todo: list[int]   # the chunks not saved yet
@@ -163,15 +165,32 @@ class Chunks:
 
 
 def split_chunks(ctx: StageContext, items: list) -> Chunks:
+    """The chunks, and which of them to (re)do: the unsaved ones, and the saved
+    ones with conversations the server refused (after the cause is fixed, a
+    resume would otherwise keep the refusals for ever)."""
     folder = ctx.out / ".chunks"
     folder.mkdir(exist_ok=True)
-    parts = [items[i:i + CHUNK] for i in range(0, len(items), CHUNK)]
+    size = ctx.section.chunk_size
+    parts = [items[i:i + size] for i in range(0, len(items), size)]
     chunks = Chunks(folder, parts, [])
-    chunks.todo = [k for k in range(len(parts)) if not chunks.path(k).exists()]
-    if len(chunks.todo) < len(parts):
+    refused = [k for k in range(len(parts)) if refusals(chunks.path(k))]
+    chunks.todo = [k for k in range(len(parts)) if not chunks.path(k).exists() or k in refused]
+    if len(chunks.todo) < len(parts) or refused:
         print(f"regenerate: resuming, {len(parts) - len(chunks.todo)}/{len(parts)} chunks already "
-              "done", flush=True)
+              "done" + (f"; {len(refused)} saved chunk(s) asked again: the server refused "
+                        f"{sum(refusals(chunks.path(k)) for k in refused)} of their "
+                        "conversations last time" if refused else ""), flush=True)
     return chunks
+
+
+def refusals(path: Path) -> int:
+    """How many of a saved chunk's conversations the server refused (0: none,
+    or not saved)."""
+    try:
+        failed = json.loads(path.read_text())["failed"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return sum(1 for _, why in failed if str(why).startswith(REFUSED))
 
 
 def start_server(ctx: StageContext, env, devices: list):
