@@ -10,8 +10,12 @@ hf workers), and folds what the workers report into the stage's progress
 and KV-cache events. A worker that reports an error stops them all (the
 same error would hit every node); a worker that goes silent (its node
 lost, its task killed) is not waited for: its unfinished chunks go back
-to the queue for the others. srun runs with --kill-on-bad-exit=0 and the
-job with --no-kill, so one lost task or node does not end the rest.
+to the queue for the others. srun runs with --kill-on-bad-exit=0 and
+--no-kill, and the job with --no-kill, so one lost task or node does not end
+the rest (without srun's own --no-kill, Slurm's "Node failure" killed the
+step on every node: the live nodes' work with it). Then srun waits for the
+lost node's task, which may never answer: once every sample is extracted
+and only lost workers are left, the coordinator ends srun itself.
 
     python -m pipeline.extract.nodes --queue DIR    one node's worker
 """
@@ -50,10 +54,22 @@ def run_across_nodes(job: ExtractJob, backend: str, queue_dir: Path, tasks: int,
         {"backend": backend, "job": job.shard([]), "lost_after_s": lost_after_s}))
     print(f"extract: {len(job.todo)} samples in {len(chunks)} chunks for {tasks} node "
           f"workers (srun; queue {queue_dir})", flush=True)
-    argv = ["srun", f"--ntasks={tasks}", "--kill-on-bad-exit=0", "--label",
+    argv = ["srun", f"--ntasks={tasks}", "--kill-on-bad-exit=0", "--no-kill", "--label",
             sys.executable, "-m", "pipeline.extract.nodes", "--queue", str(queue_dir)]
     proc = subprocess.Popen(argv)
     return Coordinator(job, WorkQueue(queue_dir, "coordinator", lost_after_s), warn).follow(proc)
+
+
+def end_srun(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End an srun that waits only for lost tasks (their node cut off)."""
+    print("extract: every sample is extracted; srun still waits for a lost node's task: "
+          "ended", flush=True)
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class Coordinator:
@@ -76,6 +92,9 @@ class Coordinator:
             self.read(q.statuses())
             if self.error and not q.stop_requested():
                 q.request_stop()    # the same error would stop every node: stop them now
+            if not ended and self.only_lost_left():
+                end_srun(proc)
+                ended = True
             if ended:
                 break
             time.sleep(REPORT_S)
@@ -94,6 +113,15 @@ class Coordinator:
                              f"(srun exit code {proc.returncode})",
                              hint="resume: finished files are kept and only the rest is done")
         return self.total
+
+    def only_lost_left(self) -> bool:
+        """Every sample extracted and every worker ended, some of them lost (a
+        cut node's task srun would wait for)."""
+        if not self.said_lost or self.queue.remaining_rows():
+            return False
+        q = self.queue
+        workers = set(q.statuses()) | {w for _, w in q.owners().values()}
+        return q.lost(workers) >= workers
 
     def read(self, statuses: dict[str, dict]) -> None:
         total = Counters()
