@@ -428,6 +428,9 @@ class Config:
             # how, not what: the same answers at temperature 0; sampled ones equally the
             # target's (another random path on the verify step). Toggling it reruns nothing.
             d.pop("share_server", None)
+            # how the work is saved, not what: each size keeps its chunks in a folder
+            # of its own (pipeline.stages.regenerate.split_chunks)
+            d.pop("chunk_size", None)
         if name == "train":
             from pipeline.train.algorithms import num_layers
             # what decides the draft, not how it is spelled: 0 is the algorithm's own count,

@@ -505,21 +505,28 @@ def test_regenerate_answers_where_the_assistant_answered_in_text():
 
 def test_a_resume_asks_again_what_the_server_refused(tmp_path, capsys):
     """A saved chunk keeps its answers; the conversations the server refused (an
-    HTTP error: a wrong key, an overloaded server) are asked again on resume —
-    once, the cause fixed — while a conversation's own fault is not."""
+    HTTP error of the server's state: a wrong key, an overloaded server) are asked
+    again on resume, while a conversation's own fault (a 400) is not. Another
+    chunk size keeps its chunks apart (chunk k is a range of that size)."""
+    import urllib.error
     from types import SimpleNamespace
 
-    from pipeline.stages.regenerate import REFUSED, split_chunks
+    from pipeline.stages.regenerate import DEFAULT_CHUNK, REFUSED, retryable, split_chunks
     ctx = SimpleNamespace(out=tmp_path, section=SimpleNamespace(chunk_size=2))
     chunks = split_chunks(ctx, list(range(5)))
     assert chunks.parts == [[0, 1], [2, 3], [4]] and chunks.todo == [0, 1, 2]
     saved = {0: [[0, f"{REFUSED} (HTTP Error 401: Unauthorized)"]],
              1: [[2, "row 2: no user turn to answer"]]}
     for k, failed in saved.items():
-        (tmp_path / ".chunks" / f"chunk_{k:06d}.json").write_text(
-            json.dumps({"rows": [], "failed": failed}))
+        chunks.path(k).write_text(json.dumps({"rows": [], "failed": failed}))
+    assert chunks.folder.name == ".chunks-2"
     assert split_chunks(ctx, list(range(5))).todo == [0, 2]
     assert "1 saved chunk(s) asked again: the server refused 1" in capsys.readouterr().out
+    ctx.section.chunk_size = DEFAULT_CHUNK
+    assert split_chunks(ctx, list(range(5))).folder.name == ".chunks"
+    http = [urllib.error.HTTPError("u", code, "", None, None) for code in (401, 429, 503, 400)]
+    assert [retryable(e) for e in http] == [True, True, True, False]
+    assert retryable(ConnectionRefusedError())
 
 
 def test_a_builtin_targets_build_says_how_far_its_training_is(capsys):

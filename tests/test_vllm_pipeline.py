@@ -84,7 +84,7 @@ def run(tmp_path_factory):
     seen = {}
     # 1. regenerate: SIGKILL once its first chunk is saved; resume.
     cli("run", cwd=tmp, check=0, env=env)
-    chunk = rd.out_dir("regenerate") / ".chunks" / "chunk_000000.json"
+    chunk = rd.out_dir("regenerate") / ".chunks-8" / "chunk_000000.json"
     wait_for(chunk.exists, timeout=600, poll=0.05, what="regenerate's first chunk")
     seen["chunk_mtime"] = chunk.stat().st_mtime_ns
     kill_stage(rd, "regenerate")
@@ -110,7 +110,7 @@ def run(tmp_path_factory):
 
 def test_regenerate_resumed_from_its_chunks(run):
     tmp, rd, seen = run
-    chunk = rd.out_dir("regenerate") / ".chunks" / "chunk_000000.json"
+    chunk = rd.out_dir("regenerate") / ".chunks-8" / "chunk_000000.json"
     assert chunk.stat().st_mtime_ns == seen["chunk_mtime"]   # not redone
     s = stage_summary(rd, "regenerate")
     assert s["conversations"] == 48 and s["failed"] == 0 and s["rows"] >= 48

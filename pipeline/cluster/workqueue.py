@@ -192,7 +192,7 @@ class WorkQueue:
         also when nothing can be claimed right now (a caller with rows in
         flight must not wait on its own chunk)."""
         self._files = Path(files)
-        self._start_beating()
+        self.start_beating()
         if not wait and time.monotonic() - self._idle_at < POLL_S:
             return []   # asked again at once (an engine's step loop): no new look yet
         while True:
@@ -269,7 +269,9 @@ class WorkQueue:
         except (OSError, DiskFull):
             pass
 
-    def _start_beating(self) -> None:
+    def start_beating(self) -> None:
+        """Beat from now on (a claim starts it; a node worker whose processes
+        claim under ids of their own starts it itself, or it would look lost)."""
         if self._beat is not None:
             return
 

@@ -94,6 +94,7 @@ class Coordinator:
                 q.request_stop()    # the same error would stop every node: stop them now
             if not ended and self.only_lost_left():
                 end_srun(proc)
+                self.read(q.statuses())   # the others' last words, written before they exited
                 ended = True
             if ended:
                 break
@@ -115,13 +116,21 @@ class Coordinator:
         return self.total
 
     def only_lost_left(self) -> bool:
-        """Every sample extracted and every worker ended, some of them lost (a
-        cut node's task srun would wait for)."""
-        if not self.said_lost or self.queue.remaining_rows():
-            return False
+        """Nothing left for srun to wait for but a lost task (its node cut off):
+        every sample extracted, or the workers stopped (an error, a cancel); every
+        worker exited with its last status written, or silent for lost_after_s,
+        and at least one silent."""
         q = self.queue
-        workers = set(q.statuses()) | {w for _, w in q.owners().values()}
-        return q.lost(workers) >= workers
+        if q.remaining_rows() and not q.stop_requested():
+            return False
+        statuses = q.statuses()
+        workers = set(statuses) | {w for _, w in q.owners().values()}
+        if not workers or not q.lost(workers) >= workers:
+            return False
+        exited = {w for w in workers if q.exited(w)}
+        if any(statuses.get(w, {}).get("state") == "running" for w in exited):
+            return False    # exited, its last status not written yet: read it first
+        return bool(workers - exited)
 
     def read(self, statuses: dict[str, dict]) -> None:
         total = Counters()
@@ -170,6 +179,7 @@ def node_main(queue_dir: Path) -> int:
     job: ExtractJob = spec["job"]
     me = worker_id()
     worker = NodeWorker(WorkQueue(queue_dir, me, spec["lost_after_s"]))
+    worker.queue.start_beating()   # alive while its GPUs' processes claim under their own ids
     signal.signal(signal.SIGINT, worker.on_signal)
     signal.signal(signal.SIGTERM, worker.on_signal)
     job.todo, job.feed, job.node = [], worker.queue, me

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import RegenerateSection
 from pipeline.data.chat_mask import RowError, normalize, wire_messages
 from pipeline.data.rows import iter_raw, regenerated_rows
 from pipeline.extract import shared_server
@@ -44,6 +45,7 @@ MAX_LISTED = 50
 # a conversation the server answered with an HTTP error: not the conversation's
 # fault (a wrong key, an overloaded server), so a resume asks again
 REFUSED = "the server refused it"
+DEFAULT_CHUNK = RegenerateSection.chunk_size
 
 
 def conversations(ctx: StageContext):
@@ -107,6 +109,15 @@ def _answer(server, model: str, prefix: list[dict], tools, sec) -> dict:
             "messages": prefix + [{"role": "assistant", "content": answer}]}
 
 
+def retryable(e: OSError) -> bool:
+    """An error a resume may not get again: the server's state, not the
+    conversation (a wrong key 401/403, too many requests 429, a server error
+    5xx, no connection). A 400 (a prompt over max_model_len) is the
+    conversation's own, and would come again."""
+    code = getattr(e, "code", None)
+    return code is None or code in (401, 403, 408, 429) or code >= 500
+
+
 def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> dict:
     """Regenerate a chunk's conversations (`concurrency` at a time)."""
     work: queue.Queue = queue.Queue()
@@ -137,7 +148,8 @@ def run_chunk(server, model: str, items: list, sec, limit: int, should_stop) -> 
                     fatal.append(server.died())
                     return
                 with lock:
-                    failed.append((n, f"{REFUSED} ({e})"))
+                    failed.append((n, f"{REFUSED} ({e})" if retryable(e) else
+                                   f"the server rejected it ({e})"))
                 continue
             with lock:
                 results[n] = [dict(r, source=n) for r in rows]
@@ -168,9 +180,11 @@ def split_chunks(ctx: StageContext, items: list) -> Chunks:
     """The chunks, and which of them to (re)do: the unsaved ones, and the saved
     ones with conversations the server refused (after the cause is fixed, a
     resume would otherwise keep the refusals for ever)."""
-    folder = ctx.out / ".chunks"
-    folder.mkdir(exist_ok=True)
     size = ctx.section.chunk_size
+    # chunk k is conversations [k*size, (k+1)*size): another size, another folder (the
+    # default's is the one runs made before chunk_size have)
+    folder = ctx.out / (".chunks" if size == DEFAULT_CHUNK else f".chunks-{size}")
+    folder.mkdir(exist_ok=True)
     parts = [items[i:i + size] for i in range(0, len(items), size)]
     chunks = Chunks(folder, parts, [])
     refused = [k for k in range(len(parts)) if refusals(chunks.path(k))]
