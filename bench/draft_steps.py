@@ -16,6 +16,15 @@ lm_head; not the embedding lookup) x the tokens a step packs x the TTT steps,
 plus attention's 4 x seq x head dims per token and layer (MLA: q/k heads of
 nope + rope, v of v_head_dim). An estimate, said as one: the ratio of ratios
 (time / FLOPs, MLA over Llama) is the figure the goal is about.
+
+    python bench/draft_steps.py --synthetic kimi-k2.5 --device cuda --dtype bfloat16 \
+        --attention simple_flex_attention,sdpa,sdpa:nopad --total-seq-len 8192
+
+--synthetic: no data and no training, both drafts untrained at a target's
+shapes (tiny-kimi, or Kimi-K2.5's on a GPU), each with every attention
+implementation asked for (`sdpa:nopad`: the MLA layer's v left narrower than
+q/k, as on CUDA), profiled in this process: ms a step, the ops that took the
+time, and the ratio of each draft's fastest.
 """
 
 from __future__ import annotations
@@ -69,41 +78,42 @@ def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int) -> floa
     return 6.0 * passed * tokens * TTT_STEPS + attn * tokens
 
 
-def profile_step(ckpt: Path, seq: int, reps: int = 5) -> dict:
-    """Training steps of the checkpoint's draft in this process, shaped as
-    the trainer's (one packed row of `seq` tokens, the TTT steps with their
-    loss, backward, AdamW): FLOPs counted by torch's FlopCounterMode (the
-    matmuls and attention it knows; elementwise work is not FLOPs to it),
-    the median time of `reps` steps after a warm-up, and the ops that took
-    the time (torch.profiler, self CPU time, the top 6): where a slower
-    draft spends it, arithmetic or not."""
+def step_inputs(model, seq: int, device: str, dtype):
+    """One packed row of `seq` tokens shaped as the trainer feeds them."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    hidden = model.fc.out_features
+    hs = torch.randn(1, seq, model.fc.in_features, generator=g).to(device, dtype)
+    ids = torch.randint(0, model.embed_tokens.num_embeddings, (1, seq), generator=g).to(device)
+    doc = torch.zeros(1, seq, dtype=torch.long, device=device)
+    mask = torch.ones(1, seq, device=device)
+    last = torch.randn(1, seq, hidden, generator=g).to(device, dtype)
+    return hs, ids, doc, mask, last
+
+
+def profile_model(model, seq: int, device: str = "cpu", reps: int = 5, count: bool = True) -> dict:
+    """Training steps of `model` in this process, shaped as the trainer's (one
+    packed row of `seq` tokens, the TTT steps with their loss, backward,
+    AdamW): FLOPs counted by torch's FlopCounterMode (the matmuls and
+    attention it knows, as run: a padded v counts; elementwise work is not
+    FLOPs to it), the median time of `reps` steps after warm-up, and the ops
+    that took the time (torch.profiler, self time on the device, the top 6):
+    where a slower draft spends it, arithmetic or not."""
     import statistics
     import time
 
     import torch
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.losses import resolve_loss_config
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pipeline.stages.train import choose_attention
-    from pipeline.train.mla_layer import register
-    register()
-    torch.manual_seed(0)
-    config = Eagle3DraftModel.config_class.from_pretrained(str(ckpt))
-    # the attention the train stage gives speculators here (flex has no CPU backward)
-    config.transformer_layer_config._attn_implementation = choose_attention("auto", "cpu")
-    model = Eagle3DraftModel.from_pretrained(str(ckpt), config=config).float().train()
-    hidden = model.fc.out_features
-    hs = torch.randn(1, seq, model.fc.in_features)
-    ids = torch.randint(0, model.embed_tokens.num_embeddings, (1, seq))
-    doc, mask = torch.zeros(1, seq, dtype=torch.long), torch.ones(1, seq)
-    last = torch.randn(1, seq, hidden)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
-    from speculators.losses import resolve_loss_config
-
     from pipeline.stages.train import choose_loss
+    cuda = device.startswith("cuda")
+    dtype = next(model.parameters()).dtype
+    hs, ids, doc, mask, last = step_inputs(model, seq, device, dtype)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     # the loss implementation the train stage gives speculators here (KL, its default)
-    loss_config = resolve_loss_config("kl_div", choose_loss("auto", "cpu", torch.__version__)[0])
+    loss_config = resolve_loss_config(
+        "kl_div", choose_loss("auto", "cuda" if cuda else "cpu", torch.__version__)[0])
 
     def step():
         _, loss, _ = model(hs, ids, doc, loss_mask=mask, verifier_last_hidden_states=last,
@@ -111,23 +121,184 @@ def profile_step(ckpt: Path, seq: int, reps: int = 5) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
 
-    step()   # warm-up (allocations, lazy inits)
-    counter = FlopCounterMode(display=False)
-    with counter:
-        step()
+    t0 = time.perf_counter()
+    step()   # warm-up (allocations, lazy inits; on CUDA speculators' torch.compile)
+    first = time.perf_counter() - t0
+    step()
+    flops = None
+    if count:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            step()
+        flops = counter.get_total_flops()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
         step()
-    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in ops) or 1
-    return {"flops": counter.get_total_flops(), "s_per_step": statistics.median(times),
+
+    def self_time(e):
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+    ops = sorted(prof.key_averages(), key=self_time, reverse=True)
+    total = sum(self_time(e) for e in ops) or 1
+    return {"flops": flops, "s_per_step": statistics.median(times), "first_step_s": first,
             "attention": getattr(model, "_attn_impl", "?"),
-            "top_ops": [(e.key, round(e.self_cpu_time_total / total, 3)) for e in ops[:6]]}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "top_ops": [(e.key, round(self_time(e) / total, 3)) for e in ops[:6]]}
+
+
+def profile_step(ckpt: Path, seq: int, reps: int = 5) -> dict:
+    """profile_model on a trained checkpoint's draft, with the attention
+    the train stage gives speculators on CPU (flex has no CPU backward)."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from pipeline.stages.train import choose_attention
+    from pipeline.train.mla_layer import register
+    register()
+    torch.manual_seed(0)
+    config = Eagle3DraftModel.config_class.from_pretrained(str(ckpt))
+    config.transformer_layer_config._attn_implementation = choose_attention("auto", "cpu")
+    model = Eagle3DraftModel.from_pretrained(str(ckpt), config=config).float().train()
+    return profile_model(model, seq, "cpu", reps)
+
+
+# Kimi-K2.5's text model (DeepSeek-V3 shapes; its yarn rope left out: the
+# draft's rope does not change a step's arithmetic), for --synthetic on a GPU
+KIMI_K25 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=163840,
+    hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=64,
+    num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, hidden_act="silu", rms_norm_eps=1e-5,
+    max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    initializer_range=0.02, tie_word_embeddings=False)
+SHAPES = {"tiny-kimi": 256, "kimi-k2.5": 32000}   # shape -> draft vocabulary
+
+
+def synthetic_verifier(folder: Path, shape: str) -> Path:
+    """A config-only verifier folder of `shape` (no weights: the drafts
+    built on it keep random verifier tensors, which a step's cost ignores)."""
+    if shape == "tiny-kimi":
+        from pipeline.builtin.tiny_kimi import TEXT_CONFIG
+        raw = dict(TEXT_CONFIG)
+    else:
+        raw = dict(KIMI_K25)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+def synthetic_draft(verifier: Path, layer: str, attention: str, draft_vocab: int):
+    """An untrained one-layer EAGLE-3 draft of `layer` ("llama": speculators'
+    own derivation from the verifier, as `speculators train` builds it
+    without --draft-config; "mla": ours, pipeline.train.mla_draft), full
+    attention in both (speculators' Llama default is a 2048-token sliding
+    window: at longer rows it would do less arithmetic, not the same)."""
+    import torch
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.cli import create_transformer_layer_config
+    from transformers import AutoConfig
+
+    from pipeline.train.mla_draft import draft_layer_config
+    from pipeline.train.mla_layer import register
+    register()
+    raw = json.loads((verifier / "config.json").read_text())
+    if layer == "mla":
+        cfg, _ = draft_layer_config(raw, 1)
+        tl = AutoConfig.for_model(**cfg)
+    else:
+        tl = create_transformer_layer_config(str(verifier), 1, "llama", None, 2048, [0])
+    tl._attn_implementation = attention
+    n = raw["num_hidden_layers"]
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=draft_vocab, norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=[2, n // 2, n - 3] if n >= 6 else [1, 2, 3],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=TTT_STEPS)],
+            verifier=VerifierConfig.from_config(AutoConfig.from_pretrained(str(verifier)),
+                                                name_or_path=str(verifier))))
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(config)
+    t2d = torch.zeros(raw["vocab_size"], dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    model.load_vocab_mappings(t2d, torch.zeros(draft_vocab, dtype=torch.long))
+    return model
+
+
+def synthetic(a) -> None:
+    """--synthetic: both drafts untrained at a target's shapes, each with the
+    attention implementations asked for, profiled in this process."""
+    import torch
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    from pipeline.train import mla_layer
+    pads_v = mla_layer.pads_v
+    folder = Path(tempfile.mkdtemp(prefix="bench-draft-"))
+    out = []
+    try:
+        verifier = synthetic_verifier(folder / "verifier", a.synthetic)
+        for layer in ("llama", "mla"):
+            for attention in a.attention.split(","):
+                impl, _, variant = attention.partition(":")
+                if layer == "llama" and variant:
+                    continue   # a variant of the MLA layer's
+                try:
+                    mla_layer.pads_v = (lambda *_: False) if variant == "nopad" else pads_v
+                    model = synthetic_draft(verifier, layer, impl, SHAPES[a.synthetic])
+                    model = model.to(a.device, dtype).train()
+                    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+                    layer_cfg = model.config.transformer_layer_config.to_dict()
+                    r = profile_model(model, a.total_seq_len, a.device, a.reps,
+                                      count=not a.device.startswith("cuda"))
+                except Exception as e:  # noqa: BLE001 (an OOM, a compile error: the others still run)
+                    r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    shapes, layer_cfg = {}, {}
+                finally:
+                    model = None
+                    if a.device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                r.update(layer=layer, attention=attention)
+                if shapes:
+                    r["params"] = sum(math.prod(x) for x in shapes.values())
+                    r["flops_per_step"] = flops_per_step(shapes, layer_cfg, a.total_seq_len,
+                                                         a.total_seq_len)
+                out.append(r)
+                print(synthetic_row(r), flush=True)
+                if a.json:
+                    a.json.write_text(json.dumps(out, indent=1))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    best = {layer: min((r for r in out if r["layer"] == layer and "error" not in r),
+                       key=lambda r: r["s_per_step"], default=None) for layer in ("llama", "mla")}
+    m, ll = best["mla"], best["llama"]
+    if m and ll:
+        t, f = m["s_per_step"] / ll["s_per_step"], m["flops_per_step"] / ll["flops_per_step"]
+        print(f"mla ({m['attention']}) / llama ({ll['attention']}), each its fastest: time per "
+              f"step {t:.2f}x, FLOPs per step {f:.2f}x (estimate): {t / f:.2f}x per FLOP "
+              "(goal <= 1.2x)")
+
+
+def synthetic_row(r: dict) -> str:
+    head = f"{r['layer']:6} {r['attention']:22}"
+    if "error" in r:
+        return f"{head} failed: {r['error']}"
+    peak = f", peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") else ""
+    return (f"{head} {r['s_per_step'] * 1000:.1f} ms a step (first {r['first_step_s']:.1f} s)"
+            f", {r['params']:,} parameters, ~{r['flops_per_step'] / 1e9:.1f} GFLOP a step "
+            f"(estimate){peak}; time by op: "
+            + ", ".join(f"{k[:40]} {v:.0%}" for k, v in r["top_ops"]))
 
 
 def one_layer(base_run: Path, folder: Path, base: dict, layer: str) -> dict:
@@ -155,7 +326,20 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--total-seq-len", type=int, default=512)
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--synthetic", choices=sorted(SHAPES),
+                    help="no data, no training: both drafts untrained at this target's "
+                         "shapes, profiled in this process (kimi-k2.5 wants a GPU)")
+    ap.add_argument("--device", default="cpu", help="with --synthetic: cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--attention", default="sdpa",
+                    help="with --synthetic: comma-separated attention implementations "
+                         "(sdpa, eager, simple_flex_attention; sdpa:nopad: the MLA "
+                         "layer's v left narrow, SDPA picks its kernel)")
+    ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
+    if a.synthetic:
+        synthetic(a)
+        return
     folder = Path(tempfile.mkdtemp(prefix="bench-draft-"))
     try:
         base = {"run": {"name": "base", "runs_dir": str(folder / "runs")},

@@ -230,13 +230,14 @@ def test_vllm_config_and_tensor_shapes_for_kimi_dims():
         mla_draft.vllm_config({**spec, "transformer_layer_config": {"model_type": "llama"}})
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_the_fast_attention_computes_what_transformers_does(impl):
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "sdpa:narrow-v"])
+def test_the_fast_attention_computes_what_transformers_does(impl, monkeypatch):
     """MLAAttention (expanded keys and values cached, v padded for the fused
     kernel) against transformers' DeepseekV3Attention with the same weights,
     over three TTT steps as speculators runs them (the cache grows by a
     sequence each step, the mask extends by a diagonal): same output, same
-    gradients, in float64."""
+    gradients, in float64. `sdpa:narrow-v` is SDPA with v unpadded, the
+    path CUDA takes (`pads_v`)."""
     import torch
     from transformers import DeepseekV3Config
     from transformers.cache_utils import DynamicCache
@@ -246,6 +247,10 @@ def test_the_fast_attention_computes_what_transformers_does(impl):
     )
 
     from pipeline.train import mla_layer
+    impl, _, variant = impl.partition(":")
+    assert mla_layer.pads_v("sdpa", "cpu") and not mla_layer.pads_v("sdpa", "cuda")
+    if variant:
+        monkeypatch.setattr(mla_layer, "pads_v", lambda *_: False)
     raw = dict(TARGET, vocab_size=1024)
     tl, _ = mla_draft.draft_layer_config(raw, 1)
     cfg = DeepseekV3Config(**tl)

@@ -26,11 +26,16 @@ overhead, not arithmetic (profiled on 2 cores at 1024 tokens a step, 3 TTT steps
   (`kv_b_proj`) again at every TTT step: 1 + 2 + 3 = 6 sequence lengths of
   up-projection for 3. Here each step up-projects only its own tokens and the
   cache holds the expanded keys and values, as the Llama layer's does;
-- torch's fused CPU attention (and flash attention) wants one head size for
+- torch's fused CPU attention (and flash-attn 2) wants one head size for
   q, k and v; MLA's v (v_head_dim) is narrower than q/k (nope + rope), so SDPA
-  fell back to its math path (the full score matrix through bmm). v is padded
-  with zeros to the q/k size and the output sliced back: the same numbers,
-  the fused kernel.
+  fell back to its math path (the full score matrix through bmm). There v is
+  padded with zeros to the q/k size and the output sliced back: the same
+  numbers, the fused kernel. Not on CUDA, whose SDPA and flex attention take
+  the narrower v (`pads_v`).
+And one that broke the GPU path: the value, a view of `kv_b_proj`'s output,
+changed strides once cached, so under speculators' torch.compile (CUDA) every
+TTT step recompiled until dynamo's limit and flex attention ran unfused: out of
+memory at Kimi-K2.5's shapes on an H200 (8192 tokens). It is made contiguous.
 The parameters, their names and shapes are transformers' own, so checkpoints
 and the vLLM export (pipeline.train.mla_draft) are unchanged.
 """
@@ -73,8 +78,13 @@ def _latent_norms(attn, config) -> None:
     attn.kv_a_layernorm = DeepseekV3RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
 
 
-# attention implementations whose fused kernels want v as wide as q and k
-_PAD_V = ("sdpa", "flash_attention_2")
+def pads_v(impl: str, device_type: str) -> bool:
+    """Whether v is padded to the q/k head size: where the fused kernel wants
+    one head size (torch's flash attention on CPU, flash-attn 2). CUDA's SDPA
+    (cuDNN) takes a narrower v, and padding there is waste: 602 ms a step
+    against 429 (H200, bf16, Kimi-K2.5's shapes, 8192 tokens; bench/draft_steps.py
+    --synthetic kimi-k2.5). Flex attention takes it too."""
+    return impl == "flash_attention_2" or (impl == "sdpa" and device_type == "cpu")
 
 
 class MLAAttention(DeepseekV3Attention):
@@ -87,9 +97,12 @@ class MLAAttention(DeepseekV3Attention):
         batch_size, seq_length = hidden_states.shape[:-1]
         query, key, value = self._project(hidden_states, position_embeddings)
         impl = self.config._attn_implementation
-        pad = self.qk_head_dim - self.v_head_dim if impl in _PAD_V else 0
-        if pad > 0:
-            value = F.pad(value, [0, pad])
+        pad = (self.qk_head_dim - self.v_head_dim
+               if pads_v(impl, hidden_states.device.type) else 0)
+        # contiguous: a view of kv_b_proj's output changes strides once cached
+        # (torch.cat), and under torch.compile each TTT step then recompiled
+        # until dynamo's limit, leaving flex attention unfused (CUDA OOM)
+        value = F.pad(value, [0, pad]) if pad > 0 else value.contiguous()
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
