@@ -214,21 +214,29 @@ def test_script_at_smallest_size(script, tmp_path):
 def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
     """draft_steps.py's --synthetic mode (what runs on a GPU at Kimi-K2.5's
     shapes) at tiny-kimi's on CPU: a row per draft and attention, the MLA
-    layer's unpadded-v variant among them, and the ratio of the fastest."""
-    p = subprocess.run([sys.executable, str(BENCH / "draft_steps.py"), "--synthetic", "tiny-kimi",
-                        "--attention", "sdpa,sdpa:nopad", "--reps", "1", "--total-seq-len", "128",
-                        "--json", str(tmp_path / "out.json")],
-                       cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)),
-                       capture_output=True, text=True, timeout=280, check=False)
+    layer's forced unpadded v among them (SDPA's math path then: its bmm,
+    not the flash kernel, takes the time), and the ratio of the fastest;
+    a variant it does not know is refused before anything is built."""
+    def bench(*args):
+        return subprocess.run([sys.executable, str(BENCH / "draft_steps.py"), *args],
+                              cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)),
+                              capture_output=True, text=True, timeout=280, check=False)
+    p = bench("--synthetic", "tiny-kimi", "--attention", "sdpa,sdpa:nopad", "--reps", "1",
+              "--total-seq-len", "128", "--json", str(tmp_path / "out.json"))
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     for row in ("llama  sdpa ", "mla    sdpa ", "mla    sdpa:nopad "):
         assert re.search(rf"^{re.escape(row)}\s*{NUM} ms a step \(first {NUM} s\), {NUM} "
-                         rf"parameters, ~{NUM} GFLOP a step \(estimate\); time by op: \S",
-                         p.stdout, re.M), f"no row {row!r}\n{p.stdout[-3000:]}"
+                         rf"parameters, ~{NUM} GFLOP a step \(estimate; {NUM} causal\); "
+                         rf"time by op: \S", p.stdout, re.M), f"no row {row!r}\n{p.stdout[-3000:]}"
     assert re.search(rf"^mla \(\S+\) / llama \(sdpa\), each its fastest: time per step {NUM}x, "
-                     rf"FLOPs per step {NUM}x \(estimate\): {NUM}x per FLOP", p.stdout, re.M)
+                     rf"FLOPs per step {NUM}x \(estimate\): {NUM}x per FLOP \(goal <= 1.2x\); "
+                     rf"causal keys only: FLOPs {NUM}x, {NUM}x per FLOP", p.stdout, re.M)
     import json
     rows = json.loads((tmp_path / "out.json").read_text())
     assert [(r["layer"], r["attention"]) for r in rows] == [
         ("llama", "sdpa"), ("mla", "sdpa"), ("mla", "sdpa:nopad")]
-    assert all(r["flops"] > 0 and r["params"] > 0 for r in rows)
+    assert all(r["params"] > 0 and r["flops_per_step"] > r["flops_causal"] > 0 for r in rows)
+    ops = {r["attention"]: " ".join(k for k, _ in r["top_ops"]) for r in rows if r["layer"] == "mla"}
+    assert "flash_attention" in ops["sdpa"] and "flash_attention" not in ops["sdpa:nopad"], ops
+    bad = bench("--synthetic", "tiny-kimi", "--attention", "sdpa:nopda")
+    assert bad.returncode != 0 and "sdpa:nopda: a variant is :pad or :nopad" in bad.stderr

@@ -251,6 +251,12 @@ def test_the_fast_attention_computes_what_transformers_does(impl, monkeypatch):
     assert mla_layer.pads_v("sdpa", "cpu") and not mla_layer.pads_v("sdpa", "cuda")
     if variant:
         monkeypatch.setattr(mla_layer, "pads_v", lambda *_: False)
+    seen = []   # the values the layer caches: their width and layout
+
+    class RecordingCache(DynamicCache):
+        def update(self, key, value, *args, **kwargs):
+            seen.append((value.shape[-1], value.is_contiguous()))
+            return super().update(key, value, *args, **kwargs)
     raw = dict(TARGET, vocab_size=1024)
     tl, _ = mla_draft.draft_layer_config(raw, 1)
     cfg = DeepseekV3Config(**tl)
@@ -266,7 +272,8 @@ def test_the_fast_attention_computes_what_transformers_does(impl, monkeypatch):
     causal = torch.ones(T, T, dtype=torch.bool).tril()
 
     def run(layer):
-        cache, h, mask, pos = DynamicCache(), x, causal, torch.arange(T)[None]
+        cache = RecordingCache() if layer is fast else DynamicCache()
+        h, mask, pos = x, causal, torch.arange(T)[None]
         outs = []
         for _ in range(3):   # three TTT steps
             emb = rope(h, pos)
@@ -282,6 +289,12 @@ def test_the_fast_attention_computes_what_transformers_does(impl, monkeypatch):
         return torch.stack(outs), {n: p.grad for n, p in layer.named_parameters()}
 
     (out_f, grad_f), (out_s, grad_s) = run(fast), run(slow)
+    # padded only for CPU SDPA's fused kernel; contiguous at every step (a cached
+    # view, its strides changed by the next step's cat, recompiled each TTT step
+    # under torch.compile on CUDA)
+    width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if impl == "sdpa" and not variant \
+        else cfg.v_head_dim
+    assert seen == [(width, True)] * 3, seen
     assert torch.allclose(out_f, out_s, atol=1e-10)
     assert grad_f.keys() == grad_s.keys() and len(grad_f) > 10
     for name in grad_f:
