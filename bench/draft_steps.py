@@ -147,19 +147,35 @@ def trainer_step(model, seq: int, device: str, pad: bool | None = None):
     return step
 
 
-def interleaved(steps: dict, reps: int) -> dict[str, list[float]]:
-    """`reps` rounds of one step of each in turn: the times of each. On a
-    shared machine the speed drifts over seconds; rows timed one after the
-    other measured the second draft 1.10x to 1.46x the first across runs
-    of one setup on 2 cores, interleaved 1.31x to 1.36x."""
+def interleaved(steps: dict, reps: int) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """`reps` rounds of one step of each in turn: the times of each, and the
+    errors of those that failed (an OOM with every row resident: the row
+    leaves the rotation, the others go on). On a shared machine the speed
+    drifts over seconds; rows timed one after the other measured the second
+    draft 1.10x to 1.46x the first across runs of one setup on 2 cores,
+    interleaved 1.26x to 1.40x over three runs."""
     import time
     times: dict[str, list[float]] = {name: [] for name in steps}
+    failed: dict[str, str] = {}
     for _ in range(reps):
         for name, step in steps.items():
+            if name in failed:
+                continue
             t0 = time.perf_counter()
-            step()
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 (an OOM, a compile error: the others still run)
+                failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                free_device_cache()
+                continue
             times[name].append(time.perf_counter() - t0)
-    return times
+    return times, failed
+
+
+def free_device_cache() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def profile_once(step, device: str, count: bool = True) -> dict:
@@ -211,7 +227,9 @@ def profile_trained(ckpts: dict[str, Path], seq: int, reps: int = 9) -> dict[str
         model = Eagle3DraftModel.from_pretrained(str(ckpt), config=config).float().train()
         steps[name] = trainer_step(model, seq, "cpu")
         steps[name]()   # warm-up (allocations, lazy inits)
-    times = interleaved(steps, reps)
+    times, failed = interleaved(steps, reps)
+    if failed:
+        raise RuntimeError(f"a trained draft's step failed: {failed}")
     return {name: {"s_per_step": statistics.median(times[name]), "attention": attention,
                    **profile_once(steps[name], "cpu")} for name in steps}
 
@@ -305,14 +323,23 @@ def synthetic(a) -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     steps = {i: r.pop("step") for i, r in enumerate(built) if "step" in r}
-    times = interleaved(steps, a.reps)
-    for i, r in enumerate(built):
-        if i in steps:
-            r["s_per_step"] = statistics.median(times[i])
-            r.update(profile_once(steps[i], a.device, count=not a.device.startswith("cuda")))
-        print(synthetic_row(r), flush=True)
-    if a.json:
-        a.json.write_text(json.dumps(built, indent=1))
+    try:
+        times, failed = interleaved(steps, a.reps)
+        for i, r in enumerate(built):
+            if i in failed:
+                r["error"] = failed[i]
+            elif i in steps:
+                r["s_per_step"] = statistics.median(times[i])
+                try:
+                    r.update(profile_once(steps[i], a.device,
+                                          count=not a.device.startswith("cuda")))
+                except Exception as e:  # noqa: BLE001 (as in interleaved)
+                    r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    free_device_cache()
+            print(synthetic_row(r), flush=True)
+    finally:
+        if a.json:
+            a.json.write_text(json.dumps(built, indent=1))
     best = {layer: min((r for r in built if r["layer"] == layer and "error" not in r),
                        key=lambda r: r["s_per_step"], default=None) for layer in ("llama", "mla")}
     m, ll = best["mla"], best["llama"]
@@ -348,8 +375,7 @@ def synthetic_one(verifier: Path, layer: str, impl: str, variant: str, a) -> dic
         step()
     except Exception as e:  # noqa: BLE001 (an OOM, a compile error: the others still run)
         r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        if cuda:
-            torch.cuda.empty_cache()
+        free_device_cache()
         return r
     if cuda:
         r["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
@@ -415,11 +441,10 @@ def main() -> None:
                      "add --device cuda, or take --synthetic tiny-kimi")
         synthetic(a)
         return
-    given = [f for f, default in (("--device", "cpu"), ("--dtype", "float32"),
-                                  ("--attention", "sdpa"), ("--reps", 5))
-             if getattr(a, f[2:]) != default]
+    given = [name for name in ("device", "dtype", "attention", "reps")
+             if getattr(a, name) != ap.get_default(name)]
     if given:
-        ap.error(f"{', '.join(given)} only apply with --synthetic")
+        ap.error(f"{', '.join('--' + name for name in given)} only apply with --synthetic")
     folder = Path(tempfile.mkdtemp(prefix="bench-draft-"))
     try:
         base = {"run": {"name": "base", "runs_dir": str(folder / "runs")},
