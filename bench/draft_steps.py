@@ -130,10 +130,14 @@ def trainer_step(model, seq: int, device: str, pad: bool | None = None):
     loss_config = resolve_loss_config(
         "kl_div", choose_loss("auto", "cuda" if cuda else "cpu", torch.__version__)[0])
 
+    # one function for the row's every step: under torch.compile (CUDA) dynamo
+    # guards on the global's identity, and a new one each step would recompile
+    forced = None if pad is None else (lambda *_: pad)
+
     def step():
         rule = mla_layer.pads_v
-        if pad is not None:
-            mla_layer.pads_v = lambda *_: pad
+        if forced is not None:
+            mla_layer.pads_v = forced
         try:
             _, loss, _ = model(hs, ids, doc, loss_mask=mask, verifier_last_hidden_states=last,
                                ttt_steps=TTT_STEPS, loss_config=loss_config)
@@ -173,6 +177,7 @@ def interleaved(steps: dict, reps: int) -> tuple[dict[str, list[float]], dict[st
 
 
 def free_device_cache() -> None:
+    """After a failed step: what it held goes back to the GPU for the others."""
     import torch
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
