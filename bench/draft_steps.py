@@ -151,7 +151,7 @@ def trainer_step(model, seq: int, device: str, pad: bool | None = None):
     return step
 
 
-def interleaved(steps: dict, reps: int) -> tuple[dict[str, list[float]], dict[str, str]]:
+def interleaved(steps: dict, reps: int) -> tuple[dict, dict]:
     """`reps` rounds of one step of each in turn: the times of each, and the
     errors of those that failed (an OOM with every row resident: the row
     leaves the rotation, the others go on). On a shared machine the speed
@@ -159,8 +159,8 @@ def interleaved(steps: dict, reps: int) -> tuple[dict[str, list[float]], dict[st
     draft 1.10x to 1.46x the first across runs of one setup on 2 cores,
     interleaved 1.26x to 1.40x over three runs."""
     import time
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    failed: dict[str, str] = {}
+    times: dict = {name: [] for name in steps}
+    failed: dict = {}
     for _ in range(reps):
         for name, step in steps.items():
             if name in failed:
@@ -314,10 +314,6 @@ def synthetic(a) -> None:
     interleaved and profiled in this process."""
     import statistics
     asked = [x.partition(":") for x in a.attention.split(",")]
-    wrong = [f"{i}:{v}" for i, _, v in asked if v not in VARIANTS]
-    if wrong:
-        raise SystemExit(f"--attention {','.join(wrong)}: a variant is :pad or :nopad "
-                         "(the MLA layer's v padded to q/k's size, or left narrower)")
     rows = [(layer, impl, variant) for layer in ("llama", "mla") for impl, _, variant in asked
             if not (layer == "llama" and variant)]   # a variant is the MLA layer's
     folder = Path(tempfile.mkdtemp(prefix="bench-draft-"))
@@ -440,10 +436,16 @@ def main() -> None:
                          "forces the MLA layer's v padded to q/k's size or left narrower")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
+    if a.reps < 1:
+        ap.error(f"--reps {a.reps}: the median of at least one timed step (1 or more)")
     if a.synthetic:
         if a.synthetic == "kimi-k2.5" and not a.device.startswith("cuda"):
             ap.error("--synthetic kimi-k2.5 wants a GPU (~19 GiB, a step of minutes on CPU): "
                      "add --device cuda, or take --synthetic tiny-kimi")
+        wrong = [x for x in a.attention.split(",") if x.partition(":")[2] not in VARIANTS]
+        if wrong:
+            ap.error(f"--attention {','.join(wrong)}: a variant is :pad or :nopad (the MLA "
+                     "layer's v padded to q/k's size, or left narrower)")
         synthetic(a)
         return
     given = [name for name in ("device", "dtype", "attention", "reps")

@@ -216,7 +216,7 @@ def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
     shapes) at tiny-kimi's on CPU: a row per draft and attention, the MLA
     layer's forced unpadded v among them (SDPA's math path then: its bmm,
     not the flash kernel, takes the time), and the ratio of the fastest;
-    a variant it does not know is refused before anything is built."""
+    options it cannot take are refused (exit 2) before anything is built."""
     def bench(*args):
         return subprocess.run([sys.executable, str(BENCH / "draft_steps.py"), *args],
                               cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)),
@@ -238,5 +238,13 @@ def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
     assert all(r["params"] > 0 and r["flops_per_step"] > r["flops_causal"] > 0 for r in rows)
     ops = {r["attention"]: " ".join(k for k, _ in r["top_ops"]) for r in rows if r["layer"] == "mla"}
     assert "flash_attention" in ops["sdpa"] and "flash_attention" not in ops["sdpa:nopad"], ops
-    bad = bench("--synthetic", "tiny-kimi", "--attention", "sdpa:nopda")
-    assert bad.returncode != 0 and "sdpa:nopda: a variant is :pad or :nopad" in bad.stderr
+    before = sorted(tmp_path.iterdir())
+    for args, says in [(["--synthetic", "tiny-kimi", "--attention", "sdpa:nopda"],
+                        "sdpa:nopda: a variant is :pad or :nopad"),
+                       (["--synthetic", "tiny-kimi", "--reps", "0"], "--reps 0: the median"),
+                       (["--synthetic", "kimi-k2.5"], "add --device cuda"),
+                       (["--dtype", "bfloat16"], "--dtype only apply with --synthetic")]:
+        bad = bench(*args)
+        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, \
+            (args, bad.stderr[-2000:])
+    assert sorted(tmp_path.iterdir()) == before   # refused before anything was made

@@ -68,6 +68,10 @@ def test_bad_values():
         '[cluster]\nscheduler = "slurm"\nnodes = 2\nmin_nodes = 3\n')
     assert "`cluster.collective_timeout_s` must be positive" in err(
         "[cluster]\ncollective_timeout_s = 0\n")
+    assert "`stages.regenerate.chunk_size` must be positive" in err(
+        "[stages.regenerate]\nchunk_size = 0\n")
+    assert "`stages.regenerate.chunk_size` must be an integer" in err(
+        '[stages.regenerate]\nchunk_size = "ten"\n')
     assert "each vLLM server / engine takes 2" in err(
         '[gpus]\ndevices = [0, 1, 2]\n[stages.extract]\nbackend = "vllm-engine"\n'
         "tensor_parallel = 2\n", gpu_count=lambda: 8)

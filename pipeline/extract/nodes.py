@@ -89,10 +89,11 @@ class Coordinator:
             ended = proc.poll() is not None
             if job.should_stop() and not q.stop_requested():
                 q.request_stop()
-            self.read(q.statuses())
+            statuses = q.statuses()
+            self.read(statuses)
             if self.error and not q.stop_requested():
                 q.request_stop()    # the same error would stop every node: stop them now
-            if not ended and self.only_lost_left():
+            if not ended and self.only_lost_left(statuses):
                 end_srun(proc)
                 self.read(q.statuses())   # the others' last words, written before they exited
                 ended = True
@@ -115,15 +116,14 @@ class Coordinator:
                              hint="resume: finished files are kept and only the rest is done")
         return self.total
 
-    def only_lost_left(self) -> bool:
+    def only_lost_left(self, statuses: dict[str, dict]) -> bool:
         """Nothing left for srun to wait for but a lost task (its node cut off):
         every sample extracted, or the workers stopped (an error, a cancel); every
-        worker exited with its last status written, or silent for lost_after_s,
-        and at least one silent."""
+        worker exited with its last status (`statuses`, this poll's) written, or
+        silent for lost_after_s, and at least one silent."""
         q = self.queue
         if q.remaining_rows() and not q.stop_requested():
             return False
-        statuses = q.statuses()
         workers = set(statuses) | {w for _, w in q.owners().values()}
         if not workers or not q.lost(workers) >= workers:
             return False
