@@ -102,8 +102,12 @@ def live_run(tmp_path_factory):
     stagekit_config(tmp, {"extract": "gate"})
     cli("run", cwd=tmp, check=0)
     rd = RunDir(tmp / "runs" / "t")
-    wait_for(lambda: rd.read_state()["stages"]["extract"].get("pid"), timeout=60,
-             what="extract running")
+    # At its gate: the stage has printed its one line, so the log a test
+    # writes is not appended to afterwards (under load it came late: CI).
+    wait_for(lambda: rd.read_state()["stages"]["extract"].get("pid")
+             and rd.log_path("extract").exists()
+             and "stagekit extract: gate" in rd.log_path("extract").read_text(),
+             timeout=60, what="extract running, at its gate")
     for i, name in enumerate(("regenerate", "prepare")):
         rd.update_stage(name, started_at=T0 + 10 * i, ended_at=T0 + 10 * i + 7.5)
     rd.update_stage("extract", started_at=T0 + 30)
