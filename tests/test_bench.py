@@ -149,6 +149,11 @@ CASES = {
            rf"\(FlopCounterMode\), attention \S+; time by op: " for d in ("llama", "mla")),
          rf"^mla / llama \(profiled\): time per step {NUM}x, FLOPs per step {NUM}x "
          rf"\(counted\): {NUM}x per FLOP"], timeout=600),
+    "flex_heads.py": Case(   # ~20 s: on CPU the forward only, eager (no backward there)
+        ["--seq", "128", "--reps", "2", "--json", "{tmp}/flex.json"],
+        [*(rf"^\s+{h}/default:\s+{NUM} ms\s+{NUM} TFLOP/s \(kept pairs\)$"
+           for h in ("llama", "mla")),
+         rf"^\s+mla/default: {NUM}x llama/default's time per FLOP$"], timeout=300),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"
@@ -248,3 +253,19 @@ def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, \
             (args, bad.stderr[-2000:])
     assert sorted(tmp_path.iterdir()) == before   # refused before anything was made
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, says", [
+    (["--options", 'w8={"bwd_num_warps": 8}'], "they want --device cuda"),
+    (["--options", "w8=8 warps"], "--options 'w8=8 warps': not JSON"),
+    (["--heads", "mla=64:192"], "want name=HEADS:QK:V"),
+    (["--seq", "100"], "--seq a multiple of 128")])
+def test_flex_heads_refuses_what_it_cannot_time(args, says, tmp_path):
+    """flex_heads.py: Triton options without a GPU, bad JSON or heads, a
+    sequence flex's blocks do not tile: exit 2, said, no traceback, no file."""
+    p = subprocess.run([sys.executable, str(BENCH / "flex_heads.py"), *args,
+                        "--json", str(tmp_path / "out.json")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=110, check=False)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "out.json").exists()
