@@ -33,11 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-from speculators.models.eagle3.attention import (
-    create_combined_mask_mod,
-    extend_mask_for_draft_tokens,
-)
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 KIMI_DRAFTS = ("llama=64:64:64", "mla=64:192:128")
 
@@ -67,7 +62,13 @@ def parse_options(spec: str) -> tuple[str, dict]:
 
 def block_mask(seq: int, step: int, device: str):
     """The mask of TTT step `step` (0-based) as speculators' Eagle3 draft builds
-    it: one document, causal, then one diagonal block per earlier step."""
+    it: one document, causal, then one diagonal block per earlier step.
+    (speculators imported here: a refused command line answers at once.)"""
+    from speculators.models.eagle3.attention import (
+        create_combined_mask_mod,
+        extend_mask_for_draft_tokens,
+    )
+    from torch.nn.attention.flex_attention import create_block_mask
     doc = torch.zeros(seq, dtype=torch.long, device=device)
     mask = create_block_mask(create_combined_mask_mod(doc, seq), B=None, H=None,
                              Q_LEN=seq, KV_LEN=seq, device=device)
@@ -101,6 +102,7 @@ class Row:
         self.mask, self.backward = mask, a.backward
         self.flops = flops(a.seq, a.step, heads, qk, v, a.backward)
         kw = {"kernel_options": self.opts} if self.opts else {}
+        from torch.nn.attention.flex_attention import flex_attention
 
         def attend(q, k, v, block_mask):
             return flex_attention(q, k, v, block_mask=block_mask, **kw)
