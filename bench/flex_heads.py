@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -125,9 +126,9 @@ class Row:
 
     def result(self) -> dict:
         out = {"row": self.name, "heads": self.heads_name, "options": self.opts}
-        if self.error:
-            return {**out, "error": self.error}
-        ms = sorted(self.times)[len(self.times) // 2] * 1e3
+        if self.error or not self.times:
+            return {**out, "error": self.error or "not timed (the run ended first)"}
+        ms = statistics.median(self.times) * 1e3
         return {**out, "median_ms": round(ms, 3), "flops": self.flops,
                 "tflops": round(self.flops / ms / 1e9, 3),
                 "times_ms": [round(t * 1e3, 3) for t in self.times]}
@@ -158,15 +159,21 @@ def main(argv=None) -> int:
         ap.error("--options are Triton block sizes: they want --device cuda")
     a.dtype = getattr(torch, a.dtype)
     heads = a.heads or [parse_heads(s) for s in KIMI_DRAFTS]
+    unknown = {o.partition("/")[0] for o, _ in a.options if "/" in o} - {h[0] for h in heads}
+    if unknown:
+        ap.error(f"--options for heads {', '.join(sorted(unknown))}: no such --heads "
+                 f"(there are {', '.join(h[0] for h in heads)})")
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     mask = block_mask(a.seq, a.step, a.device)
     rows = [Row(h, (o[0].rpartition("/")[2], o[1]), a, mask) for h in heads
             for o in [("default", {}), *a.options] if o[0].partition("/")[0] in (h[0], o[0])]
+    # every row compiles the same function: one cache entry each (shapes, options)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               len(rows) + 1)
     print(f"flex attention, {a.device}, {str(a.dtype)[6:]}, {a.seq} tokens, TTT step "
           f"{a.step} (keys {a.seq * (a.step + 1)}), compiled: {a.compile}, "
           + ("forward + backward" if a.backward else "forward only (no backward on CPU)"),
           flush=True)
-    results: list[dict] = []
     try:
         for r in rows:   # first calls apart: each compiles (a failure leaves its row)
             t0 = time.perf_counter()
@@ -175,34 +182,40 @@ def main(argv=None) -> int:
                 sync()
                 print(f"  {r.name}: first call {time.perf_counter() - t0:.1f} s", flush=True)
             except Exception as e:  # noqa: BLE001 - an option set Triton cannot build
-                r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                r.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                 print(f"  {r.name}: {r.error}", flush=True)
         live = [r for r in rows if not r.error]
         for _ in range(a.reps):  # interleaved: drift on a shared machine hits every row
             for r in live:
                 r.timed(sync)
-        results = [r.result() for r in rows]
-        for res in results:
+        for res in (results := [r.result() for r in rows]):
             print(f"{res['row']:>24}: " + (res.get("error") or
                   f"{res['median_ms']:8.2f} ms  {res['tflops']:7.3f} TFLOP/s (kept pairs)"))
         ratio_lines(results)
-    finally:
+    finally:   # what was timed, however the run ends
         if a.json:
             a.json.write_text(json.dumps({"device": a.device, "seq": a.seq, "step": a.step,
-                                          "rows": results}, indent=1))
+                                          "rows": [r.result() for r in rows]}, indent=1))
     return 0
 
 
 def ratio_lines(results: list[dict]) -> None:
-    """Each row's time per FLOP against the first head configuration's default."""
-    base = results[0]
-    if "error" in base:
-        return
-    for res in results[1:]:
-        if "error" not in res:
-            per_flop = (res["median_ms"] / res["flops"]) / (base["median_ms"] / base["flops"])
-            print(f"{res['row']:>24}: {per_flop:.2f}x "
-                  f"{base['row']}'s time per FLOP")
+    """Each row's time per FLOP against the first head configuration's
+    default, and an options row's time against its own heads' default."""
+    def per_flop(r):
+        return r["median_ms"] / r["flops"]
+    timed = [r for r in results if "error" not in r]
+    defaults = {r["heads"]: r for r in timed if not r["options"]}
+    base = results[0] if results and "error" not in results[0] else None
+    for res in timed:
+        said = []
+        if base is not None and res is not base:
+            said.append(f"{per_flop(res) / per_flop(base):.2f}x {base['row']}'s time per FLOP")
+        own = defaults.get(res["heads"])
+        if res["options"] and own is not None:
+            said.append(f"{res['median_ms'] / own['median_ms']:.3f}x {own['row']}'s time")
+        if said:
+            print(f"{res['row']:>24}: " + "; ".join(said))
 
 
 if __name__ == "__main__":

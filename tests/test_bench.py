@@ -260,7 +260,9 @@ def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
     (["--options", 'w8={"bwd_num_warps": 8}'], "they want --device cuda"),
     (["--options", "w8=8 warps"], "--options 'w8=8 warps': not JSON"),
     (["--heads", "mla=64:192"], "want name=HEADS:QK:V"),
-    (["--seq", "100"], "--seq a multiple of 128")])
+    (["--seq", "200"], "--seq a multiple of 128"),
+    (["--device", "cuda", "--options", 'mal/w8={"bwd_num_warps": 8}'],
+     "--options for heads mal: no such --heads")])
 def test_flex_heads_refuses_what_it_cannot_time(args, says, tmp_path):
     """flex_heads.py: Triton options without a GPU, bad JSON or heads, a
     sequence flex's blocks do not tile: exit 2, said, no traceback, no file."""
