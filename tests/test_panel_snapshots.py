@@ -142,28 +142,48 @@ def app_for(rd):
                     clock=lambda: T0 + 100)
 
 
+async def sampled(pilot) -> None:
+    """Until telemetry's first sample is in: it comes from a worker thread,
+    which on a loaded machine came after the picture (the GPU rows empty)."""
+    for _ in range(400):
+        if pilot.app.snapshot is not None:
+            break
+        await pilot.pause(0.05)
+    assert pilot.app.snapshot is not None, "no telemetry sample in 20 s"
+    await pilot.pause()
+
+
+def shot(snap_compare, app, run_before=None, **kw) -> bool:
+    """snap_compare once the first sample is in (then `run_before`)."""
+    async def before(pilot):
+        await sampled(pilot)
+        if run_before is not None:
+            await run_before(pilot)
+    return snap_compare(app, run_before=before, **kw)
+
+
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
 def test_main_screen(snap_compare, snap_run, size):
-    assert snap_compare(app_for(snap_run), terminal_size=size)
+    assert shot(snap_compare, app_for(snap_run), terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
 def test_gpu_screen(snap_compare, snap_run, size):
-    assert snap_compare(app_for(snap_run), press=["2"], terminal_size=size)
+    assert shot(snap_compare, app_for(snap_run), press=["2"], terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
 def test_training_screen(snap_compare, snap_run, size):
     """train selected (up from evaluate, where the run ended): its curves,
     and at 160x48 the accuracy under the loss."""
-    assert snap_compare(app_for(snap_run), press=["up", "4"], terminal_size=size)
+    assert shot(snap_compare, app_for(snap_run), press=["up", "4"], terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
 def test_kv_screen_of_a_stage_with_two_servers(snap_compare, snap_run, size):
     """extract selected (up from the stage the run ended on): each of its
     servers' KV report, both marked stopped, no live use."""
-    assert snap_compare(app_for(snap_run), press=["3", *["up"] * 3], terminal_size=size)
+    assert shot(snap_compare, app_for(snap_run), press=["3", *["up"] * 3], terminal_size=size)
 
 
 def doctor_findings():
@@ -204,7 +224,7 @@ def test_doctor_screen(snap_compare, snap_run, size):
         await pilot.app.push_screen(DoctorScreen(
             findings=doctor_findings(), heading="1 blocking check; nothing was started"))
         await pilot.pause()
-    assert snap_compare(app_for(snap_run), run_before=refused_launch, terminal_size=size)
+    assert shot(snap_compare, app_for(snap_run), run_before=refused_launch, terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
@@ -217,7 +237,7 @@ def test_a_server_start(snap_compare, live_run, size, monkeypatch):
                    server(1, "starting", 20.0, expected_s=660.0), monkeypatch=monkeypatch)
     rd.log_path("extract").write_text("===== eagle-panel: extract attempt 1 =====\n"
                                       "extract: starting 2 vLLM servers (data parallel)\n")
-    assert snap_compare(app_for(rd), terminal_size=size)
+    assert shot(snap_compare, app_for(rd), terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
@@ -236,7 +256,7 @@ def test_extracting(snap_compare, live_run, size, monkeypatch):
     rd.log_path("extract").write_text("===== eagle-panel: extract attempt 1 =====\n"
                                       + "".join(f"extract: {k * 100}/4000 samples\n"
                                                 for k in range(13)))
-    assert snap_compare(app_for(rd), terminal_size=size)
+    assert shot(snap_compare, app_for(rd), terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
@@ -251,7 +271,7 @@ def test_cancelled_with_a_checkpoint(snap_compare, snap_run, tmp_path, size):
     emit(rd, "train", type="stage_finished", status="cancelled", duration_s=80.0, summary={
         "resume_checkpoint": str(rd.stage_dir("train") / "out/checkpoints/1"),
         "checkpoint_step": 317, "resume": "eagle-panel resume (r in the panel)"})
-    assert snap_compare(app_for(rd), terminal_size=size)
+    assert shot(snap_compare, app_for(rd), terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
@@ -262,7 +282,7 @@ def test_finished_with_acceptance(snap_compare, snap_run, tmp_path, size):
     rates per position per checkpoint under it)."""
     rd = copy_run(snap_run, tmp_path)
     evaluated(rd)
-    assert snap_compare(app_for(rd), press=["4"], terminal_size=size)
+    assert shot(snap_compare, app_for(rd), press=["4"], terminal_size=size)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
@@ -297,4 +317,4 @@ def test_compare_screen(snap_compare, snap_run, tmp_path, size, monkeypatch):
         assert "2 run(s) in runs" in text, text
         assert "eagle3-run eagle3 llama" in text and "3.12" in text, text
         assert "dspark-run dspark own" in text and "not measured: vLLM 0.32.0+cpu" in text, text
-    assert snap_compare(app_for(eagle), run_before=compared, terminal_size=size)
+    assert shot(snap_compare, app_for(eagle), run_before=compared, terminal_size=size)
