@@ -330,3 +330,21 @@ def test_without_a_usable_vllm_regenerate_and_evaluate_are_skipped(tmp_path):
     code, rd, evs = run_body(tmp_path, "evaluate", evaluate.body, cfg)
     fin = finished(evs)
     assert code == 0 and fin["status"] == "skipped" and "ends at train" in fin["summary"]["skipped"]
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_while_regenerate_probes_vllm_is_a_cancel_not_a_skip(tmp_path):
+    """`cancel` signals the stage's whole process group: the vLLM probe it is
+    running dies of the same SIGINT, and read as "no usable vLLM" the stage
+    was once recorded skipped, which resume keeps (regenerate never ran: CI,
+    test_shared_server). The interpreter here does what the group's signal
+    does: SIGINT to the stage, then exits as interrupted."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nkill -INT $PPID\necho KeyboardInterrupt >&2\nexit 130\n")
+    fake.chmod(0o755)
+    from pipeline.stages import regenerate
+    cfg = f'[runtime]\nvllm_python = "{fake}"\n[stages.regenerate]\nenabled = true\n'
+    code, rd, evs = run_body(tmp_path, "regenerate", regenerate.body, cfg)
+    fin = finished(evs)
+    assert code == 130 and fin["status"] == "cancelled", fin
+    assert "resume runs it again" in fin["summary"]["stopped"]

@@ -164,9 +164,17 @@ def run_stage(name: str, body, argv=None) -> int:
         status, code = Status.CANCELLED, EXIT_INTERRUPTED
         summary = {"stopped": "on request; resume continues from here", **e.summary}
     except Skipped as e:
-        print(f"{name}: skipped: {e}", flush=True)
-        ctx.events.warning(f"skipped: {e}")
-        status, code, summary = Status.SKIPPED, 0, {"skipped": str(e)}
+        if ctx.stop_requested:
+            # The stop's signal reaches the stage's children too (one process
+            # group): a vLLM probe it killed read as "no usable vLLM", and a
+            # skip is an outcome resume keeps. Stopped, it runs again.
+            print(f"{name}: stopped on request (it had found: {e})", flush=True)
+            status, code = Status.CANCELLED, EXIT_INTERRUPTED
+            summary = {"stopped": "on request; resume runs it again"}
+        else:
+            print(f"{name}: skipped: {e}", flush=True)
+            ctx.events.warning(f"skipped: {e}")
+            status, code, summary = Status.SKIPPED, 0, {"skipped": str(e)}
     except KeyboardInterrupt:
         status, code = Status.CANCELLED, EXIT_INTERRUPTED
     except StageError as e:
