@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from draft_steps import free_device_cache, interleaved
 
 KIMI_DRAFTS = ("llama=64:64:64", "mla=64:192:128")
 
@@ -88,7 +89,7 @@ class Row:
     """One head configuration under one set of kernel options: its tensors,
     its compiled (or eager) attention, its times."""
 
-    def __init__(self, head, opts, a, mask):
+    def __init__(self, head, opts, a, mask, sync):
         (self.heads_name, heads, qk, v), (self.opts_name, self.opts) = head, opts
         self.name = f"{self.heads_name}/{self.opts_name}"
         g = torch.Generator(device=a.device).manual_seed(0)
@@ -100,7 +101,7 @@ class Row:
         self.q, self.k, self.v = rand(a.seq, qk), rand(kv_len, qk), rand(kv_len, v)
         self.grad = torch.randn(1, heads, a.seq, v, device=a.device, dtype=a.dtype,
                                 generator=g)
-        self.mask, self.backward = mask, a.backward
+        self.mask, self.backward, self.sync = mask, a.backward, sync
         self.flops = flops(a.seq, a.step, heads, qk, v, a.backward)
         kw = {"kernel_options": self.opts} if self.opts else {}
         from torch.nn.attention.flex_attention import flex_attention
@@ -112,17 +113,12 @@ class Row:
         self.error: str | None = None
 
     def run(self) -> None:
+        """One forward (+ backward), finished on the device when it returns."""
         out = self.fn(self.q, self.k, self.v, self.mask)
         if self.backward:
             out.backward(self.grad)
             self.q.grad = self.k.grad = self.v.grad = None
-
-    def timed(self, sync) -> None:
-        sync()
-        t0 = time.perf_counter()
-        self.run()
-        sync()
-        self.times.append(time.perf_counter() - t0)
+        self.sync()
 
     def result(self) -> dict:
         out = {"row": self.name, "heads": self.heads_name, "options": self.opts}
@@ -165,7 +161,7 @@ def main(argv=None) -> int:
                  f"(there are {', '.join(h[0] for h in heads)})")
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     mask = block_mask(a.seq, a.step, a.device)
-    rows = [Row(h, (o[0].rpartition("/")[2], o[1]), a, mask) for h in heads
+    rows = [Row(h, (o[0].rpartition("/")[2], o[1]), a, mask, sync) for h in heads
             for o in [("default", {}), *a.options] if o[0].partition("/")[0] in (h[0], o[0])]
     # every row compiles the same function: one cache entry each (shapes, options)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
@@ -179,15 +175,15 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             try:
                 r.run()
-                sync()
                 print(f"  {r.name}: first call {time.perf_counter() - t0:.1f} s", flush=True)
             except Exception as e:  # noqa: BLE001 - an option set Triton cannot build
                 r.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                 print(f"  {r.name}: {r.error}", flush=True)
-        live = [r for r in rows if not r.error]
-        for _ in range(a.reps):  # interleaved: drift on a shared machine hits every row
-            for r in live:
-                r.timed(sync)
+                free_device_cache()
+        live = {i: r.run for i, r in enumerate(rows) if not r.error}
+        times, failed = interleaved(live, a.reps)   # a row failing there leaves the rotation
+        for i in live:
+            rows[i].times, rows[i].error = times[i], failed.get(i)
         for res in (results := [r.result() for r in rows]):
             print(f"{res['row']:>24}: " + (res.get("error") or
                   f"{res['median_ms']:8.2f} ms  {res['tflops']:7.3f} TFLOP/s (kept pairs)"))
