@@ -66,8 +66,11 @@ def main() -> int:
     elif action == "grandchild":
         # A child in a session of its own (like vLLM's workers) that also
         # ignores SIGTERM, plus a plain grandchild in our group.
+        # The pid file is written then renamed: tests wait for it to exist and
+        # read it at once, so a plain write can be seen empty (CI did, under load).
         code = ("import os,signal,time,sys;signal.signal(signal.SIGTERM,signal.SIG_IGN);"
-                "signal.signal(signal.SIGINT,signal.SIG_IGN);open(sys.argv[1],'w').write(str(os.getpid()));"
+                "signal.signal(signal.SIGINT,signal.SIG_IGN);t=sys.argv[1]+'.tmp';"
+                "open(t,'w').write(str(os.getpid()));os.replace(t,sys.argv[1]);"
                 "time.sleep(600)")
         marker = rd.stage_dir(stage) / "grandchild.pid"
         subprocess.Popen([sys.executable, "-c", code, str(marker)], start_new_session=True)
