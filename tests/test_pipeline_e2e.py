@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 
 from pipeline.run.events import read_events
 from pipeline.run.rundir import RunDir
+from pipeline.train.checkpoints import STATE_FILE, complete_checkpoint
 from tests.helpers import cli, wait_for
 
 pytestmark = pytest.mark.integration
@@ -76,8 +76,8 @@ def keep_lowest(folder: Path, n: int) -> None:
 def newest_checkpoint_state(rd: RunDir) -> dict:
     """The training state of the newest complete checkpoint (what a resume starts from)."""
     folder = rd.out_dir("train") / "checkpoints"
-    done = [p for p in folder.glob("*/training_state.json") if p.parent.name.isdigit()]
-    return json.loads(max(done, key=lambda p: int(p.parent.name)).read_text())
+    done = [d for d in folder.iterdir() if d.name.isdigit() and complete_checkpoint(d)]
+    return json.loads((max(done, key=lambda d: int(d.name)) / STATE_FILE).read_text())
 
 
 @pytest.fixture(scope="module")
@@ -104,18 +104,20 @@ def run(tmp_path_factory):
 
     # 2. Resume; SIGKILL train after its first mid-epoch checkpoint.
     cli("resume", cwd=tmp, check=0)
-    first_ckpt = rd.out_dir("train") / "checkpoints" / "0" / "training_state.json"
-    wait_for(first_ckpt.exists, timeout=600, poll=0.05, what="a mid-epoch checkpoint")
-    time.sleep(1.0)
+    # Killed as soon as the first is complete: speculators saves every mid-epoch
+    # checkpoint of an epoch into the same folder, and a kill during the next
+    # save (a fixed sleep here could land in it) would leave none complete.
+    first_ckpt = rd.out_dir("train") / "checkpoints" / "0"
+    wait_for(lambda: complete_checkpoint(first_ckpt), timeout=600, poll=0.05,
+             what="a mid-epoch checkpoint")
     kill_stage(rd, "train")
-    # (on a fast machine more checkpoints than the first may be done by now)
     log["killed_at_state"] = newest_checkpoint_state(rd)
 
     # 3. Resume; cancel with SIGINT mid-training (it saves); resume to the end.
     cli("resume", cwd=tmp, check=0)
-    wait_for(lambda: rd.read_state()["stages"]["train"]["attempt"] == 2
-             and len([e for e in read_events(rd.events_path("train"))
-                      if e["type"] == "metric" and e.get("split") == "train"]) >= 30,
+    # 30 steps of attempt 2 itself: counted over the file, attempt 1's steps
+    # could make it true before attempt 2's process had its SIGINT handler
+    wait_for(lambda: len(a := train_attempts(rd)) == 2 and len(a[1]) >= 30,
              timeout=600, what="training attempt 2 to make progress")
     assert rd.read_state()["stages"]["train"]["status"] == "running", "train ended first"
     p = cli("cancel", cwd=tmp, check=0)

@@ -110,12 +110,14 @@ def test_stage_killed_by_sigkill_is_failed_with_signal(tmp_path, stagekit):
 
 
 def test_launcher_killed_stage_still_records_exit(tmp_path, stagekit):
-    stagekit({"prepare": "sleep:2"})
+    stagekit({"prepare": "gate"})   # held until the driver is dead (not a time budget)
     cli("run", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs" / "t")
     wait_for(lambda: rd.read_state()["stages"]["prepare"].get("pid"), what="prepare pid")
     driver = rd.read_state()["driver"]["pid"]
     os.kill(driver, signal.SIGKILL)
+    wait_for(lambda: not pid_running(driver), what="the driver gone")
+    (rd.stage_dir("prepare") / "gate").write_text("go")
     st = wait_for(lambda: (s := rd.read_state()["stages"]["prepare"])["status"] != "running" and s,
                   timeout=20, what="prepare to end")
     assert st["status"] == "succeeded" and st["exit_code"] == 0
@@ -163,6 +165,8 @@ def test_cancel_of_a_stage_ignoring_sigterm(tmp_path, stagekit):
     cli("run", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs" / "t")
     wait_for(lambda: rd.read_state()["stages"]["extract"].get("pid"), what="extract pid")
+    # the pid is recorded at spawn: a SIGINT before the stage ignores it would end it
+    wait_for((rd.stage_dir("extract") / "ignore_term.ready").exists, what="signals ignored")
     pid = rd.read_state()["stages"]["extract"]["pid"]
     p = cli("cancel", "--stage", "extract", "--grace", "0.5", cwd=tmp_path, check=0)
     assert "SIGINT, SIGTERM, SIGKILL" in p.stdout

@@ -13,9 +13,16 @@ from pipeline.model.hsfile import hs_path
 from tests.helpers import wait_for
 
 
-def _worker(qdir, files, name, lost_after_s, pause_after=None, delay=0.0):
+def _worker(qdir, files, name, lost_after_s, pause_after=None, delay=0.0, barrier=None):
     """A node worker: 'extracts' each row it is handed by writing its file
-    (atomically, as the backends do) and logging the row."""
+    (atomically, as the backends do) and logging the row. With `barrier` (a
+    folder) it says it is up there and waits for the test's `go`: spawned
+    workers start up to a second apart on a loaded machine, time enough for
+    the first ones to take every row."""
+    if barrier is not None:
+        open(os.path.join(barrier, f"up-{name}"), "w").close()
+        while not os.path.exists(os.path.join(barrier, "go")):
+            time.sleep(0.01)
     q = WorkQueue(qdir, name, lost_after_s)
     log = open(os.path.join(qdir, f"log-{name}"), "a")
     done = 0
@@ -63,7 +70,12 @@ def test_workers_share_the_rows_once_each(tmp_path):
     files.mkdir()
     rows = list(range(0, 120, 1))
     WorkQueue.create(qdir, plan_chunks(rows, [1] * 120, workers=3, chunk_samples=5))
-    procs = [_start(qdir, files, f"n{k}", 30.0, delay=0.01) for k in range(3)]
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [_start(qdir, files, f"n{k}", 30.0, delay=0.01, barrier=str(barrier))
+             for k in range(3)]
+    wait_for(lambda: len(list(barrier.glob("up-*"))) == 3, timeout=60, what="3 workers up")
+    (barrier / "go").touch()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0

@@ -62,6 +62,7 @@ def main() -> int:
     elif action == "ignore_term":
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        (rd.stage_dir(stage) / "ignore_term.ready").write_text("signals ignored")
         time.sleep(float(arg))
     elif action == "grandchild":
         # A child in a session of its own (like vLLM's workers) that also

@@ -17,6 +17,7 @@ is configured with for the release's .tar.gz through the same simple API
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -117,6 +118,17 @@ def kept(version: str) -> Path:
     path = CACHE / f"vllm-{version}.{digest}.zip"
     if path.exists():
         return path
+    # pytest-xdist's workers may want the same release at once on a cold cache:
+    # one makes it, the others wait and take it (their fixed temp names and the
+    # tarball one deletes would collide)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".vllm-{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return path if path.exists() else _make_kept(version, path)
+
+
+def _make_kept(version: str, path: Path) -> Path:
+    """kept()'s zip made from the sdist, under kept()'s lock."""
     tarball = sdist(version)
     prefix = f"vllm-{version}/vllm/"
     tmp = path.with_suffix(".zip.part")
