@@ -27,6 +27,9 @@ to q/k's size or left narrower; unsuffixed, its own rule, pipeline.train.
 mla_layer.pads_v), profiled in this process: ms a step, the ops that took
 the time, and the ratio of each draft's fastest, per FLOP under both
 estimates (dense: every key the mask spans; causal: the keys it keeps).
+`skip` among them times each draft's step without attention's arithmetic
+(see skip_attention): the step less it is attention in context, and MLA over
+Llama per FLOP outside attention is measured rather than inferred.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def draft_params(checkpoint: Path) -> dict[str, tuple[int, ...]]:
 
 
 def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int,
-                   causal: bool = False) -> float:
+                   causal: bool = False, attention: bool = True) -> float:
     """6 x parameters passed per token (not the embedding, not the vocab
     maps, not the frozen verifier head a checkpoint leaves out) x tokens x
     TTT steps, plus attention (QK^T and PV, forward and backward: 3 x 2 x
@@ -72,7 +75,12 @@ def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int,
     keys, what a dense mask computes (SDPA, eager); `causal`: only the keys
     the mask keeps, (seq + 1) / 2 on average + k, what a block-sparse kernel
     (flex attention) approaches, the arithmetic a draft needs (documents
-    packed in a row keep fewer still)."""
+    packed in a row keep fewer still). `attention` False: the rest only
+    (what a `skip` row computes).
+    Checked against torch's FlopCounterMode on meta tensors at Kimi-K2.5's
+    shapes, 8192 tokens (matmuls, the metrics left out): Llama 120.1 and MLA
+    106.9 TFLOP outside attention; with the causal attention term, 1.36x per
+    FLOP from the H200's step times where this estimate gives 1.35x."""
     passed = sum(math.prod(s) for n, s in shapes.items()
                  if "embed_tokens" not in n and not n.startswith("verifier_")
                  and not n.endswith(("t2d", "d2t")) and len(s) > 1)
@@ -85,7 +93,7 @@ def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int,
     layers = layer_cfg.get("num_hidden_layers", 1)
     keys = [(seq + 1) / 2 + k if causal else seq * (k + 1) for k in range(TTT_STEPS)]
     attn = sum(3 * 2 * n * (qk + v) * heads * layers for n in keys)
-    return 6.0 * passed * tokens * TTT_STEPS + attn * tokens
+    return 6.0 * passed * tokens * TTT_STEPS + (attn * tokens if attention else 0.0)
 
 
 def ratio_line(what: str, m: dict, ll: dict) -> str:
@@ -280,6 +288,9 @@ def synthetic_draft(verifier: Path, layer: str, attention: str, draft_vocab: int
     from pipeline.train.mla_draft import draft_layer_config
     from pipeline.train.mla_layer import register
     register()
+    if attention == SKIP:
+        from transformers import AttentionInterface
+        AttentionInterface.register(SKIP, skip_attention)
     raw = json.loads((verifier / "config.json").read_text())
     if layer == "mla":
         cfg, _ = draft_layer_config(raw, 1)
@@ -298,6 +309,8 @@ def synthetic_draft(verifier: Path, layer: str, attention: str, draft_vocab: int
                                                 name_or_path=str(verifier))))
     torch.manual_seed(0)
     model = Eagle3DraftModel(config)
+    if attention == SKIP:
+        model._create_mask_fn = no_mask
     t2d = torch.zeros(raw["vocab_size"], dtype=torch.bool)
     t2d[:draft_vocab] = True
     model.load_vocab_mappings(t2d, torch.zeros(draft_vocab, dtype=torch.long))
@@ -305,6 +318,23 @@ def synthetic_draft(verifier: Path, layer: str, attention: str, draft_vocab: int
 
 
 VARIANTS = {"": None, "pad": True, "nopad": False}   # the MLA layer's v: its own rule, forced
+SKIP = "skip"   # an attention implementation that does none (skip_attention)
+
+
+def skip_attention(module, query, key, value, attention_mask, **kwargs):
+    """No attention, for the decomposition's rows: an output of attention's
+    shape ([batch, seq, heads, v]) taken from the query, with every key and
+    value summed in at zero weight so the gradients still reach them: the
+    projections, norms, rope, the cache and their backward all run, and
+    nothing of attention's arithmetic (a row's step less this row's is
+    attention in context; speculators' mask is not built either)."""
+    out = query[..., :value.shape[-1]] + 0.0 * (key.sum() + value.sum())
+    return out.transpose(1, 2).contiguous(), None
+
+
+def no_mask(*_args, **_kwargs):
+    """speculators' mask builder for a `skip` row: no attention, no mask."""
+    return None
 
 
 def synthetic(a) -> None:
@@ -341,12 +371,30 @@ def synthetic(a) -> None:
     finally:
         if a.json:
             a.json.write_text(json.dumps(built, indent=1))
-    best = {layer: min((r for r in built if r["layer"] == layer and "error" not in r),
+    ok = [r for r in built if "error" not in r]
+    best = {layer: min((r for r in ok if r["layer"] == layer and r["attention"] != SKIP),
                        key=lambda r: r["s_per_step"], default=None) for layer in ("llama", "mla")}
     m, ll = best["mla"], best["llama"]
     if m and ll:
         print(ratio_line(f"mla ({m['attention']}) / llama ({ll['attention']}), each its fastest",
                          m, ll))
+    decompose(ok)
+
+
+def decompose(rows: list[dict]) -> None:
+    """With `skip` rows: each row's attention in context (its step less its
+    draft's skip step), and MLA over Llama outside attention, per FLOP."""
+    skip = {r["layer"]: r for r in rows if r["attention"] == SKIP}
+    for r in rows:
+        if r["attention"] != SKIP and r["layer"] in skip:
+            ms = (r["s_per_step"] - skip[r["layer"]]["s_per_step"]) * 1000
+            print(f"{r['layer']:6} {r['attention']:22} attention in context: {ms:.1f} ms "
+                  f"({ms / (r['s_per_step'] * 1000):.0%} of the step)")
+    if "mla" in skip and "llama" in skip:
+        t = skip["mla"]["s_per_step"] / skip["llama"]["s_per_step"]
+        f = skip["mla"]["flops_per_step"] / skip["llama"]["flops_per_step"]
+        print(f"mla / llama outside attention ({SKIP}): time per step {t:.2f}x, FLOPs per step "
+              f"{f:.2f}x (estimate): {t / f:.2f}x per FLOP")
 
 
 def synthetic_one(verifier: Path, layer: str, impl: str, variant: str, a) -> dict:
@@ -381,9 +429,9 @@ def synthetic_one(verifier: Path, layer: str, impl: str, variant: str, a) -> dic
     if cuda:
         r["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     r["params"] = sum(math.prod(x) for n, x in shapes.items() if not n.startswith("verifier_"))
-    seq = a.total_seq_len
-    r["flops_per_step"] = flops_per_step(shapes, cfg, seq, seq)
-    r["flops_causal"] = flops_per_step(shapes, cfg, seq, seq, causal=True)
+    seq, attention = a.total_seq_len, impl != SKIP
+    r["flops_per_step"] = flops_per_step(shapes, cfg, seq, seq, attention=attention)
+    r["flops_causal"] = flops_per_step(shapes, cfg, seq, seq, causal=True, attention=attention)
     r["step"] = step
     return r
 
@@ -432,8 +480,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--attention", default="sdpa",
                     help="with --synthetic: comma-separated attention implementations "
-                         "(sdpa, eager, simple_flex_attention); a suffix :pad or :nopad "
-                         "forces the MLA layer's v padded to q/k's size or left narrower")
+                         "(sdpa, eager, simple_flex_attention, and skip: none, each draft's "
+                         "step without attention); a suffix :pad or :nopad forces the MLA "
+                         "layer's v padded to q/k's size or left narrower")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     if a.reps < 1:
@@ -446,6 +495,8 @@ def main() -> None:
         if wrong:
             ap.error(f"--attention {','.join(wrong)}: a variant is :pad or :nopad (the MLA "
                      "layer's v padded to q/k's size, or left narrower)")
+        if any(x.startswith(SKIP + ":") for x in a.attention.split(",")):
+            ap.error(f"--attention {SKIP}: no attention, no v to pad (take {SKIP} alone)")
         synthetic(a)
         return
     given = [name for name in ("device", "dtype", "attention", "reps")

@@ -221,32 +221,47 @@ def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
     shapes) at tiny-kimi's on CPU: a row per draft and attention, the MLA
     layer's forced unpadded v among them (SDPA's math path then: its bmm,
     not the flash kernel, takes the time), and the ratio of the fastest;
-    options it cannot take are refused (exit 2) before anything is built."""
+    `skip` rows (no attention) and the decomposition they give; options it
+    cannot take are refused (exit 2) before anything is built."""
     def bench(*args):
         return subprocess.run([sys.executable, str(BENCH / "draft_steps.py"), *args],
                               cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)),
                               capture_output=True, text=True, timeout=280, check=False)
-    p = bench("--synthetic", "tiny-kimi", "--attention", "sdpa,sdpa:nopad", "--reps", "1",
+    p = bench("--synthetic", "tiny-kimi", "--attention", "sdpa,sdpa:nopad,skip", "--reps", "1",
               "--total-seq-len", "128", "--json", str(tmp_path / "out.json"))
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    for row in ("llama  sdpa ", "mla    sdpa ", "mla    sdpa:nopad "):
+    for row in ("llama  sdpa ", "mla    sdpa ", "mla    sdpa:nopad ", "llama  skip ", "mla    skip "):
         assert re.search(rf"^{re.escape(row)}\s*{NUM} ms a step \(first {NUM} s\), {NUM} "
                          rf"parameters, ~{NUM} GFLOP a step \(estimate; {NUM} causal\); "
                          rf"time by op: \S", p.stdout, re.M), f"no row {row!r}\n{p.stdout[-3000:]}"
     assert re.search(rf"^mla \(\S+\) / llama \(sdpa\), each its fastest: time per step {NUM}x, "
                      rf"FLOPs per step {NUM}x \(estimate\): {NUM}x per FLOP \(goal <= 1.2x\); "
                      rf"causal keys only: FLOPs {NUM}x, {NUM}x per FLOP", p.stdout, re.M)
+    for row in ("llama  sdpa ", "mla    sdpa ", "mla    sdpa:nopad "):
+        assert re.search(rf"^{re.escape(row)}\s*attention in context: -?{NUM} ms \(-?\d+% of the "
+                         r"step\)", p.stdout, re.M), f"no decomposition of {row!r}"
+    assert re.search(rf"^mla / llama outside attention \(skip\): time per step {NUM}x, FLOPs per "
+                     rf"step {NUM}x \(estimate\): {NUM}x per FLOP", p.stdout, re.M), p.stdout[-3000:]
     import json
     rows = json.loads((tmp_path / "out.json").read_text())
     assert [(r["layer"], r["attention"]) for r in rows] == [
-        ("llama", "sdpa"), ("mla", "sdpa"), ("mla", "sdpa:nopad")]
-    assert all(r["params"] > 0 and r["flops_per_step"] > r["flops_causal"] > 0 for r in rows)
+        ("llama", "sdpa"), ("llama", "skip"), ("mla", "sdpa"), ("mla", "sdpa:nopad"), ("mla", "skip")]
+    full = [r for r in rows if r["attention"] != "skip"]
+    assert all(r["params"] > 0 and r["flops_per_step"] > r["flops_causal"] > 0 for r in full)
+    # a skip row does no attention: its FLOPs are its draft's less attention's, one figure
+    for r in (r for r in rows if r["attention"] == "skip"):
+        other = next(x for x in full if x["layer"] == r["layer"])
+        assert 0 < r["flops_per_step"] == r["flops_causal"] < other["flops_causal"]
+        ops = " ".join(k for k, _ in r["top_ops"])
+        assert "attention" not in ops, ops
     ops = {r["attention"]: " ".join(k for k, _ in r["top_ops"]) for r in rows if r["layer"] == "mla"}
     assert "flash_attention" in ops["sdpa"] and "flash_attention" not in ops["sdpa:nopad"], ops
     before = sorted(tmp_path.iterdir())
     for args, says in [(["--synthetic", "tiny-kimi", "--attention", "sdpa:nopda"],
                         "sdpa:nopda: a variant is :pad or :nopad"),
                        (["--synthetic", "tiny-kimi", "--reps", "0"], "--reps 0: the median"),
+                       (["--synthetic", "tiny-kimi", "--attention", "skip:pad"],
+                        "no attention, no v to pad"),
                        (["--synthetic", "kimi-k2.5"], "add --device cuda"),
                        (["--dtype", "bfloat16"], "--dtype only apply with --synthetic")]:
         bad = bench(*args)
