@@ -10,10 +10,9 @@ tokenizer): prepare, extract (hf) and vocab once, then the train stage twice
 on those files, `draft_layer = "llama"` and `"mla"`, the same epochs,
 total_seq_len, lr and seed. Each: optimizer steps, the rate train reports
 (steps since its first: the model load and the dataloader's start left out),
-the draft's parameters from its checkpoint, and a FLOP estimate per step:
-6 x the parameters a token passes through (the decoder layer, fc, norms,
-lm_head; not the embedding lookup) x the tokens a step packs x the TTT steps,
-plus attention's 4 x seq x head dims per token and layer (MLA: q/k heads of
+the draft's parameters from its checkpoint, and a FLOP estimate per step
+(flops_per_step: the matmuls a token passes through, forward and the
+gradients each needs, plus attention's QK and PV products; MLA: q/k heads of
 nope + rope, v of v_head_dim). An estimate, said as one: the ratio of ratios
 (time / FLOPs, MLA over Llama) is the figure the goal is about.
 
@@ -67,23 +66,27 @@ def draft_params(checkpoint: Path) -> dict[str, tuple[int, ...]]:
 
 def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int,
                    causal: bool = False, attention: bool = True) -> float:
-    """6 x parameters passed per token (not the embedding, not the vocab
-    maps, not the frozen verifier head a checkpoint leaves out) x tokens x
-    TTT steps, plus attention (QK^T and PV, forward and backward: 3 x 2 x
-    keys x head dims per token, layer and head). TTT step k attends over the
-    k previous steps' keys as well (speculators' Eagle-3): `seq` x (k + 1)
-    keys, what a dense mask computes (SDPA, eager); `causal`: only the keys
-    the mask keeps, (seq + 1) / 2 on average + k, what a block-sparse kernel
-    (flex attention) approaches, the arithmetic a draft needs (documents
-    packed in a row keep fewer still). `attention` False: the rest only
-    (what a `skip` row computes).
-    Checked against torch's FlopCounterMode on meta tensors at Kimi-K2.5's
-    shapes, 8192 tokens (matmuls, the metrics left out): Llama 120.1 and MLA
-    106.9 TFLOP outside attention; with the causal attention term, 1.36x per
-    FLOP from the H200's step times where this estimate gives 1.35x."""
-    passed = sum(math.prod(s) for n, s in shapes.items()
-                 if "embed_tokens" not in n and not n.startswith("verifier_")
-                 and not n.endswith(("t2d", "d2t")) and len(s) > 1)
+    """The matmuls of one step, per token: the decoder layers' weights 6x
+    (forward, both gradients) at each TTT step; the frozen lm_head 4x at
+    each (forward, its input's gradient); fc 4x once (it runs before the
+    TTT loop, and its input, the verifier's states, needs no gradient); not
+    the embedding lookup, the vocab maps, or the verifier head (forward
+    only, once, and a checkpoint leaves it out). Plus attention (QK^T and
+    PV, forward and backward: 3 x 2 x keys x head dims per token, layer and
+    head). TTT step k attends over the k previous steps' keys as well
+    (speculators' Eagle-3): `seq` x (k + 1) keys, what a dense mask computes
+    (SDPA, eager); `causal`: only the keys the mask keeps, (seq + 1) / 2 on
+    average + k, what a block-sparse kernel (flex attention) approaches, the
+    arithmetic a draft needs (documents packed in a row keep fewer still).
+    `attention` False: the rest only (what a `skip` row computes).
+    Checked against torch's FlopCounterMode (matmuls, the verifier head
+    taken out): equal at tiny-kimi's shapes and Kimi-K2.5's. Before
+    2026-12-04 it charged fc and lm_head 6x at every TTT step: the same
+    excess in both drafts (outside attention +10-14% at tiny-kimi's shapes,
+    +25-28% at Kimi-K2.5's), which pulled MLA over Llama towards 1."""
+    def weights(prefix: str) -> int:   # 1-D tensors (norms) are not matmuls
+        return sum(math.prod(s) for n, s in shapes.items() if n.startswith(prefix) and len(s) > 1)
+    layer, head, fc = weights("layers."), weights("lm_head."), weights("fc.")
     heads = layer_cfg.get("num_attention_heads", 1)
     if layer_cfg.get("kv_lora_rank"):
         qk = layer_cfg["qk_nope_head_dim"] + layer_cfg["qk_rope_head_dim"]
@@ -93,7 +96,8 @@ def flops_per_step(shapes: dict, layer_cfg: dict, tokens: int, seq: int,
     layers = layer_cfg.get("num_hidden_layers", 1)
     keys = [(seq + 1) / 2 + k if causal else seq * (k + 1) for k in range(TTT_STEPS)]
     attn = sum(3 * 2 * n * (qk + v) * heads * layers for n in keys)
-    return 6.0 * passed * tokens * TTT_STEPS + (attn * tokens if attention else 0.0)
+    matmuls = (6.0 * layer + 4.0 * head) * TTT_STEPS + 4.0 * fc
+    return matmuls * tokens + (attn * tokens if attention else 0.0)
 
 
 def ratio_line(what: str, m: dict, ll: dict) -> str:
@@ -261,7 +265,8 @@ SHAPES = {"tiny-kimi": 256, "kimi-k2.5": 32000}   # shape -> draft vocabulary
 
 def synthetic_verifier(folder: Path, shape: str) -> Path:
     """A config-only verifier folder of `shape` (no weights: the drafts
-    built on it keep random verifier tensors, which a step's cost ignores)."""
+    built on it get random ones for the tensors they would take from the
+    verifier, synthetic_draft)."""
     if shape == "tiny-kimi":
         from pipeline.builtin.tiny_kimi import TEXT_CONFIG
         raw = dict(TEXT_CONFIG)
@@ -309,6 +314,11 @@ def synthetic_draft(verifier: Path, layer: str, attention: str, draft_vocab: int
                                                 name_or_path=str(verifier))))
     torch.manual_seed(0)
     model = Eagle3DraftModel(config)
+    # speculators leaves the tensors it takes from the verifier uninitialised
+    # (load_verifier_weights fills them): left so, the loss and then every
+    # weight were NaN after the first step, until 2026-12-04
+    for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head):
+        torch.nn.init.normal_(frozen.weight, std=raw.get("initializer_range", 0.02))
     if attention == SKIP:
         model._create_mask_fn = no_mask
     t2d = torch.zeros(raw["vocab_size"], dtype=torch.bool)

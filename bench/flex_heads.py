@@ -1,6 +1,6 @@
 """Flex attention alone at a draft's head sizes: what its kernel options buy.
 
-bench/draft_steps.py found the MLA draft at Kimi-K2.5's shapes 1.35x the
+bench/draft_steps.py found the MLA draft at Kimi-K2.5's shapes 1.36x the
 Llama draft per (causal) FLOP on an H200, with flex attention's backward 34%
 of its step. Triton's flex kernels pick block sizes by head size (torch's
 template_heuristics: bf16 on sm90, q/k 192 gets 64x64 blocks in 2 stages,

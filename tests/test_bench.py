@@ -252,6 +252,9 @@ def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
     for r in (r for r in rows if r["attention"] == "skip"):
         other = next(x for x in full if x["layer"] == r["layer"])
         assert 0 < r["flops_per_step"] == r["flops_causal"] < other["flops_causal"]
+        # the estimate is FlopCounterMode's count (all matmuls here) less the
+        # verifier head's forward, which it leaves out: hidden 128 x draft vocab 256
+        assert r["flops"] - r["flops_per_step"] == 2 * 128 * 256 * 128, r
         ops = " ".join(k for k, _ in r["top_ops"])
         assert "attention" not in ops, ops
     ops = {r["attention"]: " ".join(k for k, _ in r["top_ops"]) for r in rows if r["layer"] == "mla"}

@@ -77,6 +77,7 @@ def newest_checkpoint_state(rd: RunDir) -> dict:
     """The training state of the newest complete checkpoint (what a resume starts from)."""
     folder = rd.out_dir("train") / "checkpoints"
     done = [d for d in folder.iterdir() if d.name.isdigit() and complete_checkpoint(d)]
+    assert done, f"no complete checkpoint in {folder}: {sorted(p.name for p in folder.iterdir())}"
     return json.loads((max(done, key=lambda d: int(d.name)) / STATE_FILE).read_text())
 
 

@@ -74,8 +74,10 @@ def test_workers_share_the_rows_once_each(tmp_path):
     barrier.mkdir()
     procs = [_start(qdir, files, f"n{k}", 30.0, delay=0.01, barrier=str(barrier))
              for k in range(3)]
-    wait_for(lambda: len(list(barrier.glob("up-*"))) == 3, timeout=60, what="3 workers up")
-    (barrier / "go").touch()
+    try:
+        wait_for(lambda: len(list(barrier.glob("up-*"))) == 3, timeout=60, what="3 workers up")
+    finally:
+        (barrier / "go").touch()   # never leave a worker waiting (the test would hang on it)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
