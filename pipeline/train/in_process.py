@@ -153,6 +153,11 @@ class Hooks:
     def should_stop(self) -> bool:
         return self.ctx.stop_requested
 
+    def request_stop(self) -> None:
+        """speculators' signal handler took the SIGINT/SIGTERM (it replaces
+        ours while training): recorded for the step boundary's check."""
+        self.ctx.stop_requested = True
+
     def on_interrupted(self, epoch, local_step, global_step) -> None:
         self.interrupted_at = {"epoch": epoch, "local_step": local_step, "global_step": global_step}
 

@@ -8,12 +8,17 @@ and validation, the hooks may end training there (speculators has no early
 stop; its epoch loop is left by an exception caught around it, so the
 last checkpoint is that complete epoch's).
 
+A stop is honoured within a step even where speculators' interrupt is
+swallowed on its way (recording_shutdown_handler).
+
 `install` puts it, the safe checkpointer and (on the CPU) the CPU patches
 into speculators' module namespaces for this process — never by editing
 site-packages.
 """
 
 from __future__ import annotations
+
+import os
 
 from pipeline.train.checkpoints import safe_checkpointer
 
@@ -24,7 +29,8 @@ class PlateauStop(Exception):
 
 def panel_trainer(base, hooks):
     """A subclass of speculators' Trainer `base` reporting to `hooks`: an
-    object with `on_total_steps(n, per_epoch)`, `should_stop()` and
+    object with `on_total_steps(n, per_epoch)`, `should_stop()` (checked
+    before training and after every step) and
     `on_interrupted(epoch, local_step, global_step)`, and optionally
     `on_phase(name)` (validating, saving checkpoint: between steps),
     `on_epochs(n)` (the epochs planned: what "epoch 2/4" counts to),
@@ -66,6 +72,7 @@ def panel_trainer(base, hooks):
             if self.config.max_steps:
                 total = min(total, self.config.max_steps)
             hooks.on_total_steps(total, per_epoch)
+            kwargs["step_callback"] = stop_between_steps(hooks, kwargs.get("step_callback"))
             return super().train_epoch(epoch, **kwargs)
 
         def run_training(self):
@@ -110,6 +117,38 @@ def panel_trainer(base, hooks):
     return PanelTrainer
 
 
+def stop_between_steps(hooks, then=None):
+    """A step callback (speculators calls it after each finished step) that
+    raises speculators' TrainingInterruptedError once a stop was asked: the
+    one its signal handler raised can be lost on the way (see
+    recording_shutdown_handler), and then training would run to its end."""
+    from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+    def check():
+        if then is not None:
+            then()
+        if hooks.should_stop():
+            raise TrainingInterruptedError("stop requested")
+    return check
+
+
+def recording_shutdown_handler(base, on_signal):
+    """speculators' GracefulShutdownHandler `base`, telling `on_signal` of a
+    stop before it raises TrainingInterruptedError from wherever the main
+    thread is. That can be inside a `logging.Handler.emit` (ours, which must
+    never stop training, or any other), which catches every Exception and so
+    swallows it; the handler then ignores each later SIGINT and SIGTERM as a
+    re-send, and training ran to its end: a cancel recorded as a success (CI,
+    under load). Recorded, stop_between_steps raises it again."""
+    class RecordingShutdownHandler(base):
+        def _handler(self, signum, frame):
+            if os.getpid() == self._owner_pid:   # (a forked dataloader worker: not ours)
+                on_signal()
+            return super()._handler(signum, frame)
+    RecordingShutdownHandler.speculators_handler = getattr(base, "speculators_handler", base)
+    return RecordingShutdownHandler
+
+
 def epoch_steps(loader, epochs: int) -> list[int]:
     """Each epoch's steps as speculators' sampler packs that epoch (its
     batches are seeded by the epoch number): counted once, so the total shown
@@ -148,6 +187,7 @@ def install(cpu: bool, hooks, collective_timeout_s: float = 1800.0) -> None:
     from speculators.train import checkpointer as ck_mod
     from speculators.train import cli as cli_mod
     from speculators.train import distributed as dist_mod
+    from speculators.train import graceful_shutdown as gs_mod
     from speculators.train import trainer as tr_mod
 
     from pipeline.train.cpu_patches import patch_distributed
@@ -155,6 +195,9 @@ def install(cpu: bool, hooks, collective_timeout_s: float = 1800.0) -> None:
 
     tr_mod.SingleGPUCheckpointer = safe_checkpointer(ck_mod.SingleGPUCheckpointer)
     cli_mod.Trainer = panel_trainer(tr_mod.Trainer, hooks)
+    real = getattr(gs_mod.GracefulShutdownHandler, "speculators_handler",
+                   gs_mod.GracefulShutdownHandler)
+    gs_mod.GracefulShutdownHandler = recording_shutdown_handler(real, hooks.request_stop)
     if cpu:
         from pipeline.train.cpu_patches import patch_for_cpu
         patch_for_cpu(tr_mod, ck_mod)
