@@ -47,3 +47,33 @@ def test_a_sigint_landing_inside_a_logging_handler_still_stops_training(tmp_path
     assert s["status"] == "cancelled" and s["summary"]["checkpoint_step"] == 3, s
     # the save it made on the way out is where a resume goes on
     assert s["summary"]["resume_checkpoint"], s
+
+
+def test_a_later_signal_raises_again_where_the_first_was_lost(monkeypatch):
+    """Where no step comes to raise the lost interrupt again (validation, a
+    save), the cancel's next signal does: speculators' handler (the real one,
+    under ours) would ignore it as one of torchrun's instant re-sends."""
+    import pytest
+    from speculators.train.graceful_shutdown import GracefulShutdownHandler, TrainingInterruptedError
+
+    from pipeline.train import trainer
+    told = []
+    handler = trainer.recording_shutdown_handler(GracefulShutdownHandler, lambda: told.append(1))()
+    clock = [100.0]
+    monkeypatch.setattr(trainer.time, "monotonic", lambda: clock[0])
+    handler.install()
+    try:
+        try:   # the first, lost on its way (as inside a logging handler's emit)
+            os.kill(os.getpid(), signal.SIGINT)
+        except TrainingInterruptedError:
+            pass
+        else:
+            pytest.fail("speculators' handler did not raise")
+        clock[0] += 0.2   # a re-send at once: ignored, as speculators does
+        os.kill(os.getpid(), signal.SIGTERM)
+        clock[0] += handler.resend_s   # the cancel's SIGTERM, a grace later: raised again
+        with pytest.raises(TrainingInterruptedError):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert len(told) == 3   # each recorded as a stop
+    finally:
+        handler.restore()

@@ -19,6 +19,7 @@ site-packages.
 from __future__ import annotations
 
 import os
+import time
 
 from pipeline.train.checkpoints import safe_checkpointer
 
@@ -139,11 +140,24 @@ def recording_shutdown_handler(base, on_signal):
     never stop training, or any other), which catches every Exception and so
     swallows it; the handler then ignores each later SIGINT and SIGTERM as a
     re-send, and training ran to its end: a cancel recorded as a success (CI,
-    under load). Recorded, stop_between_steps raises it again."""
+    under load). Recorded, stop_between_steps raises it again at the next
+    step; and a signal coming `resend_s` or more after the first (a cancel's
+    SIGTERM: torchrun's re-sends come at once) raises it again where there is
+    no step to wait for (validation, a save): still installed, this handler's
+    first exception never reached speculators' wrapper, which restores the
+    handlers as soon as it catches it."""
     class RecordingShutdownHandler(base):
+        resend_s = 1.0
+        _first_at = 0.0
+
         def _handler(self, signum, frame):
             if os.getpid() == self._owner_pid:   # (a forked dataloader worker: not ours)
                 on_signal()
+                now = time.monotonic()
+                if self._interrupted and now - self._first_at >= self.resend_s:
+                    self._interrupted = False   # the first was lost: raise again
+                if not self._interrupted:
+                    self._first_at = now
             return super()._handler(signum, frame)
     RecordingShutdownHandler.speculators_handler = getattr(base, "speculators_handler", base)
     return RecordingShutdownHandler
