@@ -370,13 +370,20 @@ def run_trainer(ctx: StageContext, training: Training) -> None:
     the online servers stopped however it ends."""
     servers = training.servers
     try:
-        if ranks_per_node(ctx) > 1 or ctx.cfg.cluster.nodes > 1:
-            run_torchrun(ctx, training.argv)
-        else:
-            training.metrics = run_in_process(ctx, training.argv, training.device_type, servers)
-    finally:
-        if servers is not None:
-            servers.stop()
+        try:
+            if ranks_per_node(ctx) > 1 or ctx.cfg.cluster.nodes > 1:
+                run_torchrun(ctx, training.argv)
+            else:
+                training.metrics = run_in_process(ctx, training.argv, training.device_type,
+                                                  servers)
+        finally:
+            if servers is not None:
+                servers.stop()
+    except Interrupted:
+        # the online watchdog gave up on its servers and asked for the stop:
+        # a failure with the server's error, not a user's cancel
+        if servers is None or servers.fatal is None:
+            raise
     if servers is not None and servers.fatal is not None:
         raise StageError(f"training stopped (a checkpoint was saved): {servers.fatal}",
                          hint=servers.fatal.hint)

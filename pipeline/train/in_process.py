@@ -123,6 +123,7 @@ class Hooks:
                  plateau: PlateauWatch | None = None):
         self.ctx, self.metrics, self.plateau = ctx, metrics, plateau
         self.interrupted_at = None
+        self.signalled = False
 
     def on_validation(self, epoch: int, val: dict | None) -> bool:
         """After epoch `epoch`'s validation: stop here (a plateau)?"""
@@ -151,12 +152,15 @@ class Hooks:
         self.metrics.epochs = n
 
     def should_stop(self) -> bool:
-        return self.ctx.stop_requested
+        return self.ctx.stop_requested or self.signalled
 
     def request_stop(self) -> None:
-        """speculators' signal handler took the SIGINT/SIGTERM (it replaces
-        ours while training): recorded for the step boundary's check."""
-        self.ctx.stop_requested = True
+        """speculators' signal handler took a SIGINT/SIGTERM (it replaces the
+        stage's while training): recorded for the step boundary's check. Not
+        in ctx.stop_requested: the stage's handler, back for the interrupt's
+        save, takes a signal after a recorded stop as "stop now" and the
+        cancel's SIGTERM would cut the save short."""
+        self.signalled = True
 
     def on_interrupted(self, epoch, local_step, global_step) -> None:
         self.interrupted_at = {"epoch": epoch, "local_step": local_step, "global_step": global_step}

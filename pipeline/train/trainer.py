@@ -8,8 +8,8 @@ and validation, the hooks may end training there (speculators has no early
 stop; its epoch loop is left by an exception caught around it, so the
 last checkpoint is that complete epoch's).
 
-A stop is honoured within a step even where speculators' interrupt is
-swallowed on its way (recording_shutdown_handler).
+A stop is honoured at the next step boundary even where speculators'
+interrupt is swallowed on its way (recording_shutdown_handler).
 
 `install` puts it, the safe checkpointer and (on the CPU) the CPU patches
 into speculators' module namespaces for this process — never by editing
@@ -32,7 +32,8 @@ def panel_trainer(base, hooks):
     """A subclass of speculators' Trainer `base` reporting to `hooks`: an
     object with `on_total_steps(n, per_epoch)`, `should_stop()` (checked
     before training and after every step) and
-    `on_interrupted(epoch, local_step, global_step)`, and optionally
+    `on_interrupted(epoch, local_step, global_step)` (and, for `install`,
+    `request_stop()`: a stop signal came), and optionally
     `on_phase(name)` (validating, saving checkpoint: between steps),
     `on_epochs(n)` (the epochs planned: what "epoch 2/4" counts to),
     `on_validation(epoch, val_metrics) -> bool` (True: stop after this
@@ -148,12 +149,13 @@ def recording_shutdown_handler(base, on_signal):
     handlers as soon as it catches it."""
     class RecordingShutdownHandler(base):
         resend_s = 1.0
+        clock = staticmethod(time.monotonic)
         _first_at = 0.0
 
         def _handler(self, signum, frame):
             if os.getpid() == self._owner_pid:   # (a forked dataloader worker: not ours)
                 on_signal()
-                now = time.monotonic()
+                now = self.clock()
                 if self._interrupted and now - self._first_at >= self.resend_s:
                     self._interrupted = False   # the first was lost: raise again
                 if not self._interrupted:
