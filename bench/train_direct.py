@@ -19,6 +19,7 @@ from pipeline.train import trainer as panel_trainer
 class NoHooks:
     def on_total_steps(self, n, per_epoch): pass
     def should_stop(self): return False
+    def request_stop(self): pass
     def on_interrupted(self, *a): pass
 
 panel_trainer.install(cpu=sys.argv[2] == "cpu", hooks=NoHooks())

@@ -438,12 +438,19 @@ async def test_doctor_screen_shows_the_report(tmp_path):
         text = app.screen.report_text()
         assert "layer id 9 is out of range" in text and "1 blocking" in text
         assert "4 layers, hidden 128" in text
-        # one check a line at 100 columns; the cursor on the blocking one, shown whole below
-        shown = screen_text(app).splitlines()
-        tagged = [i for i, r in enumerate(shown) if re.search(r"\[(  ok  | WARN |BLOCK )\] \w", r)]
-        # every finding listed (the detail below repeats the blocking one's tag), no
-        # list row wrapped onto a second line
-        assert len(tagged) == len(app.screen.findings) + 1, shown
+        # one check a line at 100 columns; the cursor on the blocking one, shown whole below:
+        # every finding listed (the detail below repeats the blocking one's tag), no list
+        # row wrapped onto a second line. The list is laid out a refresh after the report
+        # (its width cuts the lines): read until it is, for 5 s
+        want = len(app.screen.findings) + 1
+        for _ in range(50):
+            shown = screen_text(app).splitlines()
+            tagged = [i for i, r in enumerate(shown)
+                      if re.search(r"\[(  ok  | WARN |BLOCK )\] \w", r)]
+            if len(tagged) == want:
+                break
+            await pilot.pause(0.1)
+        assert len(tagged) == want, shown
         assert tagged[-2] - tagged[0] == len(app.screen.findings) - 1, shown
         assert any("fix:" in r for r in shown[tagged[-1]:])
         detail = str(app.screen.query_one("#doctor-detail").render())
