@@ -283,6 +283,9 @@ def cmd_cancel(args) -> int:
         return 0
     code = 0
     for r in results:
+        if r.stage is None:
+            print(f"{rd.id}: the launch under way was stopped before any stage started.")
+            continue
         if not r.was_running:
             print(f"{r.stage}: not running")
             continue
@@ -430,13 +433,28 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+def _in_range(kind: type, low: float, high: float, name: str):
+    """An argparse type for a number the panel takes, in [low, high]
+    (argparse then says "invalid <name> value: '-3'", exit 2)."""
+    def parse(text: str):
+        value = kind(text)
+        if not low <= value <= high:   # (nan fails both)
+            raise ValueError(text)
+        return value
+    parse.__name__ = name
+    return parse
+
+
 def _panel_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--simulate-gpus", type=int, default=argparse.SUPPRESS, metavar="N",
+    p.add_argument("--simulate-gpus", type=_in_range(int, 0, 1024, "GPU count (0 to 1024)"),
+                   default=argparse.SUPPRESS, metavar="N",
                    help="show N simulated GPUs (demo / machines without GPUs)")
-    p.add_argument("--interval", type=float, default=argparse.SUPPRESS,
+    p.add_argument("--interval", type=_in_range(float, 0.5, 3600, "interval (0.5 to 3600 s)"),
+                   default=argparse.SUPPRESS,
                    help="GPU sampling interval in seconds (default 1, at least 0.5)")
-    p.add_argument("--refresh", type=float, default=argparse.SUPPRESS,
+    p.add_argument("--refresh", type=_in_range(float, 0.5, 3600, "refresh (0.5 to 3600 s)"),
+                   default=argparse.SUPPRESS,
                    help="seconds between redraws of the GPU rows (default 2; history keeps "
                         "every sample)")
     return p
@@ -533,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+NEWEST = "\0"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     # `eagle-panel logs STAGE` (no RUN): argparse would take STAGE as RUN.
     if "logs" in argv:
@@ -543,10 +564,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             if not a.startswith("-") and not (j and after[j - 1] in takes_value):
                 rest.append(i + 1 + j)
         if len(rest) == 1 and argv[rest[0]] in STAGE_NAMES:
-            # an empty RUN just before the stage: argparse fills both from one run of
-            # positionals (after `--config F` too), never RUN from the stage
-            argv = argv[:rest[0]] + ["", *argv[rest[0]:]]
+            # a RUN no shell can pass (NUL) just before the stage, read back as "the
+            # newest": argparse fills both from one run of positionals (after
+            # `--config F` too), never RUN from the stage; an empty RUN stays refused
+            argv = argv[:rest[0]] + [NEWEST, *argv[rest[0]:]]
     args = build_parser().parse_args(argv)
+    if getattr(args, "run", None) == NEWEST:
+        args.run = None
     for key, value in DEFAULTS.items():
         if not hasattr(args, key):
             setattr(args, key, value)

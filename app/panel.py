@@ -329,6 +329,8 @@ class PanelApp(App):
         if left:
             self.call_from_thread(self.notify, "could not stop: " + "; ".join(left),
                                   severity="error", timeout=20)
+        elif any(r.stage is None for r in results):
+            self.call_from_thread(self.notify, "cancelled before any stage started", timeout=5)
         else:
             sent = ", ".join(s for r in results for s in r.signals) or "nothing needed"
             self.call_from_thread(self.notify, f"cancelled ({sent})", timeout=5)
@@ -337,7 +339,7 @@ class PanelApp(App):
 def run_panel(args) -> int:
     runs_dir = control.runs_dir(args.config, args.runs_dir)
     try:
-        run = control.resolve_run(runs_dir, args.run) if args.run else \
+        run = control.resolve_run(runs_dir, args.run) if args.run is not None else \
             (list_runs(runs_dir) or [None])[0]
     except RunDirError as e:
         print(f"eagle-panel: {e}")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.run.events import ChangeWaiter, EventTail, EventWriter  # noqa: E402
 from pipeline.run.rundir import RunDir  # noqa: E402
+from tests.configs import write  # noqa: E402
 
 
 def bench_throughput(tmp: Path, n: int) -> tuple[float, float]:
@@ -83,7 +84,7 @@ def bench_latency(tmp: Path, n: int, poll_s: float) -> list[float]:
 def make_big_run(tmp: Path, n: int) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "config.toml"
-    cfg.write_text('[run]\nname = "big"\nruns_dir = "runs"\n')
+    write(cfg, {"run": {"name": "big", "runs_dir": "runs"}})
     rd = RunDir(tmp / "runs" / "big")
     rd.create(cfg.read_text(), tmp)
     w = EventWriter(rd.events_path("train"))

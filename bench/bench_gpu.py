@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import traceback
@@ -44,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import extract_direct  # noqa: E402
 import train_direct  # noqa: E402
+
+from tests.configs import write  # noqa: E402
 
 
 def say(*a):
@@ -252,24 +253,14 @@ def part_extract(small: bool):
 
 # -- 3. the pipeline on CUDA -----------------------------------------------------
 
-CONFIG = """
-[run]
-name = "gpu"
-[data]
-max_samples = {samples}
-[gpus]
-devices = {devices}
-[stages.extract]
-layer_ids = [1, 2, 3]
-batch_tokens = 8192
-[stages.vocab]
-draft_vocab_size = 256
-[stages.train]
-epochs = {epochs}
-total_seq_len = 2048
-[stages.evaluate]
-enabled = {evaluate}
-"""
+def config(devices: list[int], epochs: int, samples: int, evaluate: bool) -> dict:
+    return {"run": {"name": "gpu"}, "data": {"max_samples": samples},
+            "gpus": {"devices": devices},
+            "stages": {"extract": {"layer_ids": [1, 2, 3], "batch_tokens": 8192},
+                       "vocab": {"draft_vocab_size": 256},
+                       "train": {"epochs": epochs, "total_seq_len": 2048},
+                       "evaluate": {"enabled": evaluate}}}
+
 
 def events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -288,9 +279,8 @@ def part_pipeline(small: bool):
     import torch
     cuda = torch.cuda.is_available()
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
-    (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
-        devices="[0]" if cuda else "[]", epochs=1, samples=16 if small else 0,
-        evaluate="false" if small else "true")))
+    write(tmp / "config.toml", config([0] if cuda else [], epochs=1, samples=16 if small else 0,
+                                      evaluate=not small))
     t0 = time.perf_counter()
     r = sh([sys.executable, "-m", "app.cli", "run", "--wait"], tmp, check=False)
     say(f"pipeline on the tiny model, devices {'[0]' if cuda else '[]'}: exit {r.returncode} "

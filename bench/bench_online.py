@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -31,32 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
+from tests.configs import write  # noqa: E402
 
-CONFIG = """
-[run]
-name = "bench"
-[pipeline]
-mode = "{mode}"
-[runtime]
-vllm_python = "{vllm_python}"
-[data]
-max_samples = {samples}
-[gpus]
-devices = [{devices}]
-{gpu_split}
-[stages.extract]
-backend = "auto"
-layer_ids = [1, 2, 3]
-[stages.vocab]
-draft_vocab_size = 256
-[stages.train]
-epochs = {epochs}
-lr = 0.001
-total_seq_len = 1024
-dataloader_workers = {workers}
-[stages.evaluate]
-enabled = false
-"""
+
+def config(mode: str, a, gpus: dict) -> dict:
+    return {"run": {"name": "bench"}, "pipeline": {"mode": mode},
+            "runtime": {"vllm_python": a.vllm_python}, "data": {"max_samples": a.samples},
+            "gpus": gpus,
+            "stages": {"extract": {"backend": "auto", "layer_ids": [1, 2, 3]},
+                       "vocab": {"draft_vocab_size": 256},
+                       "train": {"epochs": a.epochs, "lr": 0.001, "total_seq_len": 1024,
+                                 "dataloader_workers": a.workers},
+                       "evaluate": {"enabled": False}}}
 
 
 def stage(d: Path, name: str) -> tuple[float, dict]:
@@ -85,10 +70,10 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON",
                                                             str(VLLM_VENV / "bin" / "python")))
     a = ap.parse_args()
-    devices, split = "", ""
+    gpus = {"devices": []}
     if a.gpus:
-        devices = ",".join(sorted(set(a.gpus[0].split(",")) | set(a.gpus[1].split(","))))
-        split = f"extract = [{a.gpus[0]}]\ntrain = [{a.gpus[1]}]"
+        ids = [[int(i) for i in g.split(",")] for g in a.gpus]
+        gpus = {"devices": sorted(set(ids[0]) | set(ids[1])), "extract": ids[0], "train": ids[1]}
     tmp = a.work or Path(tempfile.mkdtemp(prefix="bench-online-"))
     tmp.mkdir(parents=True, exist_ok=True)
     try:
@@ -96,9 +81,7 @@ def main() -> None:
         for mode in ("offline", "online"):
             d = tmp / mode
             d.mkdir()
-            (d / "config.toml").write_text(textwrap.dedent(CONFIG.format(
-                mode=mode, vllm_python=a.vllm_python, samples=a.samples, devices=devices,
-                gpu_split=split, epochs=a.epochs, workers=a.workers)))
+            write(d / "config.toml", config(mode, a, gpus))
             stage(d, "prepare")
             stage(d, "vocab")
             wall = 0.0

@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -34,23 +33,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 import extract_direct  # noqa: E402
 import train_direct  # noqa: E402
 
-CONFIG = """
-[run]
-name = "bench"
-runs_dir = "runs"
-[data]
-max_samples = {samples}
-[stages.extract]
-layer_ids = [1, 2, 3]
-batch_tokens = {batch_tokens}
-[stages.vocab]
-draft_vocab_size = 256
-[stages.train]
-epochs = {epochs}
-total_seq_len = 1024
-[stages.evaluate]
-enabled = {evaluate}
-"""
+from tests.configs import write  # noqa: E402
+
+
+def config(a) -> dict:
+    return {"run": {"name": "bench", "runs_dir": "runs"}, "data": {"max_samples": a.samples},
+            "stages": {"extract": {"layer_ids": [1, 2, 3], "batch_tokens": a.batch_tokens},
+                       "vocab": {"draft_vocab_size": 256},
+                       "train": {"epochs": a.epochs, "total_seq_len": 1024},
+                       "evaluate": {"enabled": a.evaluate}}}
+
 
 def sh(args, cwd, env=None):
     e = dict(os.environ, **(env or {}))
@@ -106,9 +98,7 @@ def main():
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
-            epochs=a.epochs, batch_tokens=a.batch_tokens, samples=a.samples,
-            evaluate="true" if a.evaluate else "false")))
+        write(tmp / "config.toml", config(a))
         t0 = time.time()
         sh([sys.executable, "-m", "app.cli", "run", "--wait"], tmp)
         print(f"full pipeline on the tiny model: {time.time() - t0:.0f} s")

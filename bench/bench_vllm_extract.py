@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -40,22 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
 from pipeline.vllm import contract_strings as vs  # noqa: E402
-
-CONFIG = """
-[run]
-name = "bench"
-runs_dir = "runs"
-[model]
-target = "{target}"
-[runtime]
-vllm_python = "{vllm_python}"
-[data]
-max_samples = {samples}
-[stages.extract]
-backend = "{backend}"
-layer_ids = {layer_ids}
-max_inflight = {inflight}
-"""
+from tests.configs import write  # noqa: E402
 
 
 def random_target(tmp: Path, hidden: int, layers: int) -> Path:
@@ -81,9 +65,11 @@ def random_target(tmp: Path, hidden: int, layers: int) -> Path:
 def stage(tmp: Path, name: str, backend: str, a) -> dict:
     from pipeline.run.events import read_events
     layer_ids = [1, a.layers // 2, a.layers - 2] if a.layers else [1, 2, 3]
-    (tmp / "config.toml").write_text(textwrap.dedent(CONFIG.format(
-        target=a.target, vllm_python=a.vllm_python, samples=a.samples, backend=backend,
-        inflight=a.inflight, layer_ids=layer_ids)))
+    write(tmp / "config.toml", {
+        "run": {"name": "bench", "runs_dir": "runs"}, "model": {"target": a.target},
+        "runtime": {"vllm_python": a.vllm_python}, "data": {"max_samples": a.samples},
+        "stages": {"extract": {"backend": backend, "layer_ids": layer_ids,
+                               "max_inflight": a.inflight}}})
     env = dict(os.environ, PYTHONPATH=pythonpath_with_project(os.environ.get("PYTHONPATH")))
     subprocess.run([sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir",
                     str(tmp / "runs/bench"), "--config", str(tmp / "config.toml")],

@@ -59,39 +59,7 @@ from pipeline.run.executor import proc_alive  # noqa: E402
 from pipeline.run.leftovers import attempt_processes, vllm_processes  # noqa: E402
 from pipeline.run.proctree import TOKEN_VAR, cmdline, environ, live_pids, proc_name  # noqa: E402
 from pipeline.run.rundir import DONE, RunDir  # noqa: E402
-
-CONFIG = """
-[run]
-name = "{name}"
-runs_dir = "{runs}"
-[data]
-max_samples = {samples}
-[runtime]
-cancel_grace_s = 5.0
-term_grace_s = 5.0
-[stages.regenerate]
-enabled = false
-[stages.prepare]
-seq_length = 256
-[stages.extract]
-backend = "{backend}"
-layer_ids = [1, 2, 3]
-min_free_gb = 0.0
-max_inflight = 4
-startup_timeout_s = 600.0
-[stages.vocab]
-draft_vocab_size = 224
-[stages.train]
-epochs = {epochs}
-lr = 0.001
-total_seq_len = 1024
-[stages.evaluate]
-enabled = {evaluate}
-max_prompts = 8
-max_tokens = 32
-baseline = false
-startup_timeout_s = 600.0
-"""
+from tests.configs import write  # noqa: E402
 
 
 def cli(work: Path, *args, session=False, wait=True, timeout=1800):
@@ -106,9 +74,19 @@ def cli(work: Path, *args, session=False, wait=True, timeout=1800):
 
 def write_config(work: Path, name: str, a) -> None:
     work.mkdir(parents=True, exist_ok=True)
-    (work / "config.toml").write_text(CONFIG.format(
-        name=name, runs=work / "runs", samples=a.samples, backend=a.backend, epochs=a.epochs,
-        evaluate="true" if a.evaluate else "false"))
+    write(work / "config.toml", {
+        "run": {"name": name, "runs_dir": str(work / "runs")},
+        "data": {"max_samples": a.samples},
+        "runtime": {"cancel_grace_s": 5.0, "term_grace_s": 5.0},
+        "stages": {
+            "regenerate": {"enabled": False},
+            "prepare": {"seq_length": 256},
+            "extract": {"backend": a.backend, "layer_ids": [1, 2, 3], "min_free_gb": 0.0,
+                        "max_inflight": 4, "startup_timeout_s": 600.0},
+            "vocab": {"draft_vocab_size": 224},
+            "train": {"epochs": a.epochs, "lr": 0.001, "total_seq_len": 1024},
+            "evaluate": {"enabled": a.evaluate, "max_prompts": 8, "max_tokens": 32,
+                         "baseline": False, "startup_timeout_s": 600.0}}})
 
 
 # -- finding victims ---------------------------------------------------------

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import stage_process  # noqa: E402
 
-from tests.configs import merged, render, tiny_pipeline  # noqa: E402
+from tests.configs import merged, render, tiny_pipeline, write  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -108,7 +108,7 @@ def regenerate_both_ways(samples: int, max_tokens: int, concurrency: int) -> Non
     from pipeline.vllm.server import make_server, serving
     folder = Path(tempfile.mkdtemp(prefix="bench-regenerate-"))
     try:
-        (folder / "config.toml").write_text(f"[data]\nmax_samples = {samples}\n")
+        write(folder / "config.toml", {"data": {"max_samples": samples}})
         cfg = load_config(folder / "config.toml")
         target, m = cfg.target_path(), read_model(cfg.target_path())
         env = probe(str(VLLM_VENV / "bin" / "python"))

@@ -84,6 +84,7 @@ import train_direct  # noqa: E402
 from pipeline.builtin import conversations_path  # noqa: E402
 from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402
 from pipeline.vllm import contract_strings as vs  # noqa: E402
+from tests.configs import merged, render, write  # noqa: E402
 
 SPECULATORS = Path(sys.executable).with_name("speculators")
 MiB = 1 << 20
@@ -251,44 +252,26 @@ class Bench:
                                     "category": "held-out"}) + "\n")
         self.out.update(conversations=len(train), eval_prompts=len(held))
 
-    def config_text(self, name: str, extra_eval: str = "") -> str:
+    def config_text(self, name: str) -> str:
         s = self.s
-        return f"""
-[run]
-name = "{name}"
-runs_dir = "runs"
-[model]
-target = "{self.a.target}"
-trust_remote_code = {"true" if self.kimi else "false"}
-[data]
-path = "{self.work / 'conversations.jsonl'}"
-[runtime]
-vllm_python = "{self.a.vllm_python}"
-[stages.regenerate]
-enabled = false
-[stages.prepare]
-seq_length = {s['seq_length']}
-[stages.extract]
-backend = "auto"
-layer_ids = {json.dumps(s['layer_ids'])}
-[stages.vocab]
-draft_vocab_size = {s['draft_vocab_size']}
-[stages.train]
-epochs = {s['epochs']}
-lr = {s['lr']}
-total_seq_len = {s['total_seq_len']}
-ttt_steps = {s['ttt_steps']}
-num_layers = {s['num_layers']}
-train_ratio = {s['train_ratio']}
-seed = {s['seed']}
-{"".join(f"{k} = {v}{chr(10)}" for k, v in s['rule'].items())}[stages.evaluate]
-enabled = true
-prompts = "{self.work / 'prompts.jsonl'}"
-max_prompts = {self.a.eval_prompts}
-max_tokens = {s['max_tokens']}
-num_speculative_tokens = {s['num_speculative_tokens']}
-baseline = false
-{extra_eval}"""
+        return render({
+            "run": {"name": name, "runs_dir": "runs"},
+            "model": {"target": self.a.target, "trust_remote_code": self.kimi},
+            "data": {"path": str(self.work / "conversations.jsonl")},
+            "runtime": {"vllm_python": self.a.vllm_python},
+            "stages": {
+                "regenerate": {"enabled": False},
+                "prepare": {"seq_length": s["seq_length"]},
+                "extract": {"backend": "auto", "layer_ids": s["layer_ids"]},
+                "vocab": {"draft_vocab_size": s["draft_vocab_size"]},
+                "train": {"epochs": s["epochs"], "lr": s["lr"],
+                          "total_seq_len": s["total_seq_len"], "ttt_steps": s["ttt_steps"],
+                          "num_layers": s["num_layers"], "train_ratio": s["train_ratio"],
+                          "seed": s["seed"], **s["rule"]},
+                "evaluate": {"enabled": True, "prompts": str(self.work / "prompts.jsonl"),
+                             "max_prompts": self.a.eval_prompts, "max_tokens": s["max_tokens"],
+                             "num_speculative_tokens": s["num_speculative_tokens"],
+                             "baseline": False}}})
 
     # -- ours ---------------------------------------------------------------------------
     def ours(self) -> dict:
@@ -343,10 +326,9 @@ baseline = false
         d = self.ours_rd.parent.parent
         seq = round(ours["total_seq_len"] * ours["optimizer_steps"] / theirs_steps)
         # the epochs ours trained, fixed: the budget rule would re-plan them for the new size
-        text = re.sub(r"(?m)^total_seq_len = .*$", f"total_seq_len = {seq}",
-                      (d / "config.toml").read_text())
-        text = re.sub(r"(?m)^epochs = .*$", f"epochs = {ours['epochs'] or self.s['epochs']}", text)
-        (d / "config.toml").write_text(text)
+        write(d / "config.toml", merged(tomllib.loads((d / "config.toml").read_text()), {
+            "stages": {"train": {"total_seq_len": seq,
+                                 "epochs": ours["epochs"] or self.s["epochs"]}}}))
         rc, _ = run([sys.executable, "-m", "app.cli", "run", "--wait"], d / "run.log", d,
                     self.a.timeout)
         if rc != 0:

@@ -587,6 +587,7 @@ def _semantic_checks(cfg: Config, src: str, gpu_count):
         raise ConfigError(f"{src}: `run.name` = {name!r} must be a plain folder name (no "
                           "slashes, not starting with a dot, at most 255 bytes). Fix `run.name`.")
     _check_choices(cfg, src)
+    _check_texts(cfg, src)
     _check_ranges(cfg, src)
     _check_meanings(cfg, src)
     _check_server_args(cfg, src)
@@ -708,6 +709,30 @@ def _check_loss(cfg: Config, algo, src: str) -> None:
                           "Remove `position_decay`, or train dspark or dflash2, which decay.")
 
 
+MAX_WORKERS = 1024   # extractor processes on one machine: well past 8 GPUs x a few each
+
+
+def _check_texts(cfg: Config, src: str) -> None:
+    """Text that must say something: an empty runs folder or data path is
+    taken as the config file's own folder, and a render endpoint that is not
+    a URL fails only later, in prepare."""
+    from urllib.parse import urlparse
+    for where, value, fix in (
+            ("run.runs_dir", cfg.run.runs_dir, 'name the folder the runs go in, e.g. "runs"'),
+            ("data.path", cfg.data.path, 'name a dataset (JSONL or a datasets folder), or '
+             '"builtin:conversations"')):
+        if not value.strip():
+            raise ConfigError(f"{src}: `{where}` = {value!r} is empty: {fix}.")
+    url = cfg.stages.prepare.render_endpoint
+    if url:
+        parts = urlparse(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{src}: `stages.prepare.render_endpoint` = {url!r} is not an "
+                              "http(s) URL. Give a running vLLM server's base URL, e.g. "
+                              '"http://127.0.0.1:8000", or "" to render with the local '
+                              "tokenizer.")
+
+
 def _check_ranges(cfg: Config, src: str) -> None:
     """Counts that must be positive, shares in (0, 1], layer numbers."""
     for where, value in (
@@ -742,9 +767,15 @@ def _check_ranges(cfg: Config, src: str) -> None:
     if not 0 < cfg.stages.extract.gpu_memory_utilization <= 1:
         raise ConfigError(f"{src}: `stages.extract.gpu_memory_utilization` must be in (0, 1], "
                           f"got {cfg.stages.extract.gpu_memory_utilization}.")
-    if not 0 < cfg.stages.train.train_ratio <= 1:
-        raise ConfigError(f"{src}: `stages.train.train_ratio` must be in (0, 1], "
-                          f"got {cfg.stages.train.train_ratio}.")
+    if not 0 < cfg.stages.train.train_ratio < 1:
+        raise ConfigError(f"{src}: `stages.train.train_ratio` must be in (0, 1), got "
+                          f"{cfg.stages.train.train_ratio}: at 1 no sample is left for "
+                          "validation, so train has no estimate and no plateau stop. "
+                          "Set it below 1, e.g. 0.9.")
+    if cfg.stages.extract.workers > MAX_WORKERS:
+        raise ConfigError(f"{src}: `stages.extract.workers` = {cfg.stages.extract.workers} "
+                          f"is past any machine's processes (at most {MAX_WORKERS}). Set it "
+                          "to the extractor processes wanted, or 0 for one per GPU.")
     if cfg.runtime.cancel_grace_s < 0 or cfg.runtime.term_grace_s < 0:
         raise ConfigError(f"{src}: `runtime.cancel_grace_s` and `runtime.term_grace_s` "
                           "must not be negative.")

@@ -16,6 +16,7 @@ launches, drives or reads a run imports this module.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -76,7 +77,8 @@ class Started:
 
 def runs_dir(config_path: str | None, override: str | None) -> Path:
     """Where runs live: --runs-dir, else the config's [run] runs_dir, else
-    ./runs beside the project (an unreadable config must not hide the runs)."""
+    ./runs beside the project (an unreadable default config must not hide the
+    runs; one named with --config is an error: never another config's runs)."""
     if override is not None:
         # named on the command line: it must be a folder that is there
         if not override or not Path(override).is_dir():
@@ -87,8 +89,8 @@ def runs_dir(config_path: str | None, override: str | None) -> Path:
     try:
         return check_runs_dir(load_config(config_path, gpu_check=False).runs_dir())
     except ConfigError:
-        if config_path is not None and not Path(config_path).is_file():
-            raise   # a config named on purpose that is not there: never another one's runs
+        if config_path is not None:
+            raise   # a config named on purpose that cannot be read: never another one's runs
         return config_mod.PROJECT_ROOT / "runs"
 
 
@@ -103,7 +105,10 @@ def load_config(path: str | None, gpu_check: bool = True) -> Config:
 def resolve_run(folder: Path, name: str | None) -> RunDir:
     """RUN may be a path to a run directory or a run id under `folder`;
     no RUN means the newest run."""
-    if name:
+    if name is not None:
+        if not name.strip():
+            raise RunDirError(f"RUN {name!r} is empty: give a run's id (`eagle-panel runs` "
+                              "lists them), or leave it out for the newest run.")
         p = Path(name)
         if p.is_dir() and (p / "state.json").exists():
             return RunDir(p).require()
@@ -165,23 +170,26 @@ def start(rd: RunDir, only: str | None = None, force: bool = False,
 def _start(rd: RunDir, cfg: Config, only: str | None, force: bool, busy_wait: float,
            skipped: list) -> Started:
     ex = executor.for_run(rd)   # the one executor this start asks whether a stage runs
-    holder = driver.busy_launcher(rd, wait=busy_wait, ex=ex)
-    if holder is not None:
+    lock, holder = driver.claim(rd, wait=busy_wait, ex=ex)
+    if lock is None:
         raise Busy(rd, holder)
-    state = reconcile(rd, ex)
-    from pipeline.run.leftovers import stop_survivors
-    stop_survivors(state, ex.alive)   # what ended attempts left running: stopped
-    steps = driver.plan(cfg, state, only, force)
-    blocked = [s for s in steps if s.action == "blocked"]
-    if blocked:
-        raise Blocked(f"{rd.id}: cannot run {only}: {blocked[0].why}. Run the pipeline "
-                      "without --stage first.")
-    if all(s.action == "skip" for s in steps):
-        return Started(rd, steps)
-    if skipped:
-        driver.say_in_log(rd, "launched with --skip-checks over doctor's blocking findings: "
-                          + "; ".join(f"{f.area}: {f.message}" for f in skipped))
-    return Started(rd, steps, driver.start_driver(rd, only, force))
+    try:
+        state = reconcile(rd, ex)
+        from pipeline.run.leftovers import stop_survivors
+        stop_survivors(state, ex.alive)   # what ended attempts left running: stopped
+        steps = driver.plan(cfg, state, only, force)
+        blocked = [s for s in steps if s.action == "blocked"]
+        if blocked:
+            raise Blocked(f"{rd.id}: cannot run {only}: {blocked[0].why}. Run the pipeline "
+                          "without --stage first.")
+        if all(s.action == "skip" for s in steps):
+            return Started(rd, steps)
+        if skipped:
+            driver.say_in_log(rd, "launched with --skip-checks over doctor's blocking "
+                              "findings: " + "; ".join(f"{f.area}: {f.message}" for f in skipped))
+        return Started(rd, steps, driver.start_driver(rd, only, force, lock_fd=lock))
+    finally:
+        os.close(lock)   # (the driver holds it now, where one was started)
 
 
 def resume(rd: RunDir, busy_wait: float = 3.0, skip_checks: bool = False) -> Started:
@@ -217,9 +225,10 @@ def main(argv=None) -> int:
     d.add_argument("--run-dir", required=True)
     d.add_argument("--stage", choices=STAGE_NAMES)
     d.add_argument("--force", action="store_true")
+    d.add_argument("--lock-fd", type=int, help="the run's launcher lock, taken by the launcher")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    return driver.drive(RunDir(a.run_dir).require(), a.stage, a.force)
+    return driver.drive(RunDir(a.run_dir).require(), a.stage, a.force, a.lock_fd)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,12 @@ NUMBERS = [
     ("stages.extract", "max_num_seqs", "0"), ("stages.train", "position_decay", "-0.5"),
     ("stages.train", "ttt_steps", "0"), ("stages.extract", "gpu_memory_utilization", "0"),
     ("gpus", "memory_gb", "-1"), ("stages.train", "keep_generated_gb", "-1"),
+    # no validation sample left; a process count past any machine
+    ("stages.train", "train_ratio", "1.0"), ("stages.extract", "workers", "100000"),
+    # text that says nothing, or is not what it must be
+    ("data", "path", '""'), ("data", "path", '"  "'), ("run", "runs_dir", '""'),
+    ("stages.prepare", "render_endpoint", '"not a url"'),
+    ("stages.prepare", "render_endpoint", '"ftp://host:1"'),
 ]
 # whole snippets: (TOML after [run], what the error must name)
 SNIPPETS = [
@@ -310,6 +316,10 @@ def _fifo(folder: Path, _pid) -> None:
     os.mkfifo(folder / "fifo.toml")
 
 
+def _binary(folder: Path, _pid) -> None:
+    (folder / "binary.toml").write_bytes(bytes(range(256)) * 4)
+
+
 def _loop(folder: Path, _pid) -> None:
     (folder / "loop.toml").symlink_to(folder / "loop.toml")
 
@@ -329,9 +339,10 @@ def file_cases() -> list[Case]:
              ("--config missing", ["nothere.toml"], "not found", "nothere.toml"),
              ("--config a FIFO", ["fifo.toml"], "regular file", "fifo.toml"),
              ("--config a link to itself", ["loop.toml"], "loop.toml", "loop.toml")]
+    named.append(("--config a binary file", ["binary.toml"], "binary.toml", "binary.toml"))
     for label, value, needle, file in named:
-        setup = {"fifo.toml": _fifo, "loop.toml": _loop}.get(value[0])
-        for command in (["run"], ["status"], ["doctor"]):
+        setup = {"fifo.toml": _fifo, "loop.toml": _loop, "binary.toml": _binary}.get(value[0])
+        for command in (["run"], ["status"], ["doctor"], ["runs"]):
             out.append(Case(FILES, f"{label} {command[0]}", needle, argv=["--config", *value,
                             *command], file=file, setup=setup))
     out.append(Case(FILES, "doctor --json on a bad config", "{", b"[run]\nname = 3\n",
@@ -357,6 +368,11 @@ def cli_cases() -> list[Case]:
         (["--runs-dir", "nothere", "status"], "nothere"), (["status", "t", "--json", "x"], "x"),
         (["status", "/etc"], "/etc"), (["logs", "../..", "train"], ".."),
         (["cancel", "t", "--grace", "-1"], "--grace"), (["logs", "t", "train", "-n", "-5"], "-n"),
+        # an empty id is refused like a blank one (never "the newest run")
+        (["status", ""], "RUN ''"), (["cancel", ""], "RUN ''"), (["resume", ""], "RUN ''"),
+        # numbers the panel takes, out of range: refused before it opens
+        (["--simulate-gpus", "-3"], "--simulate-gpus"), (["--interval", "0"], "--interval"),
+        (["--refresh", "nan"], "--refresh"), (["ui", "--interval", "-1"], "--interval"),
     ):
         out.append(Case(CLI, "eagle-panel " + " ".join(map(repr, argv)), needle, argv=argv,
                         file=""))

@@ -2,7 +2,10 @@
 marked `integration` (real stages, the real panel, real processes) or it
 needs a real vLLM (`vllm`, skipped with the reason when none is installed)
 or a GPU (`gpu`). `pytest -m fast` runs the fast tier. pyproject's addopts
-run the files on two pytest-xdist workers (`-n 0` runs them in this process)."""
+run the files on three pytest-xdist workers (`-n 0` runs them in this process):
+on 2 cores, two workers left the CPU idle while their tests waited on servers
+starting and processes ending; a third fills that (24 min 41 s against 27 min
+36 s for the whole suite, the same machine and hour, 2026-12-05)."""
 
 import os
 import sys
@@ -16,7 +19,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
-# Two test workers on 2 cores: OpenMP threads that wait by sleeping, not spinning (seen:
+# Three test workers on 2 cores: OpenMP threads that wait by sleeping, not spinning (seen:
 # tiny-kimi built by two tests at once, beside a training, over 12 CPU-minutes each
 # instead of ~1.5; spinning pools sharing cores are the usual cause). OpenMP reads it
 # when it starts: in every process the tests start too.
@@ -25,6 +28,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # start of a target is told to expect: pipeline.vllm.start_history): their own file.
 os.environ.setdefault("EAGLE_PANEL_START_HISTORY", os.path.join(
     tempfile.gettempdir(), f"eagle-panel-test-starts-{os.getuid()}.jsonl"))
+
+
+def pytest_configure(config):
+    """Seconds by tier and the slowest tests at the end of the run (tests/timing.py),
+    on the controller only: it receives every worker's reports."""
+    if not hasattr(config, "workerinput"):
+        from tests.timing import Timing
+        config.pluginmanager.register(Timing(), "eagle-panel-timing")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from pipeline.config import ConfigError
 from pipeline.config import load as load_config
 from pipeline.train import algorithms
 from pipeline.train.val_metrics import acceptance_length
+from tests.configs import merged, render, write
 
 
 def test_each_algorithm_estimates_from_its_own_metrics():
@@ -33,29 +34,27 @@ def test_each_algorithm_estimates_from_its_own_metrics():
     assert acceptance_length({"full_acc": 0.5}, 3, "dflash") is None
 
 
-def config(tmp_path, train: str, evaluate: str = ""):
-    p = tmp_path / "config.toml"
-    p.write_text(f"[stages.train]\n{train}\n[stages.evaluate]\n{evaluate}\n")
-    return p
+def config(tmp_path, train: dict, evaluate: dict | None = None):
+    return write(tmp_path / "config.toml", {"stages": {"train": train, "evaluate": evaluate or {}}})
 
 
 @pytest.mark.parametrize("train, evaluate, says", [
-    ('algorithm = "eagle_3"', "", "Did you mean 'eagle3'"),
-    ('algorithm = "dspark"\nblock_size = 4', "num_speculative_tokens = 5",
+    ({"algorithm": "eagle_3"}, {}, "Did you mean 'eagle3'"),
+    ({"algorithm": "dspark", "block_size": 4}, {"num_speculative_tokens": 5},
      "DSpark's block of 4: vLLM drafts at most block_size = 4"),
-    ('loss_weights = { cross_entropy = 1.0 }', "", "not one of speculators' losses"),
-    ('loss_weights = { kl_div = 0.0 }', "", "a weight must be positive"),
-    ('algorithm = "dflash"\nloss_weights = { kl_div = 1.0 }', "", "DPACE"),
-    ('algorithm = "peagle"\nposition_decay = 0.8', "", "weighs every position alike"),
-    ('algorithm = "dflash2"', "num_speculative_tokens = 8", "at most block_size - 1 = 7"),
-    ('algorithm = "peagle"\ndraft_layer = "mla"', "", "the llama and MLA draft layers"),
-    ('algorithm = "dflash"\ndraft_layer = "llama"', "", "trains its own layers"),
-    ('algorithm = "peagle"', "num_speculative_tokens = 9", "speculators trains 8 depths"),
-    ('block_size = 8', "", "`stages.train.block_size` is for the block drafters (dflash, dspark, "
-                           "dflash2)"),
-    ('algorithm = "dflash"\nblock_size = 4', "num_speculative_tokens = 5",
+    ({"loss_weights": {"cross_entropy": 1.0}}, {}, "not one of speculators' losses"),
+    ({"loss_weights": {"kl_div": 0.0}}, {}, "a weight must be positive"),
+    ({"algorithm": "dflash", "loss_weights": {"kl_div": 1.0}}, {}, "DPACE"),
+    ({"algorithm": "peagle", "position_decay": 0.8}, {}, "weighs every position alike"),
+    ({"algorithm": "dflash2"}, {"num_speculative_tokens": 8}, "at most block_size - 1 = 7"),
+    ({"algorithm": "peagle", "draft_layer": "mla"}, {}, "the llama and MLA draft layers"),
+    ({"algorithm": "dflash", "draft_layer": "llama"}, {}, "trains its own layers"),
+    ({"algorithm": "peagle"}, {"num_speculative_tokens": 9}, "speculators trains 8 depths"),
+    ({"block_size": 8}, {}, "`stages.train.block_size` is for the block drafters (dflash, dspark, "
+                            "dflash2)"),
+    ({"algorithm": "dflash", "block_size": 4}, {"num_speculative_tokens": 5},
      "at most block_size - 1 = 3 tokens"),
-    ('algorithm = "dflash"\nblock_size = 1', "", "a block of 2 or more"),
+    ({"algorithm": "dflash", "block_size": 1}, {}, "a block of 2 or more"),
 ])
 def test_config_refuses_what_an_algorithm_cannot_do(tmp_path, train, evaluate, says):
     with pytest.raises(ConfigError, match="config.toml") as e:
@@ -65,23 +64,24 @@ def test_config_refuses_what_an_algorithm_cannot_do(tmp_path, train, evaluate, s
 
 def test_train_flags_per_algorithm(tmp_path):
     from pipeline.stages.train import algorithm_flags
-    flags = {name: algorithm_flags(load_config(config(tmp_path, f'algorithm = "{name}"'))
+    flags = {name: algorithm_flags(load_config(config(tmp_path, {"algorithm": name}))
                                    .stages.train) for name in algorithms.ALGORITHMS}
     assert flags["eagle3"] == []            # speculators' default: the argv as before
     # EAGLE-3.1's per-layer norm needs the single one off (they are mutually exclusive)
     assert flags["eagle3.1"] == ["--speculator-type", "eagle3", "--fc-norm",
                                  "--no-norm-before-fc", "--norm-output"]
     assert flags["peagle"] == ["--speculator-type", "peagle"]
-    dflash = load_config(config(tmp_path, 'algorithm = "dflash"\nblock_size = 8')).stages.train
+    dflash = load_config(config(tmp_path, {"algorithm": "dflash", "block_size": 8})).stages.train
     assert algorithm_flags(dflash) == ["--speculator-type", "dflash", "--block-size", "8"]
     assert flags["dspark"] == ["--speculator-type", "dspark"]
     assert flags["dflash2"] == ["--speculator-type", "dflash2"]
     # loss weights: one loss by name, several as speculators' JSON; the decay each one has
-    tuned = load_config(config(tmp_path, 'algorithm = "dspark"\nposition_decay = 2.0\n'
-                                         'loss_weights = { ce = 0.1, tv = 0.9 }')).stages.train
+    tuned = load_config(config(tmp_path, {"algorithm": "dspark", "position_decay": 2.0,
+                                          "loss_weights": {"ce": 0.1, "tv": 0.9}})).stages.train
     assert algorithm_flags(tuned) == ["--speculator-type", "dspark", "--loss-fn",
                                       '{"ce": 0.1, "tv": 0.9}', "--dflash-decay-gamma", "2.0"]
-    eagle = load_config(config(tmp_path, 'loss_weights = { tv = 1.0 }\nposition_decay = 0.8'))
+    eagle = load_config(config(tmp_path, {"loss_weights": {"tv": 1.0},
+                                           "position_decay": 0.8}))
     assert algorithm_flags(eagle.stages.train) == ["--loss-fn", "tv",
                                                    "--ttt-step-loss-decay", "0.8"]
 
@@ -91,16 +91,16 @@ def test_each_algorithm_has_its_own_layers_and_dflash2_its_whole_vocabulary(tmp_
     the DFlash family), and what a fingerprint holds (a run made at the old
     default 1 stays up to date); DFlash2 turns the vocab stage off and trains
     without a vocabulary mapping."""
-    dflash = load_config(config(tmp_path, 'algorithm = "dflash"'))
+    dflash = load_config(config(tmp_path, {"algorithm": "dflash"}))
     assert algorithms.num_layers(dflash.stages.train) == 5
     assert dflash.section_dict("train")["num_layers"] == 5
-    plain = load_config(config(tmp_path, "lr = 0.001"))
+    plain = load_config(config(tmp_path, {"lr": 0.001}))
     assert plain.section_dict("train")["num_layers"] == 1
     assert plain.fingerprint("train", {}) == load_config(
-        config(tmp_path, "lr = 0.001\nnum_layers = 1")).fingerprint("train", {})
-    two = load_config(config(tmp_path, 'algorithm = "dflash"\nnum_layers = 2'))
+        config(tmp_path, {"lr": 0.001, "num_layers": 1})).fingerprint("train", {})
+    two = load_config(config(tmp_path, {"algorithm": "dflash", "num_layers": 2}))
     assert algorithms.num_layers(two.stages.train) == 2
-    dflash2 = load_config(config(tmp_path, 'algorithm = "dflash2"'))
+    dflash2 = load_config(config(tmp_path, {"algorithm": "dflash2"}))
     assert "whole vocabulary" in dflash2.off_reason("vocab") and plain.enabled("vocab")
 
 
@@ -150,7 +150,7 @@ def test_doctor_says_evaluate_skips_a_draft_this_vllm_cannot_serve(tmp_path):
     runner's reason on a vLLM without Triton, OK with it."""
     from pipeline import doctor
     from tests.fakes import vllm_releases
-    cfg = load_config(config(tmp_path, 'algorithm = "dspark"'))
+    cfg = load_config(config(tmp_path, {"algorithm": "dspark"}))
     env = {"python": "3.12.3", "executable": "/opt/env/bin/python", "vllm_dir": None,
            "packages": {"torch": "2.11.0", "speculators": "0.9.0", "vllm": "0.32.0"}}
     for triton, level, says in ((None, doctor.WARN, "evaluate will be skipped"),
@@ -162,7 +162,7 @@ def test_doctor_says_evaluate_skips_a_draft_this_vllm_cannot_serve(tmp_path):
         assert f.level == level and says in f.message, f
     # DFlash2: refused by its architecture (a candidate-head draft), read the same way
     env["packages"]["triton"] = None
-    x = doctor.Inputs(load_config(config(tmp_path, 'algorithm = "dflash2"')), env,
+    x = doctor.Inputs(load_config(config(tmp_path, {"algorithm": "dflash2"})), env,
                       doctor.vllm_env_from(env), None, source=vllm_releases.source("0.32.0"))
     (f,) = doctor.check_draft_method(x)
     assert f.level == doctor.WARN and "DFlash candidate-head drafts" in f.message, f
@@ -177,13 +177,14 @@ def prepared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("algo")
     for name, body in (("prepare", prepare.body), ("extract", extract.body),
                        ("vocab", vocab.body)):
-        code, _, _ = run_body(tmp, name, body, BASE)
+        code, _, _ = run_body(tmp, name, body, render(BASE))
         assert code == 0, name
     return tmp
 
 
-BASE = ("[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\n"
-        "[stages.vocab]\ndraft_vocab_size = 200\n[stages.train]\nlr = 0.001\n")
+BASE = {"data": {"max_samples": 24}, "stages": {"extract": {"layer_ids": [1, 2, 3]},
+                                                "vocab": {"draft_vocab_size": 200},
+                                                "train": {"lr": 0.001}}}
 
 
 TRAINED: dict[str, tuple] = {}
@@ -198,14 +199,15 @@ def train_once(prepared, name: str):
         shutil.copytree(prepared / "r", prepared / name)
         # 4 epochs (~50 steps: a draft vLLM accepts from); DFlash ~1.4 s a step on 2 cores: 3
         # (the block drafters at 1 layer: speculators' 5 take ~4x the time a step)
-        extra = "epochs = 1\nmax_steps = 3\nnum_layers = 1\n" if algorithms.get(name).block \
-            else "epochs = 4\n"
-        cfg = BASE + f'algorithm = "{name}"\n' + extra + EVALUATE
+        extra = {"epochs": 1, "max_steps": 3, "num_layers": 1} if algorithms.get(name).block \
+            else {"epochs": 4}
+        cfg = render(merged(BASE, {"stages": {"train": {"algorithm": name, **extra},
+                                              "evaluate": EVALUATE}}))
         TRAINED[name] = (*run_body(prepared, "train", train.body, cfg, run=name), cfg)
     return TRAINED[name]
 
 
-EVALUATE = "[stages.evaluate]\nmax_prompts = 4\nmax_tokens = 24\nbaseline = false\n"
+EVALUATE = {"max_prompts": 4, "max_tokens": 24, "baseline": False}
 
 
 @pytest.mark.integration
@@ -326,10 +328,10 @@ def test_compare_puts_the_runs_side_by_side(prepared, tmp_path):
 def test_the_default_algorithm_keeps_older_runs_fingerprints(tmp_path):
     """`algorithm` and `block_size` at their defaults are left out of train's
     fingerprint (a run made before they existed stays up to date); set, they decide."""
-    default = load_config(config(tmp_path, "lr = 0.001"))
+    default = load_config(config(tmp_path, {"lr": 0.001}))
     assert "algorithm" not in default.section_dict("train")
     assert "block_size" not in default.section_dict("train")
-    peagle = load_config(config(tmp_path, 'lr = 0.001\nalgorithm = "peagle"'))
+    peagle = load_config(config(tmp_path, {"lr": 0.001, "algorithm": "peagle"}))
     assert peagle.section_dict("train")["algorithm"] == "peagle"
     assert default.fingerprint("train", {}) != peagle.fingerprint("train", {})
 

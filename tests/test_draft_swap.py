@@ -116,9 +116,10 @@ def test_the_recorded_command_serves_the_swapped_draft_from_the_start():
 def test_doctor_counts_the_target_loads_and_says_why_a_swap_cannot_be(tmp_path):
     from pipeline import doctor
     from pipeline.config import load
-    (tmp_path / "config.toml").write_text(
-        '[stages.regenerate]\nenabled = true\n[stages.train]\nepochs = 4\n'
-        '[stages.evaluate]\ncheckpoints = "all"\n')
+    from tests.configs import write
+    write(tmp_path / "config.toml", {"stages": {"regenerate": {"enabled": True},
+                                                "train": {"epochs": 4},
+                                                "evaluate": {"checkpoints": "all"}}})
     cfg = load(tmp_path / "config.toml", gpu_count=lambda: 0)
 
     def lines(version):

@@ -15,12 +15,32 @@ from pipeline.run.rundir import RunDir, proc_start_ticks
 from tests.helpers import ROOT
 
 
-def test_local_liveness_is_pid_and_start_time():
-    me = {"supervisor_pid": os.getpid(), "supervisor_create_time": proc_start_ticks(os.getpid())}
-    assert Executor().liveness(me) == ALIVE
-    # the same pid with another start time: a reused pid, not ours
-    assert Executor().liveness({**me, "supervisor_create_time": me["supervisor_create_time"] + 1}) \
-        == GONE
+def test_local_liveness_is_pid_start_time_and_the_attempts_token():
+    import subprocess
+
+    from pipeline.run.proctree import SUPERVISOR_VAR, carries
+    token = "r/train/1/0123abcd"
+    sup = subprocess.Popen(["sleep", "60"], env={**os.environ, SUPERVISOR_VAR: token})
+    try:
+        from tests.helpers import wait_for
+        # (while execve runs, /proc/PID/environ reads empty: taken on pid and start time)
+        wait_for(lambda: carries(sup.pid, SUPERVISOR_VAR, token), what="exec'd with its mark")
+        ticks = proc_start_ticks(sup.pid)
+        st = {"token": token, "supervisor_pid": sup.pid, "supervisor_create_time": ticks}
+        assert Executor().liveness(st) == ALIVE
+        # the same pid with another start time: a reused pid, not ours
+        assert Executor().liveness({**st, "supervisor_create_time": ticks + 1}) == GONE
+        # the right pid and start time, another attempt's token: not started by this one
+        assert Executor().liveness({**st, "token": "r/train/2/ffff0000"}) == UNKNOWN
+        assert "was not started by this run" in executor.unverifiable(
+            {**st, "token": "r/train/2/ffff0000"})
+    finally:
+        sup.kill()
+        sup.wait()
+    # this process, its pid and start time exact, carries no token of any attempt
+    me = {"supervisor_pid": os.getpid(), "supervisor_create_time": proc_start_ticks(os.getpid()),
+          "token": token}
+    assert Executor().liveness(me) == UNKNOWN
     # a pid without its start time cannot be told from anyone's
     assert Executor().liveness({"pid": os.getpid(), "create_time": None}) == UNKNOWN
     assert Executor().liveness({}) == GONE

@@ -18,6 +18,7 @@ from pipeline.builtin.tiny_model import ensure_built
 from pipeline.extract.hf import HFBackend
 from pipeline.stages import extract
 from pipeline.vllm import compat as vllm_compat
+from tests.configs import render
 from tests.fakes import standin_engine as se
 from tests.helpers import assert_forward_matches, finished, hs_files, prepared_once, run_body
 
@@ -26,11 +27,13 @@ pytestmark = pytest.mark.integration
 N = 12
 
 
-def config(tp: int = 1, devices: str = "0", batch_tokens: int = 96, extra: str = "") -> str:
-    gpus = f"[gpus]\ndevices = [{devices}]\n" if devices else ""
-    return (f"{gpus}[data]\nmax_samples = {N}\n[stages.extract]\nbackend = \"vllm-engine\"\n"
-            f"layer_ids = [0, 2, 3]\nbatch_tokens = {batch_tokens}\nmax_num_seqs = 3\n"
-            f"tensor_parallel = {tp}\n{extra}")
+def config(tp: int = 1, devices: tuple[int, ...] = (0,), batch_tokens: int = 96,
+           **extract) -> str:
+    """The engine route's extract; `extract`: more of its keys."""
+    return render({"gpus": {"devices": devices}, "data": {"max_samples": N},
+                   "stages": {"extract": {"backend": "vllm-engine", "layer_ids": [0, 2, 3],
+                                          "batch_tokens": batch_tokens, "max_num_seqs": 3,
+                                          "tensor_parallel": tp, **extract}}})
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +132,7 @@ def test_chunking_kv_waits_and_preemption_really_happened(prepared, monkeypatch)
 def test_tensor_parallel_rank_0_writes_alone(prepared, monkeypatch):
     tmp, rd = prepared
     monkeypatch.setattr(vllm_compat, "load_engine_api", se.api_0_16)
-    code, _, evs = run_body(tmp, "extract", extract.body, config(tp=2, devices="0, 1"))
+    code, _, evs = run_body(tmp, "extract", extract.body, config(tp=2, devices=(0, 1)))
     assert code == 0, [e for e in evs if e["type"] == "error"]
     ex = se.LAST["executor"]
     assert [w.rank for w in ex.workers] == [0, 1]
@@ -199,7 +202,7 @@ def test_cancel_keeps_finished_files_and_resume_completes(prepared, monkeypatch)
 def test_engine_route_stops_before_the_disk_fills(prepared, monkeypatch):
     tmp, rd = prepared
     monkeypatch.setattr(vllm_compat, "load_engine_api", se.api_0_16)
-    code, _, evs = run_body(tmp, "extract", extract.body, config(extra="min_free_gb = 1e9\n"))
+    code, _, evs = run_body(tmp, "extract", extract.body, config(min_free_gb=1e9))
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "before the disk fills" in err["message"]
     assert not hs_files(rd)
@@ -210,7 +213,7 @@ def test_data_parallel_engines_share_the_samples(prepared, monkeypatch):
     with its own share; together every sample, once."""
     tmp, rd = prepared
     monkeypatch.setattr(vllm_compat, "load_engine_api", se.api_0_16)
-    code, _, evs = run_body(tmp, "extract", extract.body, config(devices="0, 1"))
+    code, _, evs = run_body(tmp, "extract", extract.body, config(devices=(0, 1)))
     assert code == 0, [e for e in evs if e["type"] == "error"]
     assert finished(evs)["summary"]["computed"] == N and len(hs_files(rd)) == N
     ends = [i for i, e in enumerate(evs) if e["type"] == "stage_finished"]
@@ -271,7 +274,7 @@ def test_engines_fed_by_the_shared_queue_of_the_nodes(prepared, monkeypatch, tmp
         return run
 
     monkeypatch.setattr(extract, "backend_runner", fed)
-    code, _, evs = run_body(tmp, "extract", extract.body, config(devices="0, 1"))
+    code, _, evs = run_body(tmp, "extract", extract.body, config(devices=(0, 1)))
     assert code == 0, [e for e in evs if e["type"] == "error"]
     assert seen["rows"] == list(range(N)) and len(hs_files(rd)) == N
     q = WorkQueue(tmp_path / "queue", "observer")

@@ -21,6 +21,7 @@ from pipeline.extract.hf import HFBackend
 from pipeline.run.proctree import environ, live_pids
 from pipeline.stages import extract
 from pipeline.vllm.server import SERVER_TOKEN_VAR
+from tests.configs import render
 from tests.fakes import installed_vllm
 from tests.helpers import assert_forward_matches, finished, hs_files, prepared_once, run_body
 
@@ -48,19 +49,20 @@ def fake_vllm(tmp_path_factory):
 
 
 def config(*server_args: str, tp: int = 1, vllm: Path | None = None,
-           devices: str = "[0]") -> str:
-    args = ", ".join(f'"{a}"' for a in server_args)
-    return (f"[data]\nmax_samples = {N}\n[gpus]\ndevices = {devices}\n"
-            + (f'[runtime]\nvllm_python = "{vllm}"\n' if vllm else "")
-            + f"[stages.extract]\nbackend = \"vllm-server\"\n"
-            f"layer_ids = [1, 2, 3]\nserve_command = \"{sys.executable} {STANDIN}\"\n"
-            f"server_args = [{args}]\nstartup_timeout_s = 120.0\nmax_inflight = 3\n"
-            f"tensor_parallel = {tp}\n")
+           devices: tuple[int, ...] = (0,), **extract) -> str:
+    """The stand-in server's extract; `extract`: more of its keys."""
+    return render({"data": {"max_samples": N}, "gpus": {"devices": devices},
+                   **({"runtime": {"vllm_python": str(vllm)}} if vllm else {}),
+                   "stages": {"extract": {
+                       "backend": "vllm-server", "layer_ids": [1, 2, 3],
+                       "serve_command": f"{sys.executable} {STANDIN}",
+                       "server_args": server_args, "startup_timeout_s": 120.0,
+                       "max_inflight": 3, "tensor_parallel": tp, **extract}}})
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    return prepared_once(tmp_path_factory, "vllm_prepared", f"[data]\nmax_samples = {N}\n")
+    return prepared_once(tmp_path_factory, "vllm_prepared", render({"data": {"max_samples": N}}))
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +160,7 @@ def test_data_parallel_servers_share_the_samples(prepared, fake_vllm):
     pulling from one queue. (The stand-in ignores the GPUs; the stage only
     hands them over.)"""
     tmp, rd = prepared
-    cfg = config(tp=2, vllm=fake_vllm["0.33.0"], devices="[0, 1, 2, 3]")
+    cfg = config(tp=2, vllm=fake_vllm["0.33.0"], devices=(0, 1, 2, 3))
     code, _, evs = run_body(tmp, "extract", extract.body, cfg)
     assert code == 0, [e for e in evs if e["type"] == "error"]
     assert len(hs_files(rd)) == N
@@ -173,7 +175,7 @@ def test_data_parallel_servers_share_the_samples(prepared, fake_vllm):
     assert no_server_left()
     from pipeline.config import ConfigError, parse
     with pytest.raises(ConfigError, match="tensor_parallel` = 3 does not divide the 4 GPUs"):
-        parse(config(tp=3, devices="[0, 1, 2, 3]"), gpu_count=None)
+        parse(config(tp=3, devices=(0, 1, 2, 3)), gpu_count=None)
 
 
 def test_serve_command_line_carries_the_extraction_settings(tmp_path):
@@ -233,7 +235,7 @@ def test_stock_connector_file_is_trimmed_converted_and_checked(tmp_path):
 def test_server_route_stops_before_the_disk_fills(prepared, fake_vllm):
     tmp, rd = prepared
     code, _, evs = run_body(tmp, "extract", extract.body,
-                            config(vllm=fake_vllm["0.33.0"]) + "min_free_gb = 100000.0\n")
+                            config(vllm=fake_vllm["0.33.0"], min_free_gb=100000.0))
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "stopped before the disk fills" in err["message"]
     assert "resume" in err["hint"] and not hs_files(rd) and no_server_left()

@@ -11,6 +11,7 @@ import torch
 
 from pipeline.model import fp8
 from pipeline.model.hsfile import validate_file, write_sample
+from tests.configs import render
 from tests.helpers import finished, hs_files, prepared_once, run_body
 
 
@@ -38,22 +39,15 @@ def test_our_quantizer_is_speculators_bit_for_bit(tmp_path):
     assert fp8.bytes_per_token(4, 7168) * 2 < 4 * 7168 * 2 + 8 + 100   # half of bf16
 
 
-CONFIG = """
-[data]
-max_samples = 24
-[stages.prepare]
-seq_length = 128
-[stages.extract]
-backend = "hf"
-layer_ids = [1, 2, 3]
-hidden_states_dtype = "fp8"
-[stages.vocab]
-draft_vocab_size = 256
-[stages.train]
-epochs = 1
-max_steps = 4
-total_seq_len = 512
-"""
+CONFIG = render({
+    "data": {"max_samples": 24},
+    "stages": {
+        "prepare": {"seq_length": 128},
+        "extract": {"backend": "hf", "layer_ids": [1, 2, 3], "hidden_states_dtype": "fp8"},
+        "vocab": {"draft_vocab_size": 256},
+        "train": {"epochs": 1, "max_steps": 4, "total_seq_len": 512},
+    },
+})
 
 
 @pytest.mark.integration

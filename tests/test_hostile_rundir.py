@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,7 @@ from app import cli as cli_mod
 from pipeline import config as config_mod
 from pipeline.run import driver
 from pipeline.run.events import EventWriter
+from pipeline.run.proctree import SUPERVISOR_VAR, environ
 from pipeline.run.reconcile import reconcile
 from pipeline.run.rundir import RunDir, pid_running, proc_start_ticks
 from pipeline.stage_graph import STAGE_NAMES
@@ -380,6 +382,8 @@ def test_deleted_outputs_are_not_shown_as_succeeded_and_resume_reruns_them(finis
 def bystander():
     """An unrelated live process, leader of its own process group."""
     p = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    # exec'd: while execve runs its environment reads empty, and is taken on trust
+    wait_for(lambda: any(b"=" in e for e in environ(p.pid)), what="the bystander exec'd")
     yield p
     p.kill()
     p.wait()
@@ -413,6 +417,28 @@ def test_cancel_never_signals_a_process_it_cannot_verify(finished, capsys, bysta
     time.sleep(0.2)
     assert bystander.poll() is None and pid_running(bystander.pid), "cancel signalled it"
     assert rd.read_state()["stages"]["train"]["status"] == "cancelled"
+
+
+def test_a_row_naming_a_process_the_run_did_not_start_is_unknown_and_never_signalled(
+        finished, capsys, bystander):
+    """A row carrying an unrelated process's pid with its real start time (as
+    stage and as supervisor, one process group and session of its own): pid
+    and start time prove which process it is, not that the run started it.
+    Shown unknown with why and the command that clears it; `resume` and
+    `cancel` send it nothing."""
+    rd, cfg = finished
+    ticks = proc_start_ticks(bystander.pid)
+    _running_row(rd, pid=bystander.pid, pgid=bystander.pid, create_time=ticks,
+                 supervisor_pid=bystander.pid, supervisor_create_time=ticks)
+    code, out, _ = run_main(capsys, "status", "t", "--config", cfg)
+    assert code == 0 and "unknown" in next(ln for ln in out.splitlines()
+                                           if ln.startswith("train")), out
+    assert "was not started by this run" in out and "eagle-panel resume t" in out, out
+    p = cli("cancel", "t", "--config", cfg, cwd=cfg.parent, check=0)
+    assert "sent nothing" in p.stdout, p.stdout
+    assert bystander.poll() is None and pid_running(bystander.pid), "cancel signalled it"
+    assert rd.read_state()["stages"]["train"]["status"] == "cancelled"
+    assert "was not started by this run" in rd.read_state()["stages"]["train"]["reason"]
 
 
 def test_a_reused_pid_with_another_start_time_is_not_the_stage(finished, capsys, bystander):
@@ -465,7 +491,8 @@ def test_a_stage_without_its_pid_yet_is_anchored_on_its_supervisor(finished, tmp
             f"'EAGLE_PANEL_TOKEN': {token!r}}})\n"
             "open(sys.argv[1], 'w').write(str(p.pid)); sys.exit(p.wait() and 0)\n")
     marker = tmp_path / "child.pid"
-    sup = subprocess.Popen([sys.executable, "-c", code, str(marker)], start_new_session=True)
+    sup = subprocess.Popen([sys.executable, "-c", code, str(marker)], start_new_session=True,
+                           env={**os.environ, SUPERVISOR_VAR: token})
     try:
         wait_for(lambda: marker.exists() and marker.read_text(), what="the stage up")
         child = int(marker.read_text())
@@ -516,3 +543,33 @@ def test_outputs_on_a_scratch_disk_through_a_link_are_read(finished, capsys, tmp
     code, out, err = run_main(capsys, "status", "t", "--config", cfg)
     assert code == 0 and "outside" not in err, err
     assert "outputs missing" not in out
+
+
+# -- where a run may be ----------------------------------------------------------
+
+def test_a_run_directory_that_is_a_link_is_never_followed(finished, tmp_path, capsys):
+    """runs/lnk -> a finished run kept outside runs_dir: not listed, and
+    `status`, `resume` and `run --run lnk` refuse it (exit 2, the link named)
+    without writing anything on either side of the link."""
+    rd, cfg = finished
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    import shutil
+    shutil.copytree(rd.path, outside / "kept")
+    os.symlink(outside / "kept", tmp_path / "runs" / "lnk")
+    before = tree(tmp_path / "runs"), tree(outside)
+    code, out, _ = run_main(capsys, "runs", "--config", cfg)
+    assert code == 0 and "lnk" not in out and "t" in out, out
+    for argv in (["status", "lnk"], ["resume", "lnk"], ["run", "--run", "lnk"]):
+        code, out, err = run_main(capsys, *argv, "--config", cfg)
+        assert code == 2 and "a link" in err and "lnk" in err, (argv, out, err)
+    assert (tree(tmp_path / "runs"), tree(outside)) == before
+
+
+def test_a_runs_dir_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """A runs folder on a read-only filesystem (sysfs: read-only to root too)."""
+    ro = Path("/sys/kernel/eagle-panel-runs")
+    stagekit_config(tmp_path, extra={"run": {"runs_dir": str(ro)}})
+    code, out, err = run_main(capsys, "run", "--config", tmp_path / "config.toml")
+    assert code == 2 and "cannot create or lock the run" in err and str(ro) in err, err
+    assert not ro.exists()

@@ -16,28 +16,28 @@ from tests.test_reads_never_write import tree
 
 pytestmark = pytest.mark.integration
 
-# each: (config lines for the stagekit config, what doctor's line says)
+# each: (tables laid over the stagekit config, what doctor's line says)
 REFUSED = {
     "layer ids repeated and out of range": (
-        "[stages.extract]\nlayer_ids = [1, 1, 99]\n",
+        {"stages": {"extract": {"layer_ids": [1, 1, 99]}}},
         ["layer id 99 is out of range", "lists layer 1 twice"]),
-    "layer ids out of order": ("[stages.extract]\nlayer_ids = [3, 1, 2]\n",
+    "layer ids out of order": ({"stages": {"extract": {"layer_ids": [3, 1, 2]}}},
                                ["not in increasing order", "e.g. [1, 2, 3]"]),
     "tensor parallel against 4 heads / 2 KV heads": (
-        '[stages.extract]\nbackend = "vllm-server"\ntensor_parallel = 3\n',
+        {"stages": {"extract": {"backend": "vllm-server", "tensor_parallel": 3}}},
         ["tensor-parallel size 3 does not fit the target's 4 attention heads / 2 KV heads",
          "use a size in [1, 2, 4]"]),
     "requests longer than the target's positions": (
-        "[stages.prepare]\nseq_length = 4000\n",
+        {"stages": {"prepare": {"seq_length": 4000}}},
         ["4,008 tokens per request, more than the target's max_position_embeddings 2,048"]),
     "evaluate's answers past the positions": (
-        "[stages.prepare]\nseq_length = 1900\n[stages.evaluate]\nmax_tokens = 400\n",
+        {"stages": {"prepare": {"seq_length": 1900}, "evaluate": {"max_tokens": 400}}},
         ["seq_length + [stages.evaluate] max_tokens (+8) = 2,308"]),
     "a stage interpreter that does not run": (
-        '[runtime]\npython = "/bin/false"\n',
+        {"runtime": {"python": "/bin/false"}},
         ["[runtime] python = '/bin/false' is not a working Python 3.10+ (exit 1)"]),
     "a draft vocabulary larger than the target's": (
-        "[stages.vocab]\ndraft_vocab_size = 32000\n",
+        {"stages": {"vocab": {"draft_vocab_size": 32000}}},
         ["draft_vocab_size 32,000 is larger than the target's vocabulary (1,024 tokens)"]),
 }
 
@@ -62,9 +62,9 @@ def test_run_refuses_before_creating_anything(tmp_path, stagekit, case):
 
 
 def test_a_remote_code_target_with_the_flag_off(tmp_path, stagekit):
-    stagekit(extra=f'[model]\ntarget = "{kimi_folder(tmp_path)}"\n'
-                   "[stages.extract]\nlayer_ids = [2, 30, 58]\n"
-                   "[stages.vocab]\ndraft_vocab_size = 32000\n")
+    stagekit(extra={"model": {"target": str(kimi_folder(tmp_path))},
+                    "stages": {"extract": {"layer_ids": [2, 30, 58]},
+                               "vocab": {"draft_vocab_size": 32000}}})
     p = cli("run", cwd=tmp_path, check=2)
     assert "auto_map (custom code) and [model] trust_remote_code = false" in p.stderr
     assert "set [model] trust_remote_code = true" in p.stderr
@@ -72,7 +72,7 @@ def test_a_remote_code_target_with_the_flag_off(tmp_path, stagekit):
 
 
 def test_a_warning_does_not_block(tmp_path, stagekit):
-    stagekit(extra="[stages.evaluate]\nnum_speculative_tokens = 5\n")
+    stagekit(extra={"stages": {"evaluate": {"num_speculative_tokens": 5}}})
     cli("run", "--wait", cwd=tmp_path, check=0)
 
 
@@ -82,7 +82,7 @@ def test_an_existing_run_is_left_untouched_and_skip_checks_is_logged(tmp_path, s
     run = tmp_path / "runs" / "t"
     before = tree(run)
     # the same run with a config that cannot work: refused, the run as it was
-    stagekit(extra="[stages.extract]\nlayer_ids = [1, 1, 99]\n")
+    stagekit(extra={"stages": {"extract": {"layer_ids": [1, 1, 99]}}})
     cli("run", "--force", cwd=tmp_path, check=2)
     assert tree(run) == before
     # an expert launches anyway: said in the run's log; then resume (the frozen
@@ -98,7 +98,7 @@ def test_an_existing_run_is_left_untouched_and_skip_checks_is_logged(tmp_path, s
 
 
 async def test_the_panels_r_shows_the_blocking_lines(tmp_path, stagekit):
-    stagekit(extra='[stages.extract]\nbackend = "vllm-server"\ntensor_parallel = 3\n')
+    stagekit(extra={"stages": {"extract": {"backend": "vllm-server", "tensor_parallel": 3}}})
     app = PanelApp(None, tmp_path / "config.toml", runs_dir=tmp_path / "runs",
                    telemetry=Telemetry(simulate=0))
     async with app.run_test(size=(80, 24)) as pilot:
@@ -117,12 +117,12 @@ def test_owned_server_flags_only_on_purpose_and_then_doctor_warns(tmp_path, stag
     and doctor's launch checks warn about it."""
     from pipeline import config as config_mod
     from pipeline import doctor
-    args = '[stages.evaluate]\nserver_args = ["--host", "0.0.0.0", "--port=8000"]\n'
-    stagekit(extra=args)
+    args = {"server_args": ["--host", "0.0.0.0", "--port=8000"]}
+    stagekit(extra={"stages": {"evaluate": args}})
     p = cli("run", cwd=tmp_path, check=2)
     assert "stages.evaluate.server_args" in p.stderr and "override_server_flags" in p.stderr
     assert not (tmp_path / "runs").exists()
-    cfg_path = stagekit(extra=args + "override_server_flags = true\n")
+    cfg_path = stagekit(extra={"stages": {"evaluate": {**args, "override_server_flags": True}}})
     cfg = config_mod.load(cfg_path, gpu_count=None)
     warned = [f for f in doctor.launch_findings(cfg) if f.area == "privacy"]
     assert [f.level for f in warned] == [doctor.WARN, doctor.WARN], warned

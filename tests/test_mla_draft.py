@@ -27,6 +27,7 @@ from pipeline.paths import VLLM_VENV
 from pipeline.stage_error import StageError
 from pipeline.train import mla_draft
 from pipeline.vllm.environment import VllmEnv
+from tests.configs import render
 from tests.helpers import finished, run_body
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -61,30 +62,17 @@ def build_mla_target(folder: Path) -> Path:
     return folder
 
 
-CONFIG = """
-[model]
-target = "{target}"
-[data]
-max_samples = 24
-[stages.prepare]
-seq_length = 192
-[stages.extract]
-backend = "hf"
-layer_ids = [1, 2, 3]
-[stages.vocab]
-draft_vocab_size = 256
-[stages.train]
-draft_layer = "mla"
-epochs = 2
-lr = 0.003
-total_seq_len = 512
-[stages.evaluate]
-checkpoints = "last"
-max_prompts = 4
-max_tokens = 24
-baseline = false
-startup_timeout_s = 900
-"""
+CONFIG = {   # with [model] target: the tiny MLA target the fixture builds
+    "data": {"max_samples": 24},
+    "stages": {
+        "prepare": {"seq_length": 192},
+        "extract": {"backend": "hf", "layer_ids": [1, 2, 3]},
+        "vocab": {"draft_vocab_size": 256},
+        "train": {"draft_layer": "mla", "epochs": 2, "lr": 0.003, "total_seq_len": 512},
+        "evaluate": {"checkpoints": "last", "max_prompts": 4, "max_tokens": 24,
+                     "baseline": False, "startup_timeout_s": 900},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +82,7 @@ def mla_run(tmp_path_factory):
     from pipeline.stages import extract, prepare, train, vocab
     tmp = tmp_path_factory.mktemp("mla")
     target = build_mla_target(tmp / "target")
-    config = CONFIG.format(target=target)
+    config = render({"model": {"target": str(target)}, **CONFIG})
     times, logs = {}, {}
     rd = None
     for name, body in (("prepare", prepare.body), ("extract", extract.body),
@@ -159,10 +147,10 @@ def test_config_accepts_draft_layer_values_only():
     from pipeline.config import Config, ConfigError, parse
     assert Config().stages.train.draft_layer == "auto"
     for value in ("auto", "llama", "mla"):
-        cfg = parse(f'[stages.train]\ndraft_layer = "{value}"\n', gpu_count=None)
+        cfg = parse(render({"stages": {"train": {"draft_layer": value}}}), gpu_count=None)
         assert cfg.stages.train.draft_layer == value
     with pytest.raises(ConfigError, match="draft_layer"):
-        parse('[stages.train]\ndraft_layer = "deepseek"\n', gpu_count=None)
+        parse(render({"stages": {"train": {"draft_layer": "deepseek"}}}), gpu_count=None)
 
 
 def test_draft_config_from_the_target_and_the_flags():

@@ -9,6 +9,7 @@ from pipeline.run.events import EventWriter
 from pipeline.run.rundir import RunDir, pid_running
 from pipeline.telemetry import Telemetry
 from pipeline.vllm.shutdown_noise import MARK
+from tests.configs import write
 from tests.helpers import cli, kv_tab_text, screen_text, select_stage, until, wait_for
 from widgets.gpu_table import GpuTable
 from widgets.log_view import LogTail, LogView, collapse_cr
@@ -201,24 +202,29 @@ async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
         f.write("START " + "x" * 150 + "MIDDLE" + "x" * 150 + " THE END\n")   # vLLM's arguments
         f.write("progress 10%\rprogress 50%\rprogress 100%\n\x1b[31mred text\x1b[0m\n")
     app = make_app(rd, tmp_path)
+
+    def row(text):   # the screen's row holding `text` ("" when none does yet)
+        return next((r for r in screen_text(app).splitlines() if text in r), "")
     async with app.run_test(size=(80, 24)) as pilot:
         log = app.query_one(LogView)
-        await pilot.pause(0.3)
+        await until(pilot, lambda: any("red text" in log.plain(t) for t in log.lines),
+                    what="the whole log read")
         plain = [log.plain(t) for t in log.lines]
         assert "progress 100%" in plain and "progress 10%" not in " ".join(plain)
         assert MARK in plain and not any("output_handler" in p for p in plain)
         # a line wider than the view: its start and its end on screen; w: whole, sideways
-        long_row = next(r for r in screen_text(app).splitlines() if "START" in r)
+        await until(pilot, lambda: "START" in row("START"), what="the long line on screen")
+        long_row = row("START")
         assert "THE END" in long_row and " … " in long_row, long_row
         await pilot.press("w")
-        await pilot.pause(0.1)
-        assert not log.elide and log.virtual_size.width > 300
-        assert "THE END" not in next(r for r in screen_text(app).splitlines() if "START" in r)
+        await until(pilot, lambda: not log.elide and "THE END" not in row("START"),
+                    what="the long line whole, sideways")
+        assert log.virtual_size.width > 300
         await pilot.press("w")
-        assert log.elide and "MIDDLE" not in screen_text(app)
+        await until(pilot, lambda: log.elide and "MIDDLE" not in screen_text(app),
+                    what="the long line elided again")
         await pilot.press("slash", *"MIDDLE", "enter")   # a match in the part left out: shown
-        await pilot.pause(0.2)
-        assert "MIDDLE" in next(r for r in screen_text(app).splitlines() if "START" in r)
+        await until(pilot, lambda: "MIDDLE" in row("START"), what="the match shown")
         assert "output_handler failed" in rd.log_path("prepare").read_text()   # the file keeps it
         last = log.line_at(len(log.lines) - 1)
         assert last.plain == "red text"
@@ -226,16 +232,16 @@ async def test_log_search_follow_and_fullscreen(tmp_path, stagekit):
         await pilot.press("slash")
         await pilot.press(*"line 42")
         await pilot.press("enter")
-        await pilot.pause(0.2)
-        assert log.search == "line 42" and not log.follow
-        assert log.scroll_offset.y <= plain.index("line 42") <= log.scroll_offset.y + 20
+        await until(pilot, lambda: log.search == "line 42" and not log.follow and
+                    log.scroll_offset.y <= plain.index("line 42") <= log.scroll_offset.y + 20,
+                    what="the search scrolled to its match")
         await pilot.press("f")
         assert log.follow
         await pilot.press("z")
         assert app.screen.has_class("fullscreen")
         await pilot.press("question_mark")
-        await pilot.pause(0.1)
-        assert app.screen.__class__.__name__ == "HelpScreen"
+        await until(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen",
+                    what="the help screen")
         await pilot.press("escape")
 
 
@@ -426,8 +432,8 @@ def test_step_less_metrics_count_on_past_the_cap(tmp_path):
 
 
 async def test_doctor_screen_shows_the_report(tmp_path):
-    (tmp_path / "config.toml").write_text("[stages.extract]\nlayer_ids = [1, 9]\n"
-                                          "[stages.vocab]\ndraft_vocab_size = 256\n")
+    write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 9]},
+                                                "vocab": {"draft_vocab_size": 256}}})
     app = make_app(None, tmp_path)
     async with app.run_test(size=(100, 40)) as pilot:
         await pilot.press("d")

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -20,34 +19,21 @@ import torch
 from pipeline.run.events import read_events
 from pipeline.run.rundir import RunDir
 from pipeline.train.checkpoints import STATE_FILE, complete_checkpoint
+from tests.configs import write
 from tests.helpers import cli, wait_for
 
 pytestmark = pytest.mark.integration
 
-CONFIG = """
-[run]
-name = "e2e"
-runs_dir = "runs"
-
-[stages.prepare]
-seq_length = 192
-
-[stages.extract]
-layer_ids = [1, 2, 3]
-batch_tokens = 192
-
-[stages.vocab]
-draft_vocab_size = 256
-
-[stages.train]
-epochs = 2
-lr = 0.003
-total_seq_len = 768
-checkpoint_freq = 0.25
-
-[stages.evaluate]
-enabled = false     # measured through the real vLLM in test_vllm_pipeline.py
-"""
+CONFIG = {
+    "run": {"name": "e2e", "runs_dir": "runs"},
+    "stages": {
+        "prepare": {"seq_length": 192},
+        "extract": {"layer_ids": [1, 2, 3], "batch_tokens": 192},
+        "vocab": {"draft_vocab_size": 256},
+        "train": {"epochs": 2, "lr": 0.003, "total_seq_len": 768, "checkpoint_freq": 0.25},
+        "evaluate": {"enabled": False},   # measured through the real vLLM in test_vllm_pipeline.py
+    },
+}
 
 
 def kill_stage(rd: RunDir, stage: str) -> None:
@@ -84,7 +70,7 @@ def newest_checkpoint_state(rd: RunDir) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    (tmp / "config.toml").write_text(textwrap.dedent(CONFIG))
+    write(tmp / "config.toml", CONFIG)
     rd = RunDir(tmp / "runs" / "e2e")
     hs = rd.out_dir("extract") / "hidden_states"
     log = {}

@@ -56,9 +56,10 @@ def test_every_stage_records_its_provenance_and_doctor_sees_a_change(tmp_path, s
 @pytest.mark.integration
 def test_a_real_stage_writes_its_record(tmp_path):
     from pipeline.stages import prepare
+    from tests.configs import render
     from tests.helpers import run_body
-    code, rd, _ = run_body(tmp_path, "prepare", prepare.body,
-                           "[data]\nmax_samples = 8\n[stages.prepare]\nseq_length = 64\n")
+    code, rd, _ = run_body(tmp_path, "prepare", prepare.body, render(
+        {"data": {"max_samples": 8}, "stages": {"prepare": {"seq_length": 64}}}))
     assert code == 0
     rec = json.loads((rd.stage_dir("prepare") / provenance.FILE).read_text())
     assert rec["stage"] == "prepare" and rec["ended_at"] >= rec["started_at"]

@@ -52,16 +52,15 @@ def test_changed_section_invalidates_downstream_only(tmp_path, stagekit):
     stagekit()
     cli("run", "--wait", cwd=tmp_path, check=0)
     # vocab's section changes: vocab and train (which reads it) re-run.
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(cfg.read_text().replace("draft_vocab_size = 256", "draft_vocab_size = 77"))
+    vocab = {"vocab": {"draft_vocab_size": 77}}
+    stagekit(extra={"stages": vocab})
     p = cli("run", "--wait", cwd=tmp_path, check=0)
     assert starts(tmp_path)[6:] == ["vocab", "train", "evaluate"], p.stdout
     assert "config changed" in p.stdout
     st = state_of(tmp_path)["stages"]
     assert st["prepare"]["attempt"] == 1 and st["vocab"]["attempt"] == 2
     # prepare changes: everything after it re-runs.
-    cfg.write_text(cfg.read_text().replace(
-        '[stages.prepare]\nentry', '[stages.prepare]\nseq_length = 99\nentry'))
+    stagekit(extra={"stages": {**vocab, "prepare": {"seq_length": 99}}})
     cli("run", "--wait", cwd=tmp_path, check=0)
     assert starts(tmp_path)[9:] == ["prepare", "extract", "vocab", "train", "evaluate"]
     assert state_of(tmp_path)["stages"]["regenerate"]["attempt"] == 1   # upstream: untouched
@@ -80,8 +79,7 @@ def test_a_stage_turned_off_is_skipped_and_its_reader_goes_on(tmp_path, stagekit
     assert starts(tmp_path) == ALL[1:]
     p = cli("run", "--wait", cwd=tmp_path, check=0)
     assert "nothing to run" in p.stdout
-    cfg.write_text(cfg.read_text().replace("[stages.regenerate]\n",
-                                           "[stages.regenerate]\nenabled = true\n", 1))
+    stagekit()   # as it was: enabled = true
     cli("run", "--wait", cwd=tmp_path, check=0)
     assert starts(tmp_path)[5:] == ALL   # on: it runs, and so does everything after it
 
@@ -198,6 +196,44 @@ def test_concurrent_launchers_start_a_stage_once(tmp_path, stagekit):
     assert codes.count(0) >= 1, outs
     assert set(codes) <= {0, 3}, outs
     assert starts(tmp_path) == ALL
+    # exactly one was told it started the run (a later one finds it up to date); the
+    # others were told who drives it, exit 3
+    assert sum("started (driver pid" in out for out, _ in outs) == 1, outs
+    assert all("already driving" in err for (_, err), p in zip(outs, procs, strict=True)
+               if p.returncode == 3)
+
+
+def test_a_cancel_during_a_launch_stops_what_the_launch_starts(tmp_path, stagekit):
+    """The cancel comes after the launcher took the run and before its driver
+    exists: recorded, the driver sees it before its first stage and ends (130),
+    and the cancel says so. Then as a user does it: `run`, at once `cancel`:
+    whichever comes first, nothing goes on running."""
+    import threading
+
+    from pipeline.run import driver
+    stagekit({"prepare": "sleep:60"})
+    cli("run", "--stage", "regenerate", "--wait", cwd=tmp_path, check=0)   # the run exists
+    rd = RunDir(tmp_path / "runs" / "t")
+    lock, _ = driver.claim(rd, wait=0)
+    results = []
+    canceller = threading.Thread(target=lambda: results.extend(
+        driver.cancel_run(rd, None, 1.0, 1.0)))
+    canceller.start()
+    wait_for(lambda: rd.read_state().get("cancel_requested"), what="the cancel recorded")
+    p = driver.start_driver(rd, lock_fd=lock)
+    os.close(lock)
+    assert p.wait(timeout=60) == 130
+    canceller.join(timeout=60)
+    assert [(r.stage, r.was_running) for r in results] == [(None, True)], results
+    assert starts(tmp_path) == ["regenerate"]
+    assert rd.read_state()["stages"]["prepare"]["status"] == "pending"
+    # the CLI, one after the other at once
+    cli("run", cwd=tmp_path, check=0)
+    c = cli("cancel", "--grace", "1", cwd=tmp_path, check=0)
+    wait_for(lambda: rd.lock_holder() is None, timeout=60, what="the driver ended")
+    said = "stopped before any stage started" in c.stdout or "prepare: cancelled" in c.stdout
+    assert said, c.stdout
+    assert all(st["status"] != "running" for st in rd.read_state()["stages"].values())
 
 
 def test_supervisor_cleans_up_leftover_processes(tmp_path, stagekit):
@@ -310,9 +346,7 @@ def test_run_directories_are_private_unless_shared(tmp_path, stagekit):
     cli("run", "--wait", cwd=tmp_path, check=0)
     run = tmp_path / "runs" / "t"
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
-    cfg.write_text(cfg.read_text().replace('runs_dir = "runs"\n',
-                                           'runs_dir = "runs"\nshared = true\n', 1)
-                   .replace('name = "t"', 'name = "g"', 1))
+    stagekit(extra={"run": {"shared": True}}, name="g")
     cli("run", "--wait", cwd=tmp_path, check=0)
     assert stat.S_IMODE((tmp_path / "runs" / "g").stat().st_mode) == 0o750
     run.chmod(0o755)

@@ -17,35 +17,33 @@ import pytest
 from pipeline.config import load as load_config
 from pipeline.extract import shared_server
 from pipeline.run.rundir import RunDir, proc_start_ticks
+from tests.configs import merged, write
 from tests.helpers import ROOT, cli, wait_for
 
 
-def config(tmp_path, extra: str = ""):
-    (tmp_path / "config.toml").write_text(textwrap.dedent("""\
-        [stages.regenerate]
-        enabled = true
-        share_server = true
-        """) + (extra or '[stages.extract]\nbackend = "auto"\n'))
+def config(tmp_path, extra: dict | None = None):
+    """Regenerate sharing its server, and `extra` (default: extract's backend auto)."""
+    shared = {"stages": {"regenerate": {"enabled": True, "share_server": True}}}
+    write(tmp_path / "config.toml",
+          merged(shared, extra or {"stages": {"extract": {"backend": "auto"}}}))
     return load_config(tmp_path / "config.toml")
 
 
 def test_what_shares_and_what_does_not(tmp_path):
+    hf = {"stages": {"extract": {"backend": "hf"}}}
     assert shared_server.why_not(config(tmp_path)) is None
-    assert shared_server.why_not(config(tmp_path, '[stages.extract]\nbackend = "hf"\n')) == \
-        "extract's backend is 'hf'"
-    assert shared_server.why_not(config(tmp_path, '[pipeline]\nmode = "online"\n')) == \
+    assert shared_server.why_not(config(tmp_path, hf)) == "extract's backend is 'hf'"
+    assert shared_server.why_not(config(tmp_path, {"pipeline": {"mode": "online"}})) == \
         "extract is off"
-    assert "server_args" in shared_server.why_not(config(
-        tmp_path, '[stages.extract]\nbackend = "auto"\nserver_args = ["--max-num-seqs", "4"]\n'))
-    assert "env differ" in shared_server.why_not(config(
-        tmp_path, '[stages.extract]\nbackend = "auto"\nenv = { HF_HOME = "/x" }\n'))
-    (tmp_path / "config.toml").write_text("[stages.regenerate]\nenabled = true\n")
+    assert "server_args" in shared_server.why_not(config(tmp_path, {"stages": {"extract": {
+        "backend": "auto", "server_args": ["--max-num-seqs", "4"]}}}))
+    assert "env differ" in shared_server.why_not(config(tmp_path, {"stages": {"extract": {
+        "backend": "auto", "env": {"HF_HOME": "/x"}}}}))
+    write(tmp_path / "config.toml", {"stages": {"regenerate": {"enabled": True}}})
     off = load_config(tmp_path / "config.toml")
     assert shared_server.why_not(off) == "[stages.regenerate] share_server = false"
     # how, not what: no part of regenerate's fingerprint (toggling it reruns nothing)
-    assert off.fingerprint("regenerate", {}) == config(tmp_path, '[stages.extract]\nbackend = '
-                                                                 '"hf"\n').fingerprint(
-        "regenerate", {})
+    assert off.fingerprint("regenerate", {}) == config(tmp_path, hf).fingerprint("regenerate", {})
 
 
 def test_a_shared_server_a_stage_cannot_use_is_an_error_on_gpus(tmp_path):
@@ -75,12 +73,12 @@ def test_a_shared_server_a_stage_cannot_use_is_an_error_on_gpus(tmp_path):
 def test_doctor_counts_one_load_for_both(tmp_path):
     from pipeline import doctor
     from tests.fakes import vllm_releases
-    for share, says in (("true", ("3 target loads: ", "regenerate + extract (one server: "
-                                                       "share_server) 1")),
-                        ("false", ("4 target loads: ", "regenerate 1", "; extract 1"))):
-        (tmp_path / "config.toml").write_text(
-            f"[stages.regenerate]\nenabled = true\nshare_server = {share}\n"
-            "[stages.extract]\nbackend = \"vllm-server\"\n")
+    for share, says in ((True, ("3 target loads: ", "regenerate + extract (one server: "
+                                                    "share_server) 1")),
+                        (False, ("4 target loads: ", "regenerate 1", "; extract 1"))):
+        write(tmp_path / "config.toml", {"stages": {
+            "regenerate": {"enabled": True, "share_server": share},
+            "extract": {"backend": "vllm-server"}}})
         x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env={},
                           vllm=None, gpus=None, source=vllm_releases.source("0.32.0"),
                           backend="vllm-server")
@@ -151,28 +149,16 @@ def test_one_server_gives_what_two_servers_give(tmp_path):
     for share in ("true", "false"):
         d = tmp_path / f"share-{share}"
         d.mkdir()
-        (d / "config.toml").write_text(textwrap.dedent(f"""\
-            [run]
-            name = "s"
-            [data]
-            max_samples = 16
-            [stages.regenerate]
-            enabled = true
-            max_tokens = 32
-            share_server = {share}
-            [stages.prepare]
-            seq_length = 192
-            [stages.extract]
-            backend = "vllm-server"
-            layer_ids = [1, 2, 3]
-            [stages.vocab]
-            draft_vocab_size = 256
-            [stages.train]
-            epochs = 1
-            total_seq_len = 1024
-            [stages.evaluate]
-            enabled = false
-            """))
+        write(d / "config.toml", {
+            "run": {"name": "s"},
+            "data": {"max_samples": 16},
+            "stages": {
+                "regenerate": {"enabled": True, "max_tokens": 32, "share_server": share == "true"},
+                "prepare": {"seq_length": 192},
+                "extract": {"backend": "vllm-server", "layer_ids": [1, 2, 3]},
+                "vocab": {"draft_vocab_size": 256},
+                "train": {"epochs": 1, "total_seq_len": 1024},
+                "evaluate": {"enabled": False}}})
         rd = RunDir(d / "runs" / "s")
         if share == "true":
             kill_the_driver_while_the_server_starts(d, rd, env)

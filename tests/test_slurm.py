@@ -26,6 +26,7 @@ import pytest
 from pipeline.cluster import slurm
 from pipeline.run.rundir import RunDir
 from pipeline.vllm.server import free_port
+from tests.configs import merged, write
 from tests.helpers import cli, stagekit_config, wait_for
 
 pytestmark = pytest.mark.integration
@@ -74,11 +75,12 @@ def cancelled_after(tmp_path):
     cli("cancel", cwd=tmp_path, timeout=120)
 
 
-CLUSTER = '[cluster]\nscheduler = "slurm"\npartition = "debug"\n{extra}\n'
+CLUSTER = {"scheduler": "slurm", "partition": "debug"}
 
 
-def slurm_config(tmp_path, actions=None, extra="", name="t"):
-    return stagekit_config(tmp_path, actions, CLUSTER.format(extra=extra), name)
+def slurm_config(tmp_path, actions=None, extra=None, name="t"):
+    """stagekit_config's stages as Slurm jobs; `extra`: more of [cluster]."""
+    return stagekit_config(tmp_path, actions, {"cluster": {**CLUSTER, **(extra or {})}}, name)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,7 @@ def time_limited(cluster, tmp_path_factory):
     its minute passes beside the tests between them (a sleeping stage costs no
     CPU), not on its own."""
     d = tmp_path_factory.mktemp("time-limit")
-    slurm_config(d, {"vocab": "sleep_once:600"}, extra='time_limit = "1"')
+    slurm_config(d, {"vocab": "sleep_once:600"}, extra={"time_limit": "1"})
     cli("run", cwd=d, check=0)
     yield d, RunDir(d / "runs" / "t")
     cli("cancel", cwd=d, timeout=120)   # (whatever is left of it: its driver too)
@@ -142,16 +144,15 @@ def test_cancel_scancel_kill_and_resume(cluster, tmp_path):
 
 
 def test_a_scheduler_that_would_refuse_is_said_before_anything(cluster, tmp_path):
-    slurm_config(tmp_path, extra="").write_text(
-        slurm_config(tmp_path).read_text().replace('partition = "debug"', 'partition = "gpu"'))
+    slurm_config(tmp_path, extra={"partition": "gpu"})
     p = cli("run", cwd=tmp_path, check=2)
     assert "partition = 'gpu' does not exist" in p.stderr and "debug" in p.stderr
     assert not (tmp_path / "runs").exists()
     shm = Path("/dev/shm")
     if shm.is_dir() and slurm.fs_type(shm) == "tmpfs":   # node-local by nature
         runs = shm / f"ep-test-{os.getpid()}"
-        (tmp_path / "config.toml").write_text(
-            f'[run]\nname = "t"\nruns_dir = "{runs}"\n' + CLUSTER.format(extra="nodes = 2"))
+        write(tmp_path / "config.toml", {"run": {"name": "t", "runs_dir": str(runs)},
+                                         "cluster": {**CLUSTER, "nodes": 2}})
         p = cli("run", cwd=tmp_path, check=2)
         assert "tmpfs" in p.stderr and "runs_dir" in p.stderr and not runs.exists(), p.stderr
     slurm_config(tmp_path)
@@ -186,42 +187,23 @@ def test_a_multi_node_job_asks_for_the_nodes_that_are_up():
     assert slurm.job_nodes(ClusterSection(nodes=4, min_nodes=2), up=None) == 4
 
 
-MULTI_NODE = """
-[run]
-name = "mn"
-runs_dir = "runs"
-
-[data]
-max_samples = 160
-
-[stages.regenerate]
-enabled = false
-
-[stages.prepare]
-seq_length = 192
-
-[stages.extract]
-backend = "hf"
-workers = 1
-layer_ids = [1, 2, 3]
-batch_tokens = 192
-
-[stages.vocab]
-draft_vocab_size = 224
-
-[runtime]
-env = { EAGLE_PANEL_SIMULATE_GPUS = "2" }   # the node samplers' GPUs: SIMULATED (no GPU here)
-
-[cluster]
-scheduler = "slurm"
-partition = "debug"
-nodes = 2
-lost_after_s = 3
-"""
+MULTI_NODE = {
+    "run": {"name": "mn", "runs_dir": "runs"},
+    "data": {"max_samples": 160},
+    "stages": {
+        "regenerate": {"enabled": False},
+        "prepare": {"seq_length": 192},
+        "extract": {"backend": "hf", "workers": 1, "layer_ids": [1, 2, 3], "batch_tokens": 192},
+        "vocab": {"draft_vocab_size": 224},
+    },
+    # the node samplers' GPUs: SIMULATED (no GPU here)
+    "runtime": {"env": {"EAGLE_PANEL_SIMULATE_GPUS": "2"}},
+    "cluster": {"scheduler": "slurm", "partition": "debug", "nodes": 2, "lost_after_s": 3},
+}
 
 
 def test_doctor_plans_each_node(cluster, tmp_path):
-    (tmp_path / "config.toml").write_text(MULTI_NODE)
+    write(tmp_path / "config.toml", MULTI_NODE)
     p = cli("doctor", "--json", cwd=tmp_path, timeout=300)
     found = [f for f in json.loads(p.stdout)["findings"] if f["area"] == "cluster"]
     plan = next((f["message"] for f in found if "nodes per extract" in f["message"]), None)
@@ -233,7 +215,7 @@ def _pipeline_config(tmp_path, name: str, nodes: int, ranks: int, backend: str,
                      extra: dict | None = None):
     """The built-in target's pipeline at a test's size over `nodes` nodes,
     training on `ranks` CPU ranks per node (gloo); regenerate and evaluate off."""
-    from tests.configs import merged, tiny_pipeline, write
+    from tests.configs import tiny_pipeline
     tables = tiny_pipeline(name, samples=24, stages={
         "regenerate": {"enabled": False}, "evaluate": {"enabled": False},
         "extract": {"backend": backend, "workers": 1, "max_inflight": 2},
@@ -414,8 +396,7 @@ def test_a_node_cut_off_mid_extract(cluster, tmp_path, cancelled_after):
     from pipeline.extract.job import RowIds
     from pipeline.model.hsfile import hs_path, validate_file
     from pipeline.run.events import read_events
-    (tmp_path / "config.toml").write_text(MULTI_NODE.replace("max_samples = 160",
-                                                             "max_samples = 80"))
+    write(tmp_path / "config.toml", merged(MULTI_NODE, {"data": {"max_samples": 80}}))
     cli("run", cwd=tmp_path, check=0)
     rd = RunDir(tmp_path / "runs" / "mn")
     hs = rd.out_dir("extract") / "hidden_states"

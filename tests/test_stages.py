@@ -16,6 +16,7 @@ from pipeline.extract import hf as extract_hf
 from pipeline.model import hsfile
 from pipeline.model.info import validate_layer_ids
 from pipeline.stages import extract, prepare, train, vocab
+from tests.configs import merged, render
 from tests.helpers import finished, run_body
 
 pytestmark = pytest.mark.integration
@@ -31,7 +32,7 @@ def tok():
 
 def test_prepare_skips_malformed_rows_with_line_numbers(tmp_path):
     code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
-                             f'[data]\npath = "{broken_conversations_path()}"\n')
+                             render({"data": {"path": str(broken_conversations_path())}}))
     assert code == 0
     summary = finished(evs)["summary"]
     assert summary["samples"] == 20 and summary["skipped"] == len(BROKEN) + 1
@@ -54,7 +55,8 @@ def test_prepare_skips_malformed_rows_with_line_numbers(tmp_path):
 def test_prepare_zero_usable_rows_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(BROKEN) + "\n")
-    code, rd, evs = run_body(tmp_path, "prepare", prepare.body, f'[data]\npath = "{bad}"\n')
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
+                             render({"data": {"path": str(bad)}}))
     assert code == 1
     err = [e for e in evs if e["type"] == "error"][-1]
     assert "no usable rows" in err["message"] and "messages" in err["hint"]
@@ -62,7 +64,8 @@ def test_prepare_zero_usable_rows_is_a_clear_error(tmp_path):
 
 
 def test_prepare_masks_only_assistant_text(tmp_path, tok):
-    code, rd, _ = run_body(tmp_path, "prepare", prepare.body, "[data]\nmax_samples = 30\n")
+    code, rd, _ = run_body(tmp_path, "prepare", prepare.body,
+                           render({"data": {"max_samples": 30}}))
     assert code == 0
     from datasets import load_from_disk
     ds = load_from_disk(str(rd.out_dir("prepare") / "data"))
@@ -85,12 +88,14 @@ def test_prepare_reads_sharegpt_tokenized_and_datasets_folders(tmp_path, tok):
     Dataset.from_list([{"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(
         m["role"], m["role"]), "value": m["content"]} for m in r["messages"]]} for r in rows]
     ).save_to_disk(str(ds_dir))
-    code, rd, evs = run_body(tmp_path, "prepare", prepare.body, f'[data]\npath = "{ds_dir}"\n')
+    code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
+                             render({"data": {"path": str(ds_dir)}}))
     assert code == 0 and finished(evs)["summary"]["samples"] == 12
     tokd = tmp_path / "tok.jsonl"
     tokd.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}) + "\n")
     code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
-                             f'[data]\npath = "{tokd}"\nformat = "tokenized"\n', run="r2")
+                             render({"data": {"path": str(tokd), "format": "tokenized"}}),
+                             run="r2")
     assert code == 0 and finished(evs)["summary"]["supervised_tokens"] == 2
 
 
@@ -126,6 +131,49 @@ def test_boundary_method_on_a_template_that_rewrites_history(tok):
     assert len(stable) == 1
 
 
+def test_a_long_conversation_is_rendered_only_up_to_the_cut(tok):
+    """An agent trace of 400 turns, cut at 96 tokens: the same rows once cut
+    as rendering every turn gives, from a number of renders set by the cut,
+    not by the trace (2,000 turns take no more)."""
+    import copy
+
+    from pipeline.stages.prepare import process_chunk
+
+    class Counting(LocalRenderer):
+        renders = 0
+
+        def text(self, msgs, gen, tools=None):
+            Counting.renders += 1
+            return super().text(msgs, gen, tools)
+
+    def trace(turns):
+        return {"messages": [{"role": ("user", "assistant")[i % 2], "content": f"step {i} ok"}
+                             for i in range(turns)]}
+    everything = process_chunk([(0, trace(400))], LocalRenderer(tok), 10**9, "auto")
+    want = [(ids[:96], mask[:96]) for ids, mask in zip(everything["input_ids"],
+                                                        everything["loss_mask"], strict=True)]
+    counts = []
+    for turns in (400, 2000):
+        Counting.renders = 0
+        got = process_chunk([(0, trace(turns))], Counting(tok), 96, "auto")
+        assert list(zip(got["input_ids"], got["loss_mask"], strict=True)) == want
+        counts.append(Counting.renders)
+    assert counts[0] == counts[1] < 60, counts
+    # a template that is not prefix-stable: one row per turn, those past the cut left out
+    t = copy.copy(tok)
+    t.chat_template = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+        "{% if m['role'] == 'assistant' and not loop.last %}(earlier){% else %}{{ m['content'] }}"
+        "{% endif %}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+    every = [(r.input_ids[:96], r.loss_mask[:96]) for r in
+             LocalRenderer(t).rows(normalize(trace(200))[1]) if sum(r.loss_mask[:96])]
+    Counting.renders = 0
+    cut = process_chunk([(0, trace(2000))], Counting(t), 96, "auto")
+    assert list(zip(cut["input_ids"], cut["loss_mask"], strict=True)) == every and every
+    assert Counting.renders < 100, Counting.renders
+
+
 def test_normalize_rejects_and_accepts():
     assert normalize({"messages": [{"role": "user", "content": "q"},
                                    {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
@@ -151,7 +199,7 @@ def test_prepare_on_the_datasets_people_have(tmp_path, tok):
     from tests import data_corpus
     accepted, skipped = data_corpus.write(tmp_path / "corpus.jsonl")
     code, rd, evs = run_body(tmp_path, "prepare", prepare.body,
-                             '[data]\npath = "corpus.jsonl"\n')
+                             render({"data": {"path": "corpus.jsonl"}}))
     assert code == 0
     summary = finished(evs)["summary"]
     warn = [e for e in evs if e["type"] == "warning"][0]
@@ -199,13 +247,13 @@ def test_a_template_without_tool_support_skips_tool_call_rows(tok):
 
 def test_prepare_an_empty_file_and_a_wrong_datasets_folder(tmp_path):
     (tmp_path / "empty.jsonl").write_bytes(b"")
-    code, _, evs = run_body(tmp_path, "prepare", prepare.body, '[data]\npath = "empty.jsonl"\n',
-                            run="empty")
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body,
+                            render({"data": {"path": "empty.jsonl"}}), run="empty")
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "empty.jsonl is empty" in err["message"]
     from datasets import Dataset
     Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}).save_to_disk(str(tmp_path / "ds"))
-    code, _, evs = run_body(tmp_path, "prepare", prepare.body, '[data]\npath = "ds"\n',
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body, render({"data": {"path": "ds"}}),
                             run="wrong-schema")
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "no usable rows" in err["message"] and "2x no `messages`" in err["message"]
@@ -243,10 +291,10 @@ def test_prepare_through_a_render_endpoint_matches_the_local_template(tmp_path, 
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        base = "[data]\nmax_samples = 40\n"
-        code, rd_local, _ = run_body(tmp_path, "prepare", prepare.body, base, run="local")
-        code2, rd_ep, _ = run_body(tmp_path, "prepare", prepare.body,
-                                   base + f'[stages.prepare]\nrender_endpoint = "{url}"\n', run="ep")
+        base = {"data": {"max_samples": 40}}
+        code, rd_local, _ = run_body(tmp_path, "prepare", prepare.body, render(base), run="local")
+        code2, rd_ep, _ = run_body(tmp_path, "prepare", prepare.body, render(merged(
+            base, {"stages": {"prepare": {"render_endpoint": url}}})), run="ep")
     finally:
         server.shutdown()
     assert code == code2 == 0
@@ -259,9 +307,8 @@ def test_prepare_through_a_render_endpoint_matches_the_local_template(tmp_path, 
 
 
 def test_prepare_unreachable_endpoint_says_what_to_do(tmp_path):
-    code, _, evs = run_body(tmp_path, "prepare", prepare.body,
-                            '[stages.prepare]\nrender_endpoint = "http://127.0.0.1:9"\n'
-                            "render_timeout_s = 2.0\n")
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body, render({"stages": {"prepare": {
+        "render_endpoint": "http://127.0.0.1:9", "render_timeout_s": 2.0}}}))
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "render endpoint unusable" in err["message"]
     assert 'render_endpoint = ""' in err["hint"]
@@ -279,13 +326,13 @@ def test_prepare_needs_trust_remote_code_for_custom_tokenizers(tmp_path):
     (model / "custom_tok.py").write_text(
         "from transformers import PreTrainedTokenizerFast\n"
         "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
-    code, _, evs = run_body(tmp_path, "prepare", prepare.body,
-                            f'[model]\ntarget = "{model}"\n[data]\nmax_samples = 5\n')
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body, render(
+        {"model": {"target": str(model)}, "data": {"max_samples": 5}}))
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "trust_remote_code = true" in err["hint"]
-    code, _, evs = run_body(tmp_path, "prepare", prepare.body,
-                            f'[model]\ntarget = "{model}"\ntrust_remote_code = true\n'
-                            "[data]\nmax_samples = 5\n", run="r2")
+    code, _, evs = run_body(tmp_path, "prepare", prepare.body, render(
+        {"model": {"target": str(model), "trust_remote_code": True}, "data": {"max_samples": 5}}),
+        run="r2")
     assert code == 0 and finished(evs)["summary"]["samples"] == 5
 
 
@@ -317,21 +364,21 @@ def test_length_batches_bound_padded_tokens():
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prepared")
-    code, rd, _ = run_body(tmp, "prepare", prepare.body,
-                           "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\n")
+    code, rd, _ = run_body(tmp, "prepare", prepare.body, render(
+        {"data": {"max_samples": 24}, "stages": {"extract": {"layer_ids": [1, 2, 3]}}}))
     assert code == 0
     return tmp, rd
 
 
 def test_extract_bad_layer_id_and_disk_guard(prepared):
     tmp, rd = prepared
-    code, _, evs = run_body(tmp, "extract", extract.body,
-                            "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 9]\n")
+    code, _, evs = run_body(tmp, "extract", extract.body, render(
+        {"data": {"max_samples": 24}, "stages": {"extract": {"layer_ids": [1, 9]}}}))
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "layer id 9 is out of range" in err["message"]
-    code, _, evs = run_body(tmp, "extract", extract.body,
-                            "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\n"
-                            "min_free_gb = 100000.0\n")
+    code, _, evs = run_body(tmp, "extract", extract.body, render(
+        {"data": {"max_samples": 24},
+         "stages": {"extract": {"layer_ids": [1, 2, 3], "min_free_gb": 100000.0}}}))
     warn = [e for e in evs if e["type"] == "warning"]
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "disk forecast" in warn[0]["message"]
@@ -342,7 +389,9 @@ def test_extract_bad_layer_id_and_disk_guard(prepared):
 def test_extract_validation_detects_damage_and_workers_agree(prepared):
     from safetensors.torch import load_file, save_file
     tmp, rd = prepared
-    cfg = "[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\nbatch_tokens = 600\n"
+    tables = {"data": {"max_samples": 24},
+              "stages": {"extract": {"layer_ids": [1, 2, 3], "batch_tokens": 600}}}
+    cfg = render(tables)
     code, _, _ = run_body(tmp, "extract", extract.body, cfg)
     assert code == 0
     hs = rd.out_dir("extract") / "hidden_states"
@@ -369,7 +418,8 @@ def test_extract_validation_detects_damage_and_workers_agree(prepared):
     assert code == 0 and summary["computed"] == 3 and summary["reused"] == 21
     # Two CPU worker processes write the same files as one process.
     shutil.rmtree(hs)
-    code, _, _ = run_body(tmp, "extract", extract.body, cfg + "workers = 2\n")
+    code, _, _ = run_body(tmp, "extract", extract.body,
+                          render(merged(tables, {"stages": {"extract": {"workers": 2}}})))
     assert code == 0
     for i in range(24):
         got = load_file(str(hs / f"hs_{i}.safetensors"))
@@ -382,11 +432,33 @@ def test_extract_validation_detects_damage_and_workers_agree(prepared):
 
 def test_vocab_rejects_a_draft_vocab_larger_than_the_target(prepared):
     tmp, _ = prepared
-    code, _, evs = run_body(tmp, "vocab", vocab.body,
-                            "[data]\nmax_samples = 24\n[stages.vocab]\ndraft_vocab_size = 5000\n")
+    code, _, evs = run_body(tmp, "vocab", vocab.body, render(
+        {"data": {"max_samples": 24}, "stages": {"vocab": {"draft_vocab_size": 5000}}}))
     err = [e for e in evs if e["type"] == "error"][-1]
     assert code == 1 and "larger than the target's vocabulary (1024)" in err["message"]
 
+
+def test_vocab_runs_speculators_own_mapping_without_its_model_registry():
+    """The stage's mapping is speculators' train/vocab_mapping.py itself,
+    loaded without the package __init__ (every model it knows, 5-10 s):
+    the same file, and the same mapping as the package's import gives."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from pipeline.stages.vocab import speculators_vocab_mapping\n"
+            "m = speculators_vocab_mapping()\n"
+            "alone = 'speculators.models' not in sys.modules\n"
+            "freq = {5: 9, 2: 7, 11: 3, 0: 1}\n"
+            "d2t, t2d = m.build_vocab_mappings_from_distribution(freq, 3, 16)\n"
+            "from speculators.train import vocab_mapping as pkg\n"
+            "same = m.__file__ == pkg.__file__\n"
+            "want = pkg.build_vocab_mappings_from_distribution(freq, 3, 16)\n"
+            "print(alone, same, torch.equal(d2t, want[0]) and torch.equal(t2d, want[1]),\n"
+            "      (torch.arange(3) + d2t).tolist())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split(maxsplit=3) == ["True", "True", "True", "[2, 5, 11]\n"], p.stdout
 
 def test_loss_and_attention_choices():
     assert train.choose_loss("auto", "cpu", "2.13.0") == ("eager", None)

@@ -96,11 +96,13 @@ def test_real_training_stops_at_a_plateau_and_a_resume_keeps_it(tmp_path):
     built-in target, the budget rule on: a plateau no epoch can beat
     (min_delta 10 = +1000%) stops it after patience + 1 epochs."""
     from pipeline.stages import extract, prepare, train, vocab
+    from tests.configs import render
     from tests.helpers import finished, run_body
-    cfg = ("[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\n"
-           "[stages.vocab]\ndraft_vocab_size = 200\n"
-           "[stages.train]\nlr = 0.001\ntarget_steps = 40\nmin_steps = 1\nmax_epochs = 6\n"
-           "patience = 1\nmin_delta = 10.0\n")
+    cfg = render({"data": {"max_samples": 24}, "stages": {
+        "extract": {"layer_ids": [1, 2, 3]},
+        "vocab": {"draft_vocab_size": 200},
+        "train": {"lr": 0.001, "target_steps": 40, "min_steps": 1, "max_epochs": 6,
+                  "patience": 1, "min_delta": 10.0}}})
     for name, body in (("prepare", prepare.body), ("extract", extract.body),
                        ("vocab", vocab.body)):
         code, rd, _ = run_body(tmp_path, name, body, cfg)
@@ -161,16 +163,17 @@ def test_evaluate_names_the_draft_vllm_measured_best(tmp_path):
 
 def test_config_accepts_the_rule_and_best_k(tmp_path):
     from pipeline import config as config_mod
+    from tests.configs import write
     from tests.helpers import ROOT
     cfg = config_mod.load(ROOT / "config.toml", gpu_count=None)
     assert cfg.stages.train.epochs == 0 and cfg.stages.train.total_seq_len == 0
     path = tmp_path / "c.toml"
-    path.write_text('[stages.evaluate]\ncheckpoints = "best-4"\n')
+    write(path, {"stages": {"evaluate": {"checkpoints": "best-4"}}})
     assert config_mod.load(path, gpu_count=None).stages.evaluate.checkpoints == "best-4"
-    path.write_text('[stages.evaluate]\ncheckpoints = "best-x"\n')
+    write(path, {"stages": {"evaluate": {"checkpoints": "best-x"}}})
     with pytest.raises(config_mod.ConfigError, match="best-3"):
         config_mod.load(path, gpu_count=None)
-    path.write_text("[stages.train]\nmax_epochs = 0\n")
+    write(path, {"stages": {"train": {"max_epochs": 0}}})
     with pytest.raises(config_mod.ConfigError, match="max_epochs"):
         config_mod.load(path, gpu_count=None)
 

@@ -11,10 +11,11 @@ import pytest
 from speculators.train.graceful_shutdown import GracefulShutdownHandler, TrainingInterruptedError
 
 from pipeline.run.stage_context import EXIT_INTERRUPTED, Interrupted, StageError
+from tests.configs import render
 
-CFG = ("[data]\nmax_samples = 24\n[stages.extract]\nlayer_ids = [1, 2, 3]\n"
-       "[stages.vocab]\ndraft_vocab_size = 200\n"
-       "[stages.train]\nlr = 0.001\nepochs = 3\ntotal_seq_len = 512\n")
+CFG = render({"data": {"max_samples": 24},
+              "stages": {"extract": {"layer_ids": [1, 2, 3]}, "vocab": {"draft_vocab_size": 200},
+                         "train": {"lr": 0.001, "epochs": 3, "total_seq_len": 512}}})
 
 
 def test_a_sigint_landing_inside_a_logging_handler_still_stops_training(tmp_path, monkeypatch):

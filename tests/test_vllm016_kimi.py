@@ -43,6 +43,7 @@ import torch
 
 from pipeline.paths import PROJECT_ROOT
 from pipeline.run.events import read_events
+from tests.configs import render, write
 from tests.helpers import ROOT, finished, hs_files, prepared_once
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm016]
@@ -110,23 +111,13 @@ def decoder(tmp_path_factory):
     return make_decoder(tmp_path_factory.mktemp("kimi016") / "decoder")
 
 
-def config_text(folder, mla_disable: bool = True) -> str:
-    env = '"1", VLLM_MLA_DISABLE = "1"' if mla_disable else '"1"'
-    return textwrap.dedent(f"""
-        [runtime]
-        python = "{PY}"
-        vllm_python = "{PY}"
-        env = {{ VLLM_CPU_KVCACHE_SPACE = {env} }}
-        [model]
-        target = "{folder}"
-        [data]
-        max_samples = {N}
-        [stages.extract]
-        backend = "vllm-engine"
-        layer_ids = {LAYER_IDS[:-1]}
-        batch_tokens = 256
-        max_num_seqs = 4
-        """)
+def config_tables(folder, mla_disable: bool = True) -> dict:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"} | ({"VLLM_MLA_DISABLE": "1"} if mla_disable else {})
+    return {"runtime": {"python": str(PY), "vllm_python": str(PY), "env": env},
+            "model": {"target": str(folder)},
+            "data": {"max_samples": N},
+            "stages": {"extract": {"backend": "vllm-engine", "layer_ids": LAYER_IDS[:-1],
+                                   "batch_tokens": 256, "max_num_seqs": 4}}}
 
 
 def extract(config, run_dir, mla_disable: bool):
@@ -143,7 +134,7 @@ def extract(config, run_dir, mla_disable: bool):
 
 @pytest.fixture(scope="module")
 def prepared(decoder, tmp_path_factory):
-    return prepared_once(tmp_path_factory, "kimi016run", config_text(decoder))
+    return prepared_once(tmp_path_factory, "kimi016run", render(config_tables(decoder)))
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +178,7 @@ def test_mla_on_vllm_016_cpu_stops_in_its_platform(prepared, decoder):
     run = tmp / "mla-on"
     shutil.copytree(rd.path, run)
     shutil.rmtree(run / "extract", ignore_errors=True)
-    (tmp / "config-mla.toml").write_text(config_text(decoder, mla_disable=False))
+    write(tmp / "config-mla.toml", config_tables(decoder, mla_disable=False))
     p = extract(tmp / "config-mla.toml", run, mla_disable=False)
     assert p.returncode != 0
     log = p.stdout + p.stderr

@@ -150,3 +150,16 @@ vllm:num_requests_waiting{engine="0",model_name="kimi"} 3.0
     m = parse_metrics(text)
     assert m == {"usage_perc": pytest.approx(0.3), "running": 16, "waiting": 3}
     assert parse_metrics("# nothing here\n") is None
+
+
+def test_cpu_flags_are_read_as_linux_spells_them(tmp_path):
+    """The flags vLLM's CPU kernels choose by, from /proc/cpuinfo's own spelling
+    (AVX-512 BF16 is `avx512_bf16` there): a Sapphire Rapids line gives all five."""
+    from pipeline.envprobe import cpu_flags
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 "
+                    "amx_bf16 amx_tile avx512_vnni\nbugs\t\t: spectre_v1\n")
+    assert cpu_flags(str(info)) == ["amx_bf16", "avx2", "avx512_bf16", "avx512f", "fma"]
+    info.write_text("flags\t\t: fpu sse2 avx2\n")
+    assert cpu_flags(str(info)) == ["avx2"]
+    assert cpu_flags(str(tmp_path / "missing")) == []

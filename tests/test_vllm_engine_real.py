@@ -8,13 +8,13 @@ doctor predicts from the same vLLM's source."""
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 from pipeline.paths import PROJECT_ROOT
 from pipeline.run.events import read_events
+from tests.configs import render
 from tests.helpers import ROOT, finished, hs_files, prepared_once
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm016]
@@ -26,19 +26,12 @@ N = 16
 def extracted(tmp_path_factory):
     if not PY.exists():
         pytest.skip("no vLLM 0.16 here: `scripts/install.sh --vllm016` makes .venv-vllm016")
-    config = textwrap.dedent(f"""
-        [runtime]
-        python = "{PY}"
-        vllm_python = "{PY}"
-        env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
-        [data]
-        max_samples = {N}
-        [stages.extract]
-        backend = "vllm-engine"
-        layer_ids = [0, 2, 3]
-        batch_tokens = 256
-        max_num_seqs = 4
-        """)
+    config = render({
+        "runtime": {"python": str(PY), "vllm_python": str(PY),
+                    "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+        "data": {"max_samples": N},
+        "stages": {"extract": {"backend": "vllm-engine", "layer_ids": [0, 2, 3],
+                               "batch_tokens": 256, "max_num_seqs": 4}}})
     tmp, rd = prepared_once(tmp_path_factory, "engine016", config)
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
     p = subprocess.run([str(PY), "-m", "pipeline.stages.extract", "--run-dir", str(rd.path),

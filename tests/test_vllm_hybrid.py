@@ -10,12 +10,12 @@ as transformers' forward on the same weights (bf16 on both sides, other
 kernels: a few percent, where a wrong layer or position is off by tens)."""
 
 import json
-import textwrap
 
 import pytest
 import torch
 
 from pipeline.vllm import contract_strings as vs
+from tests.configs import render
 from tests.helpers import finished, hs_files, prepared_once, run_body
 from tests.test_vllm_real import vllm_env  # noqa: F401 - the module fixture: skip without vLLM
 
@@ -29,18 +29,11 @@ def hybrid(vllm_env, tmp_path_factory):  # noqa: F811 - the fixture imported abo
     from pipeline.stages import extract
     from tests.fakes.tiny_qwen3_next import build
     target = build(tmp_path_factory.mktemp("qwen3_next") / "model")
-    config = textwrap.dedent(f"""
-        [model]
-        target = "{target}"
-        dtype = "bfloat16"
-        [data]
-        max_samples = {N}
-        [stages.prepare]
-        seq_length = 256
-        [stages.extract]
-        backend = "vllm-server"
-        layer_ids = {LAYERS}
-        """)
+    config = render({
+        "model": {"target": str(target), "dtype": "bfloat16"},
+        "data": {"max_samples": N},
+        "stages": {"prepare": {"seq_length": 256},
+                   "extract": {"backend": "vllm-server", "layer_ids": LAYERS}}})
     tmp, rd = prepared_once(tmp_path_factory, "hybrid", config)
     code, rd, events = run_body(tmp, "extract", extract.body, config)
     return {"target": target, "rd": rd, "code": code, "events": events}

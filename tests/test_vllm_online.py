@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -19,32 +18,21 @@ from pipeline.paths import VLLM_VENV
 from pipeline.run.events import read_events
 from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
+from tests.configs import merged, render, write
 from tests.helpers import ROOT, cli, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids
 
 pytestmark = pytest.mark.vllm
 PY = VLLM_VENV / "bin" / "python"
 
-CONFIG = """
-[run]
-name = "{name}"
-[pipeline]
-mode = "{mode}"
-[data]
-max_samples = 64
-[stages.extract]
-backend = "auto"
-layer_ids = [1, 2, 3]
-[stages.vocab]
-draft_vocab_size = 256
-[stages.train]
-epochs = 1
-lr = 0.001
-total_seq_len = 1024
-dataloader_workers = 2
-[stages.evaluate]
-enabled = false
-"""
+
+def config(name: str, mode: str) -> dict:
+    return {"run": {"name": name}, "pipeline": {"mode": mode}, "data": {"max_samples": 64},
+            "stages": {"extract": {"backend": "auto", "layer_ids": [1, 2, 3]},
+                       "vocab": {"draft_vocab_size": 256},
+                       "train": {"epochs": 1, "lr": 0.001, "total_seq_len": 1024,
+                                 "dataloader_workers": 2},
+                       "evaluate": {"enabled": False}}}
 
 
 def disk_bytes(folder):
@@ -73,7 +61,7 @@ def runs(tmp_path_factory):
                        bench), "bench": bench.stdout}
     d = tmp / "online"
     d.mkdir()
-    (d / "config.toml").write_text(textwrap.dedent(CONFIG.format(name="online", mode="online")))
+    write(d / "config.toml", config("online", "online"))
     rd = RunDir(d / "runs" / "online")
     cli("run", cwd=d, check=0, env=env)
     # SIGKILL the vLLM server once training asks it for samples
@@ -123,8 +111,8 @@ def test_online_matches_offline_and_keeps_the_disk_small(runs):
 
 
 def test_online_without_a_usable_vllm_fails_before_training(tmp_path):
-    cfg = (f'[runtime]\nvllm_python = "{sys.executable}"\n[pipeline]\nmode = "online"\n'
-           "[data]\nmax_samples = 8\n[stages.extract]\nlayer_ids = [1, 2, 3]\n")
+    cfg = render({"runtime": {"vllm_python": sys.executable}, "pipeline": {"mode": "online"},
+                  "data": {"max_samples": 8}, "stages": {"extract": {"layer_ids": [1, 2, 3]}}})
     from pipeline.stages import prepare, train
     code, rd, _ = run_body(tmp_path, "prepare", prepare.body, cfg)
     assert code == 0
@@ -169,14 +157,11 @@ def test_hybrid_fp8_reads_the_disk_asks_the_servers_keeps_and_resumes(tmp_path):
     train reads the files on disk, asks the server for the rest and keeps
     what it generates; killed in its first epoch and resumed, it reads what
     it kept instead of generating it again."""
-    import tomllib
-
     from pipeline.model.hsfile import validate_file
-    from tests.configs import merged, write
     if not PY.exists() or probe(str(PY)).unusable([]):
         pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
     env = dict(os.environ, RUN_OF=str(os.getpid()))
-    base = merged(tomllib.loads(CONFIG.format(name="h", mode="offline")), {
+    base = merged(config("h", "offline"), {
         "data": {"max_samples": 32},
         "stages": {"extract": {"hidden_states_dtype": "fp8", "max_inflight": 2},
                    "train": {"epochs": 2, "keep_generated_gb": 1.0}}})

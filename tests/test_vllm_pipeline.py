@@ -15,47 +15,22 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from pipeline.paths import VLLM_VENV
 from pipeline.run.rundir import RunDir
 from pipeline.vllm.environment import probe
+from tests.configs import merged, render, tiny_pipeline, write
 from tests.helpers import ROOT, cli, finished, run_body, stage_summary, wait_for
 from tests.test_vllm_real import server_pids
 
 pytestmark = pytest.mark.vllm
 PY = VLLM_VENV / "bin" / "python"
 
-CONFIG = """
-[run]
-name = "p"
-[data]
-max_samples = 48
-[stages.regenerate]
-enabled = true
-max_tokens = 64
-share_server = true
-chunk_size = 8
-[stages.prepare]
-seq_length = 192
-[stages.extract]
-backend = "auto"
-layer_ids = [1, 2, 3]
-[stages.vocab]
-draft_vocab_size = 256
-[stages.train]
-epochs = 2
-lr = 0.001
-total_seq_len = 1024
-[stages.evaluate]
-checkpoints = "all"
-max_prompts = 12
-max_tokens = 48
-[tracking]
-loggers = ["tensorboard", "mlflow"]
-"""
+CONFIG = tiny_pipeline("p", 48, stages={
+    "regenerate": {"enabled": True, "max_tokens": 64, "share_server": True, "chunk_size": 8},
+    "evaluate": {"checkpoints": "all"}}, tracking={"loggers": ["tensorboard", "mlflow"]})
 
 
 def kill_stage(rd: RunDir, stage: str) -> None:
@@ -78,7 +53,7 @@ def run(tmp_path_factory):
     if not PY.exists() or probe(str(PY)).unusable([]):
         pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
     tmp = tmp_path_factory.mktemp("pipeline")
-    (tmp / "config.toml").write_text(textwrap.dedent(CONFIG))
+    write(tmp / "config.toml", CONFIG)
     env = dict(os.environ, RUN_OF=str(os.getpid()))
     rd = RunDir(tmp / "runs" / "p")
     seen = {}
@@ -281,17 +256,13 @@ def test_mt_bench_per_category_the_gate_and_provenance(run):
     answer) on the trained draft: each request's acceptance from the real
     responses, aggregated per category; the gate failing (passing: the tiny-kimi
     pipeline test, gated at 2.5); the server's command in the provenance."""
-    import tomllib
-
-    from tests.configs import merged, write
     tmp, rd, seen = run
-    base = tomllib.loads(textwrap.dedent(CONFIG))
     mt = {"stages": {"evaluate": {"prompts": "mt-bench", "max_prompts": 16, "max_tokens": 32,
                                   "checkpoints": "last", "baseline": False,
                                   # the most a step can accept (3 drafted + 1): no
                                   # real draft measures it, the gate fails
                                   "min_acceptance": 4.0}}}
-    write(tmp / "config.toml", merged(base, mt))
+    write(tmp / "config.toml", merged(CONFIG, mt))
     p = cli("run", "--stage", "evaluate", "--wait", cwd=tmp, timeout=900)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "below min_acceptance 4" in p.stdout and "lowest category:" in p.stdout
@@ -320,7 +291,8 @@ def test_mt_bench_per_category_the_gate_and_provenance(run):
 
 def test_without_a_usable_vllm_regenerate_and_evaluate_are_skipped(tmp_path):
     """An interpreter with no vLLM: one clear line each, status skipped."""
-    cfg = f'[runtime]\nvllm_python = "{sys.executable}"\n[stages.regenerate]\nenabled = true\n'
+    cfg = render({"runtime": {"vllm_python": sys.executable},
+                  "stages": {"regenerate": {"enabled": True}}})
     code, rd, evs = run_body(tmp_path, "regenerate", __import__(
         "pipeline.stages.regenerate", fromlist=["body"]).body, cfg)
     fin = finished(evs)
@@ -343,7 +315,8 @@ def test_a_stop_while_regenerate_probes_vllm_is_a_cancel_not_a_skip(tmp_path):
     fake.write_text("#!/bin/sh\nkill -INT $PPID\necho KeyboardInterrupt >&2\nexit 130\n")
     fake.chmod(0o755)
     from pipeline.stages import regenerate
-    cfg = f'[runtime]\nvllm_python = "{fake}"\n[stages.regenerate]\nenabled = true\n'
+    cfg = render({"runtime": {"vllm_python": str(fake)},
+                  "stages": {"regenerate": {"enabled": True}}})
     code, rd, evs = run_body(tmp_path, "regenerate", regenerate.body, cfg)
     fin = finished(evs)
     assert code == 130 and fin["status"] == "cancelled", fin

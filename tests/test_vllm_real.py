@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from pipeline.run.rundir import RunDir
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import probe
 from pipeline.vllm.server import SERVER_TOKEN_VAR
+from tests.configs import merged, render, write
 from tests.helpers import (
     ROOT,
     finished,
@@ -55,16 +55,9 @@ def vllm_env():
     return env
 
 
-CONFIG = f"""
-[data]
-max_samples = {N}
-[stages.extract]
-backend = "auto"
-layer_ids = [1, 2, 3]
-max_inflight = 2
-[stages.vocab]
-draft_vocab_size = 256
-"""
+CONFIG = {"data": {"max_samples": N},
+          "stages": {"extract": {"backend": "auto", "layer_ids": [1, 2, 3], "max_inflight": 2},
+                     "vocab": {"draft_vocab_size": 256}}}
 
 
 def server_pids() -> list[int]:
@@ -76,7 +69,7 @@ def server_pids() -> list[int]:
 
 def stage(tmp, name="extract", config=CONFIG, run="r"):
     """The real stage, as the runner starts it: its own process."""
-    (tmp / "config.toml").write_text(textwrap.dedent(config))
+    write(tmp / "config.toml", config)
     return subprocess.Popen(
         [sys.executable, "-m", f"pipeline.stages.{name}", "--run-dir", str(tmp / run),
          "--config", str(tmp / "config.toml")],
@@ -87,7 +80,7 @@ def stage(tmp, name="extract", config=CONFIG, run="r"):
 @pytest.fixture(scope="module")
 def extracted(vllm_env, tmp_path_factory):
     from pipeline.run.events import read_events
-    tmp, rd = prepared_once(tmp_path_factory, "real_vllm", CONFIG)
+    tmp, rd = prepared_once(tmp_path_factory, "real_vllm", render(CONFIG))
     t0 = time.monotonic()
     # 1. Start, and SIGKILL the server's whole tree once a few files are written.
     p = stage(tmp)
@@ -200,8 +193,7 @@ def test_a_server_that_cannot_start_is_quoted(vllm_env, tmp_path):
     """A real start failure: a max length past what the model allows."""
     from pipeline.run.events import read_events
     tmp, rd = tmp_path, RunDir(tmp_path / "r")
-    bad = CONFIG.replace("max_inflight = 2\n",
-                         'max_inflight = 2\nserver_args = ["--max-model-len", "100000"]\n')
+    bad = merged(CONFIG, {"stages": {"extract": {"server_args": ["--max-model-len", "100000"]}}})
     p = stage(tmp, "prepare", bad)
     assert p.wait(timeout=300) == 0
     p = stage(tmp, "extract", bad)

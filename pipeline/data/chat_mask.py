@@ -9,6 +9,12 @@ without `{% generation %}` tags and without a server.
 
 Templates that rewrite earlier turns (some drop past reasoning) are not
 prefix-stable; such a conversation becomes one row per assistant turn.
+
+Rendering through turn j for every j costs the square of the turns; with
+`limit` (prepare's seq_length, where rows are cut) a renderer stops at the
+first assistant turn that begins past it: what it would supervise is cut
+anyway, so the rows are the same once cut, and a 10,000-turn agent trace
+costs what its first `limit` tokens do.
 """
 
 from __future__ import annotations
@@ -164,14 +170,17 @@ class LocalRenderer:
             raise RowError(f"the target's chat template cannot render it "
                            f"({str(e).splitlines()[0][:120]})") from None
 
-    def rows(self, msgs, tools=None) -> list[Row]:
+    def rows(self, msgs, tools=None, limit: int | None = None) -> list[Row]:
         full = self.text(msgs, False, tools)
+        full, cut = self._window(full, limit)
         spans, stable = [], True
         for j, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
             upto = self.text(msgs[:j + 1], False, tools)
             start = self._start(msgs[:j], m, upto, tools)
+            if start is not None and cut is not None and start >= cut:
+                break   # this turn and every later one begin past the cut
             if start is None or not full.startswith(upto):
                 stable = False
             spans.append((j, start, len(upto)))
@@ -179,7 +188,7 @@ class LocalRenderer:
             for j, a, b in spans:
                 _check_calls_rendered(msgs[j], full[a:b])
             return [self._row(full, [(a, b) for _, a, b in spans])]
-        # Not prefix-stable: one row per assistant turn, each rendered alone.
+        # Not prefix-stable: one row per assistant turn (up to the cut), each rendered alone.
         rows = []
         for j, _, _ in spans:
             upto = self.text(msgs[:j + 1], False, tools)
@@ -188,6 +197,26 @@ class LocalRenderer:
                 _check_calls_rendered(msgs[j], upto[start:])
                 rows.append(self._row(upto, [(start, len(upto))]))
         return rows
+
+    SPARE = 16   # tokens past the cut in the window: a window's last tokens may split
+    # differently from the whole text's, never those this far before its end
+
+    def _window(self, full: str, limit: int | None) -> tuple[str, int | None]:
+        """(the text rows are made of, where token `limit` begins in it): the
+        shortest head of `full` that holds `limit` + SPARE tokens, grown by
+        doubling, so that a long trace is never tokenized whole; (full, None)
+        without a limit or when all of it fits."""
+        if limit is None:
+            return full, None
+        n = 4 * (limit + self.SPARE)
+        while True:
+            offsets = self.tok(full[:n], add_special_tokens=False,
+                               return_offsets_mapping=True)["offset_mapping"]
+            if len(offsets) > limit + self.SPARE:
+                return full[:n], offsets[limit][0]
+            if n >= len(full):
+                return full, None
+            n *= 2
 
     def _start(self, before, msg, upto: str, tools) -> int | None:
         """Where assistant turn `msg` begins in `upto` (the conversation
@@ -282,7 +311,7 @@ class EndpointRenderer:
             return None, False
         return len(upto) - len(tail), True
 
-    def rows(self, msgs, tools=None) -> list[Row]:
+    def rows(self, msgs, tools=None, limit: int | None = None) -> list[Row]:
         full = self.ids(msgs, False, tools)
         spans, per_turn, stable = [], [], True
         for j, m in enumerate(msgs):
@@ -292,6 +321,8 @@ class EndpointRenderer:
             start, exact = self._start(msgs[:j], m, upto, tools)
             if start is None:
                 continue   # this turn's boundary cannot be found: not supervised
+            if limit is not None and start >= limit:
+                break   # this turn and every later one begin past the cut
             if not exact or full[:len(upto)] != upto:
                 stable = False
             spans.append((start, len(upto)))

@@ -34,7 +34,7 @@ from pathlib import Path
 from pipeline import config as config_mod
 from pipeline.config import GPU_STAGES, Config
 from pipeline.paths import pythonpath_with_project
-from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull
+from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull, is_full_errno
 from pipeline.run.events import EventWriter
 from pipeline.run.executor import (
     Executor,
@@ -45,12 +45,21 @@ from pipeline.run.executor import (
     for_scheduler,
     proc_alive,
 )
-from pipeline.run.proctree import TOKEN_VAR, proc_name, signal_all, stage_processes, wait_gone
+from pipeline.run.proctree import (
+    SUPERVISOR_VAR,
+    TOKEN_VAR,
+    carries,
+    proc_name,
+    signal_all,
+    stage_processes,
+    wait_gone,
+)
 from pipeline.run.reconcile import observe, reconcile
 from pipeline.run.rundir import (
     DONE,
     SHARED_UMASK,
     RunDir,
+    RunDirError,
     Status,
     check_run_id,
     check_runs_dir,
@@ -197,8 +206,8 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
         sup = subprocess.Popen(
             supervise,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=_stage_env(cfg, stage, attempt, extra_env), cwd=str(rd.path),
-            start_new_session=True,
+            env={**_stage_env(cfg, stage, attempt, extra_env), SUPERVISOR_VAR: token},
+            cwd=str(rd.path), start_new_session=True,
         )
     return rd.update_stage(stage, supervisor_pid=sup.pid,
                            supervisor_create_time=proc_start_ticks(sup.pid))
@@ -265,9 +274,13 @@ def _each_service(services: list, what: str, *args) -> None:
             _say(f"{type(svc).__module__}: {what} failed ({type(e).__name__}: {e})")
 
 
-def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
-    """Run the pipeline to its end (the body of the detached driver)."""
-    fd = rd.try_lock()
+def drive(rd: RunDir, only: str | None = None, force: bool = False,
+          lock_fd: int | None = None) -> int:
+    """Run the pipeline to its end (the body of the detached driver). With
+    `lock_fd`, the launcher lock its launcher took and handed over: the
+    launcher cleared the run's cancel request as it took it, and a cancel
+    that came since is this launch's (seen before the first stage)."""
+    fd = rd.adopt_lock(lock_fd) if lock_fd is not None else rd.try_lock()
     if fd is None:
         print(f"another launcher (pid {rd.lock_holder()}) is driving {rd.path}", file=sys.stderr)
         return 3
@@ -280,7 +293,8 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False) -> int:
     with rd.mutate_state() as state:
         state["driver"] = {"pid": os.getpid(), "create_time": proc_start_ticks(os.getpid()),
                            "started_at": time.time(), "only": only, "force": force}
-        state["cancel_requested"] = False
+        if lock_fd is None:   # no launcher before us: no cancel can be this launch's yet
+            state["cancel_requested"] = False
     result, services = 0, []
     try:
         fps = fingerprints(cfg)
@@ -383,6 +397,20 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
     if rd.is_run():   # damage refused before even the create-lock is made (again below)
         rd.read_state()
         rd.check_readable()
+    try:
+        return _create_run(cfg, rd, rid, target)
+    except OSError as e:
+        if isinstance(e, DiskFull) or is_full_errno(e):
+            raise
+        raise RunDirError(f"{rd.path}: cannot create or lock the run there "
+                          f"({e.strerror or e}). Point [run] runs_dir (or --runs-dir) at a "
+                          "folder you can write.") from None
+
+
+def _create_run(cfg: Config, rd: RunDir, rid: str, target) -> RunDir:
+    """prepare_run's writes: the run folder under its create-lock, the frozen
+    config, the hub snapshot."""
+    from pipeline.model import hub
     rd.path.parent.mkdir(parents=True, exist_ok=True)
     # Two launchers creating the same run at once: one creates, the other
     # must not mistake the half-made folder for a foreign one.
@@ -411,44 +439,58 @@ def prepare_run(cfg: Config, run_id: str | None = None) -> RunDir:
     return rd
 
 
-def busy_launcher(rd: RunDir, wait: float = 3.0, ex: Executor | None = None) -> int | None:
-    """The pid of a launcher driving the run, if one is. A launcher whose
-    stage just ended takes a moment to exit: when no stage is running, wait
-    up to `wait` seconds for it before calling the run busy."""
+def claim(rd: RunDir, wait: float = 3.0, ex: Executor | None = None) -> tuple[int | None, int]:
+    """(the launcher lock, 0) for a launch, or (None, the pid driving the
+    run). The lock is handed to the driver the launch starts (start_driver),
+    so of two launches of one run exactly one starts a driver; taking it
+    clears the run's cancel request, so a cancel from then on is this
+    launch's. A launcher whose stage just ended takes a moment to exit: when
+    no stage is running, wait up to `wait` seconds for it."""
     ex = ex or for_run(rd)
     deadline = time.monotonic() + wait
     while True:
+        fd = rd.try_lock()
+        if fd is not None:
+            if rd.read_state().get("cancel_requested"):   # (an earlier launch's)
+                with rd.mutate_state() as state:
+                    state["cancel_requested"] = False
+            return fd, 0
         holder = rd.lock_holder()
         if holder is None:
-            return None
+            continue   # released between the two looks: try again
         running = any(st["status"] == Status.RUNNING
                       for st in reconcile(rd, ex)["stages"].values())
         if running or time.monotonic() >= deadline:
-            return holder
+            return None, holder
         time.sleep(0.1)
 
 
-def start_driver(rd: RunDir, only: str | None = None, force: bool = False) -> subprocess.Popen:
-    """Detach a driver for the run: it survives the terminal that started it."""
+def start_driver(rd: RunDir, only: str | None = None, force: bool = False,
+                 lock_fd: int | None = None) -> subprocess.Popen:
+    """Detach a driver for the run: it survives the terminal that started it.
+    `lock_fd`: the launcher lock (claim), inherited by the driver."""
     # (the entry point is above run/ and cluster/: it registers the Slurm executor)
     args = [sys.executable, "-m", "pipeline.control", "drive", "--run-dir", str(rd.path)]
     if only:
         args += ["--stage", only]
     if force:
         args.append("--force")
+    if lock_fd is not None:
+        args += ["--lock-fd", str(lock_fd)]
     env = os.environ.copy()
     env["PYTHONPATH"] = pythonpath_with_project(env.get("PYTHONPATH"))
     log = append_log(rd.path / "driver.log")
     with log:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env, cwd=str(rd.path))
+                                start_new_session=True, env=env, cwd=str(rd.path),
+                                pass_fds=() if lock_fd is None else (lock_fd,))
 
 
 # -- cancelling -------------------------------------------------------------
 
 @dataclass
 class CancelResult:
-    stage: str
+    stage: str | None        # None: a launch under way, stopped before any stage ran
     was_running: bool
     signals: list[str]
     survivors: list[tuple[int, str]]
@@ -502,14 +544,17 @@ def cancel_targets(st: dict) -> list[int]:
     unrelated ones, re-checked on every call: those carrying its token, the
     members of its supervisor's session (pipeline.run.leftovers: pid and
     start time verified), and its process group only while the group's
-    leader is the recorded stage (pid and start time). A pid without a start
-    time verifies nothing: the kernel may have given it to anyone."""
+    leader is the recorded stage (pid and start time) and carries the token.
+    A pid without a start time verifies nothing: the kernel may have given it
+    to anyone; nor does one without the token: anyone can copy a pid and its
+    start time into state.json."""
     from pipeline.run.leftovers import session_processes, token_processes
     found = set(token_processes(st.get("token")))
     found.update(session_processes(st.get("supervisor_pid"), st.get("supervisor_create_time"),
                                    st.get("token")))
     pid, pgid = st.get("pid"), st.get("pgid")
-    if pid and pgid == pid and proc_alive(pid, st.get("create_time")):
+    if pid and pgid == pid and proc_alive(pid, st.get("create_time")) and \
+            carries(pid, TOKEN_VAR, st.get("token")):
         found.update(stage_processes(None, pgid))
     return sorted(found)
 
@@ -540,9 +585,31 @@ def cancel_run(rd: RunDir, stage: str | None, grace: float, term_grace: float) -
     seen = observe(rd, ex)
     active = [s for s in STAGE_NAMES if seen["stages"][s]["status"] in (Status.RUNNING,
                                                                         Status.UNKNOWN)]
-    if stage is None and (active or driver_alive(seen)):
+    # a launch under way (its lock taken, its driver not at a stage yet) is cancelled too
+    launching = stage is None and not active and rd.lock_holder() is not None
+    if stage is None and (active or driver_alive(seen) or launching):
         # (a finished run is left as it is: nothing to stop, nothing written)
         with rd.mutate_state() as state:
             state["cancel_requested"] = True
+    if launching:
+        active = _first_stage_or_end(rd, ex)
+        if not active:
+            return [CancelResult(None, True, [], [])]
     targets = [stage] if stage else active
     return [cancel_stage(rd, s, grace, term_grace, ex=ex) for s in targets]
+
+
+def _first_stage_or_end(rd: RunDir, ex: Executor, limit_s: float = 600.0) -> list[str]:
+    """After a cancel recorded during a launch: the driver either sees it
+    before its first stage and ends, or had already started that stage,
+    which is then cancelled like any other. Waits for one of the two (the
+    run's shared server may start first: the limit is for a driver that
+    hangs, and then the request stays recorded for it)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        running = [s for s, st in observe(rd, ex)["stages"].items()
+                   if st["status"] == Status.RUNNING]
+        if running or rd.lock_holder() is None:
+            return running
+        time.sleep(0.05)
+    return []

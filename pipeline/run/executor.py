@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from pipeline.config import SCHEDULERS
+from pipeline.run.proctree import SUPERVISOR_VAR, TOKEN_VAR, carries
 from pipeline.run.rundir import RunDir, proc_start_ticks
 
 ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
@@ -52,12 +53,20 @@ def unverifiable(st: dict) -> str:
     """Why a running row's identity cannot be verified, in words."""
     if st.get("slurm_job"):
         return f"Slurm job {st['slurm_job']} is recorded, but this run does not use Slurm"
-    for who, pid, ticks in (("supervisor", st.get("supervisor_pid"),
-                             st.get("supervisor_create_time")),
-                            ("stage", st.get("pid"), st.get("create_time"))):
+    for who, pid, ticks, _ in _recorded(st):
         if pid and ticks is None:
             return f"its {who}'s pid {pid} is recorded without a start time"
+    for who, pid, ticks, var in _recorded(st):
+        if proc_alive(pid, ticks) and carries(pid, var, st.get("token")) is False:
+            return (f"its {who}'s pid {pid} runs with the recorded start time but was not "
+                    f"started by this run (no {var} of this attempt in its environment)")
     return "its processes are not recorded"
+
+
+def _recorded(st: dict) -> tuple:
+    """(who, pid, start time, the variable that proves the run started it)."""
+    return (("supervisor", st.get("supervisor_pid"), st.get("supervisor_create_time"),
+             SUPERVISOR_VAR), ("stage", st.get("pid"), st.get("create_time"), TOKEN_VAR))
 
 
 class Executor:
@@ -68,17 +77,22 @@ class Executor:
     def liveness(self, st: dict) -> str:
         """ALIVE when the stage's supervisor or the stage itself still runs, as
         recorded (pid and start time: the supervisor's is recorded first, so a
-        stage that has just started is anchored on it); GONE when neither does;
-        UNKNOWN when a pid was recorded without its start time (it cannot be
-        told from an unrelated process that got the pid). A recorded job is
-        the job's executor's to answer (`job_liveness`)."""
+        stage that has just started is anchored on it) and carries the
+        attempt's token in its environment (a pid and start time copied into
+        state.json prove which process it is, not that the run started it);
+        GONE when neither runs; UNKNOWN when a pid was recorded without its
+        start time, or runs without the token (it cannot be told from an
+        unrelated process). A recorded job is the job's executor's to answer
+        (`job_liveness`)."""
         if st.get("slurm_job"):
             return self.job_liveness(st["slurm_job"])
-        pairs = ((st.get("supervisor_pid"), st.get("supervisor_create_time")),
-                 (st.get("pid"), st.get("create_time")))
-        if any(proc_alive(pid, ticks) for pid, ticks in pairs):
+        live = [(pid, var) for _, pid, ticks, var in _recorded(st) if proc_alive(pid, ticks)]
+        # (None: another user's process, its environment unreadable; it cannot be signalled)
+        if any(carries(pid, var, st.get("token")) is not False for pid, var in live):
             return ALIVE
-        return UNKNOWN if any(pid and ticks is None for pid, ticks in pairs) else GONE
+        if live or any(pid and ticks is None for _, pid, ticks, _ in _recorded(st)):
+            return UNKNOWN
+        return GONE
 
     def alive(self, st: dict) -> bool:
         return self.liveness(st) == ALIVE

@@ -15,7 +15,10 @@ start time), and after it died (nothing can have taken its pid while its
 session has members). Guards for the case where the whole session ended and
 an unrelated process later got the pid and made a session of its own: a
 member must be ours (same uid), started after the supervisor, and carry
-the token or have its environment erased by a rename.
+the token or have its environment erased by a rename; and a live leader
+must carry the supervisor's mark of the attempt (EAGLE_PANEL_SUPERVISOR),
+so that a row naming someone else's session leader with its real start
+time proves nothing.
 
 `survivors(state)` is the pure finder for readers (`status`, doctor, the
 chaos bench): nothing is signalled. Standard library only.
@@ -25,7 +28,15 @@ from __future__ import annotations
 
 import os
 
-from pipeline.run.proctree import TOKEN_VAR, cmdline, environ, live_pids, stop_found
+from pipeline.run.proctree import (
+    SUPERVISOR_VAR,
+    TOKEN_VAR,
+    carries,
+    cmdline,
+    environ,
+    live_pids,
+    stop_found,
+)
 
 VLLM_PREFIX = "VLLM::"   # vLLM's process titles: VLLM::EngineCore, VLLM::Worker, ...
 
@@ -99,6 +110,8 @@ def session_processes(sid: int | None, leader_ticks: int | None, token: str | No
     leader = start_ticks(sid)
     if leader is not None and leader != leader_ticks:
         return []   # the pid is someone else's now: so is any session it leads
+    if leader is not None and carries(sid, SUPERVISOR_VAR, token) is False:
+        return []   # a live leader this run did not start (its numbers copied into a row)
     needle = f"{TOKEN_VAR}={token}".encode() if token else None
     out = []
     for pid in snap.stat:

@@ -14,6 +14,9 @@ import signal
 import time
 
 TOKEN_VAR = "EAGLE_PANEL_TOKEN"
+# The supervisor's own mark, a variable of its own: a scan for TOKEN_VAR must find
+# the stage's processes, never the supervisor recording them.
+SUPERVISOR_VAR = "EAGLE_PANEL_SUPERVISOR"
 
 
 def _pids():
@@ -29,6 +32,23 @@ def environ(pid: int) -> list[bytes]:
             return f.read().split(b"\0")
     except OSError:
         return []
+
+
+def carries(pid: int, var: str, token: str | None) -> bool | None:
+    """Whether a process was started with `var`=`token` in its environment:
+    the proof that a run started it, which a pid and start time copied into
+    state.json are not. None when its environment cannot be read: another
+    user's process (nothing of ours can signal it anyway), or one that shows
+    none (exiting, a zombie, or renamed by setproctitle), which is then taken
+    on its pid and start time as before."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    if not any(b"=" in e for e in entries):
+        return None
+    return bool(token) and f"{var}={token}".encode() in entries
 
 
 def _is_zombie(pid: int) -> bool:

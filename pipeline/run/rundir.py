@@ -144,6 +144,12 @@ class RunDir:
     """runs/<run-id>/: config.toml, state.json, lock, <stage>/{stage.log,events.jsonl,out/}."""
 
     def __init__(self, path: str | os.PathLike):
+        # A run directory is a real folder in its runs folder: one that is a link
+        # would put the run, its locks and every write somewhere else.
+        if os.path.islink(path):
+            raise RunDirError(f"{path}: a link (to {os.readlink(path)}), not a run folder; a "
+                              "run directory is never followed through a link. Move the run "
+                              "into the runs folder, or set [run] runs_dir to where it is.")
         self.path = Path(path).resolve()
         self._scheduler: tuple | None = None
 
@@ -377,6 +383,15 @@ class RunDir:
         os.write(fd, f"{os.getpid()}\n".encode())
         return fd
 
+    def adopt_lock(self, fd: int) -> int:
+        """The launcher lock a launcher took and handed to the driver it
+        started (an inherited fd: the same lock, never released in between,
+        so no second launch can start in the gap); this process's pid in it."""
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # (already ours: a no-op)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
     @staticmethod
     def _open_lock(path: Path) -> int:
         """A lock file, never through a link (O_NOFOLLOW) and only a file."""
@@ -389,15 +404,25 @@ class RunDir:
                               "move it aside.") from None
 
     def lock_holder(self) -> int | None:
-        """The pid of the launcher holding the lock, if one does."""
-        fd = self.try_lock()
-        if fd is not None:
-            os.close(fd)
-            return None
+        """The pid of the launcher holding the lock, if one does: a look that
+        writes nothing (a shared lock tried and let go; no file, no holder)."""
         try:
-            return int(self.lock_path.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return -1
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RunDirError(f"{self.lock_path}: corrupt run directory (a lock file: "
+                              f"{e.strerror}); move it aside.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            try:
+                return int(os.pread(fd, 64, 0).split()[0])
+            except (OSError, ValueError, IndexError):
+                return -1
+        finally:
+            os.close(fd)
 
 
 def check_runs_dir(runs_dir: Path, where: str = "[run] runs_dir") -> Path:
@@ -415,7 +440,7 @@ def list_runs(runs_dir: Path) -> list[RunDir]:
         return []
     try:
         runs = [RunDir(p) for p in runs_dir.iterdir() if not p.name.startswith(".")
-                and (p / "state.json").is_file()]
+                and not p.is_symlink() and (p / "state.json").is_file()]
     except OSError as e:
         raise RunDirError(f"{runs_dir}: cannot list the runs ({e.strerror}).") from None
 

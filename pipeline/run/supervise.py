@@ -23,7 +23,7 @@ from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull
 from pipeline.run.events import EventType, EventWriter, last_event, tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
 from pipeline.run.leftovers import start_ticks, stop_attempt
-from pipeline.run.proctree import TOKEN_VAR
+from pipeline.run.proctree import SUPERVISOR_VAR, TOKEN_VAR
 from pipeline.run.rundir import RunDir, Status, proc_start_ticks, signal_name
 
 
@@ -59,6 +59,7 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     st = rd.read_state()["stages"][stage]
     env = os.environ.copy()
     env[TOKEN_VAR] = st["token"]
+    env.pop(SUPERVISOR_VAR, None)   # the supervisor's mark is its own (pipeline.run.proctree)
     events = EventWriter(rd.events_path(stage))
     events.emit(EventType.STAGE_STARTED, stage=stage, attempt=st["attempt"], argv=argv,
                 devices=st["devices"])

@@ -56,7 +56,8 @@ def process_chunk(rows, renderer, seq_length: int, fmt: str):
             if kind == "tokenized":
                 made = [rest]
             else:
-                made = [(r.input_ids, r.loss_mask) for r in renderer.rows(*rest)]
+                made = [(r.input_ids, r.loss_mask)
+                        for r in renderer.rows(*rest, limit=seq_length)]
             kept = 0
             for ids, mask in made:
                 ids, mask = ids[:seq_length], mask[:seq_length]

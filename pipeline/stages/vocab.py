@@ -24,12 +24,37 @@ def save_npy(path: Path, array) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def speculators_vocab_mapping():
+    """speculators' own `train/vocab_mapping.py`, loaded without the package's
+    `__init__`, which imports every model speculators knows: 5-10 s on a CPU,
+    most of this stage's wall, for a module that needs only torch, datasets and
+    transformers. The plain import where the file is not there or does not load
+    on its own (a release that moves it or makes it import relatively)."""
+    import importlib.util
+    import sys
+    name = "speculators.train.vocab_mapping"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec("speculators")
+    where = spec and spec.submodule_search_locations
+    path = Path(where[0]) / "train" / "vocab_mapping.py" if where else None
+    if path is not None and path.is_file():
+        alone = importlib.util.spec_from_file_location("_speculators_vocab_mapping", path)
+        module = importlib.util.module_from_spec(alone)
+        try:
+            alone.loader.exec_module(module)
+            return module
+        except ImportError:
+            pass
+    import importlib
+    return importlib.import_module(name)
+
+
 def body(ctx: StageContext) -> dict:
     import torch
-    from speculators.train.vocab_mapping import (
-        build_vocab_mappings_from_distribution,
-        get_target_vocab_size,
-    )
+    mapping = speculators_vocab_mapping()
+    build_vocab_mappings_from_distribution = mapping.build_vocab_mappings_from_distribution
+    get_target_vocab_size = mapping.get_target_vocab_size
 
     freq_path = ctx.out_of("prepare") / "token_freq.pt"
     if not freq_path.exists():
