@@ -28,6 +28,15 @@ def tok():
     return AutoTokenizer.from_pretrained(str(ensure_built()))
 
 
+# Like reasoning templates: earlier assistant turns are shortened when a later turn
+# exists, so renders are not prefixes of each other.
+NOT_PREFIX_STABLE = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "{% if m['role'] == 'assistant' and not loop.last %}(earlier){% else %}{{ m['content'] }}"
+    "{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+
+
 # -- prepare ------------------------------------------------------------------
 
 def test_prepare_skips_malformed_rows_with_line_numbers(tmp_path):
@@ -116,11 +125,7 @@ def test_boundary_method_on_a_template_that_rewrites_history(tok):
     t = copy.copy(tok)
     # Like reasoning templates: earlier assistant turns are shortened when a
     # later turn exists, so renders are not prefixes of each other.
-    t.chat_template = (
-        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
-        "{% if m['role'] == 'assistant' and not loop.last %}(earlier){% else %}{{ m['content'] }}"
-        "{% endif %}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+    t.chat_template = NOT_PREFIX_STABLE
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "first answer"},
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "second one"}]
     rows = LocalRenderer(t).rows(msgs)
@@ -161,11 +166,7 @@ def test_a_long_conversation_is_rendered_only_up_to_the_cut(tok):
     assert counts[0] == counts[1] < 60, counts
     # a template that is not prefix-stable: one row per turn, those past the cut left out
     t = copy.copy(tok)
-    t.chat_template = (
-        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
-        "{% if m['role'] == 'assistant' and not loop.last %}(earlier){% else %}{{ m['content'] }}"
-        "{% endif %}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+    t.chat_template = NOT_PREFIX_STABLE
     every = [(r.input_ids[:96], r.loss_mask[:96]) for r in
              LocalRenderer(t).rows(normalize(trace(200))[1]) if sum(r.loss_mask[:96])]
     Counting.renders = 0
