@@ -41,11 +41,7 @@ def carries(pid: int, var: str, token: str | None) -> bool | None:
     user's process (nothing of ours can signal it anyway), or one that shows
     none (exiting, a zombie, or renamed by setproctitle), which is then taken
     on its pid and start time as before."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            entries = f.read().split(b"\0")
-    except OSError:
-        return None
+    entries = environ(pid)
     if not any(b"=" in e for e in entries):
         return None
     return bool(token) and f"{var}={token}".encode() in entries
