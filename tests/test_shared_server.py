@@ -132,7 +132,8 @@ def test_a_server_the_driver_owns_dies_with_the_driver(tmp_path):
 @pytest.mark.vllm
 def test_one_server_gives_what_two_servers_give(tmp_path):
     """The same run twice, on one shared server and on two: regenerate's rows
-    the same (greedy), extract's hidden-state files the same, bit for bit;
+    the same (greedy), extract's hidden-state files the same token for token
+    and the same numbers up to batching's rounding;
     one target load against two; no file for regenerate's generations; the
     server stopped once extract ended. On the shared side the driver is first
     SIGKILLed while regenerate starts the server: the server goes with it (no
@@ -179,7 +180,11 @@ def test_one_server_gives_what_two_servers_give(tmp_path):
     for n in names:
         a, b = load_file(str(hs1 / n)), load_file(str(hs2 / n))
         assert torch.equal(a["token_ids"], b["token_ids"]), n
-        assert torch.equal(a["hidden_states"], b["hidden_states"]), n
+        # the same numbers up to batching: vLLM batches requests as they arrive,
+        # and a float32 GEMM over another batch shape rounds in another order
+        # (a CI run under load differed in the 7th digit), so not bit for bit
+        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-4,
+                                   atol=1e-4, msg=lambda m: f"{n}: {m}")
     starts = {rd: sum(1 for s in ("regenerate", "extract") for e in map(
         json.loads, open(rd.events_path(s))) if e["type"] == "server" and
         e.get("phase") == "ready") for rd in (one, two)}
