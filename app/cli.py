@@ -494,6 +494,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    _launch_commands(command)
+    _reading_commands(command)
+    p = sub.add_parser("ui", parents=[common, panel], help="open the panel",
+                       description="open the panel")
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.set_defaults(func=cmd_ui)
+    return ap
+
+
+RUN_HELP = "run id or path (default: the newest run)"
+
+
+def _launch_commands(command) -> None:
+    """run, resume and cancel: the commands that start or stop stages."""
     p = command("run", cmd_run, "start the pipeline (or one stage); returns at once unless --wait")
     p.add_argument("--run", help="run id (default: [run] name); an existing run is continued")
     p.add_argument("--stage", choices=STAGE_NAMES, help="run only this stage")
@@ -502,24 +516,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream progress; exit with the pipeline's status")
     p.add_argument("--skip-checks", action="store_true", help=SKIP_CHECKS)
 
-    p = command("status", cmd_status, "stages, status, attempt, duration, exit, last progress")
-    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
-    p.add_argument("--json", action="store_true")
-
     p = command("resume", cmd_resume, "restart from the first stage that has not succeeded")
-    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
+    p.add_argument("run", nargs="?", help=RUN_HELP)
     p.add_argument("--wait", action="store_true",
                    help="stream progress; exit with the pipeline's status")
     p.add_argument("--skip-checks", action="store_true", help=SKIP_CHECKS)
 
     p = command("cancel", cmd_cancel, "stop the running stage: SIGINT, then SIGTERM, then SIGKILL")
-    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
+    p.add_argument("run", nargs="?", help=RUN_HELP)
     p.add_argument("--stage", choices=STAGE_NAMES, help="only this stage (default: the pipeline)")
     p.add_argument("--grace", type=float, help="seconds to wait after SIGINT "
                                                "(default: [runtime] cancel_grace_s)")
 
+
+def _reading_commands(command) -> None:
+    """The commands that read runs and the machine and change nothing."""
+    p = command("status", cmd_status, "stages, status, attempt, duration, exit, last progress")
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.add_argument("--json", action="store_true")
+
     p = command("logs", cmd_logs, "a stage's log, or one of its vLLM servers' (--server K)")
-    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
+    p.add_argument("run", nargs="?", help=RUN_HELP)
     p.add_argument("stage", choices=STAGE_NAMES)
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("-n", "--lines", type=_count, default=50)
@@ -534,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("export", cmd_export, "the measured draft as a folder to ship: the files vLLM "
                                       "served, d2t/t2d, a README.md model card; uploads nothing")
-    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
+    p.add_argument("run", nargs="?", help=RUN_HELP)
     p.add_argument("--checkpoint", metavar="N", help="a measured checkpoint (default: the one "
                                                      "evaluate chose)")
     p.add_argument("--to", metavar="DIR", help="where (default: <run>/export/<checkpoint>)")
@@ -543,12 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
                                         "disk, validation loss, vLLM's acceptance, decode speed")
     p.add_argument("runs", nargs="*", metavar="RUN", help="run ids or paths")
     p.add_argument("--json", action="store_true", help="the figures as JSON")
-
-    p = sub.add_parser("ui", parents=[common, panel], help="open the panel",
-                       description="open the panel")
-    p.add_argument("run", nargs="?", help="run id or path (default: the newest run)")
-    p.set_defaults(func=cmd_ui)
-    return ap
 
 
 NEWEST = "\0"

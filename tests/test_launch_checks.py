@@ -1,5 +1,5 @@
 """A launch refuses what cannot work: `run`, `resume` and the panel's `r`
-apply doctor's launch checks first (pipeline.doctor.LAUNCH_CHECKS) and refuse
+apply doctor's launch checks first (pipeline.doctor.launch_checks()) and refuse
 with exit 2 and doctor's own lines, before a run directory exists (or leaving
 an existing one byte-identical); `--skip-checks` launches anyway and says so
 in the run's driver.log."""

@@ -3,7 +3,8 @@ our modules, counting imports inside functions too; vLLM never imported
 at module level outside the modules vLLM itself loads; and the import
 directions (RULES): pipeline below app and widgets, widgets below app, the
 stage entry modules imported by nothing, run/ below cluster/, the read model
-(pipeline.run.snapshot) importing nothing that acts, the app reading through it."""
+(pipeline.run.snapshot) importing nothing that acts, the app reading through it;
+and no function longer than MAX_FUNCTION_LINES."""
 
 import ast
 from pathlib import Path
@@ -226,3 +227,26 @@ def test_the_message_check_can_fail():
     assert attribute_uses("def f(self):\n    self.main.draw_run(1)\n", "main") == \
         [(2, "draw_run")]
     assert attribute_uses("def f(self):\n    app.lock\n", "app") == []
+
+
+MAX_FUNCTION_LINES = 60   # issue 50: a function a newcomer reads in one screen
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of each function or method longer than `limit` lines,
+    its decorators, docstring and nested functions included."""
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_function_is_longer_than_a_screen():
+    found = [f"{path.relative_to(ROOT)}:{name} ({n} lines)" for path in modules().values()
+             for name, n in long_functions(path.read_text())]
+    assert not found, f"split these (at most {MAX_FUNCTION_LINES} lines each): {found}"
+
+
+def test_the_function_length_check_can_fail():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def long():\n{body}\n") == [("long", MAX_FUNCTION_LINES + 1)]
+    assert long_functions(f"def fits():\n{body[:body.rindex(chr(10))]}\n") == []

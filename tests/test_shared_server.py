@@ -184,7 +184,7 @@ def test_one_server_gives_what_two_servers_give(tmp_path):
         # and a float32 GEMM over another batch shape rounds in another order
         # (a CI run under load differed in the 7th digit), so not bit for bit
         torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-4,
-                                   atol=1e-4, msg=lambda m: f"{n}: {m}")
+                                   atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
     starts = {rd: sum(1 for s in ("regenerate", "extract") for e in map(
         json.loads, open(rd.events_path(s))) if e["type"] == "server" and
         e.get("phase") == "ready") for rd in (one, two)}

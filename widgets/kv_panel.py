@@ -31,19 +31,8 @@ class KVReport:
 
 class KVCachePanel(Static):
     def update_from(self, report: KVReport) -> None:
-        kv, usage, backend = report.kv, report.usage, report.backend
-        if kv is None:
-            if not report.has_servers and report.stage not in VLLM_STAGES:
-                self.update(Text(f"{report.stage} starts no vLLM server, so it has no KV "
-                                 f"cache. Select {', '.join(VLLM_STAGES)} to see theirs.",
-                                 style="dim"))
-            elif backend == "hf":
-                self.update(Text("No KV cache for this backend: the `hf` extract backend runs a "
-                                 "plain transformers forward. vLLM backends report their "
-                                 "KV-cache allocation here.", style="dim"))
-            else:
-                self.update(Text(f"No KV-cache report from {report.stage} yet (it appears "
-                                 "when its vLLM engine has allocated its cache).", style="dim"))
+        if report.kv is None:
+            self.update(no_report_text(report))
             return
         # the gap after a label is in the label: Textual draws a rich Table
         # without its cell padding ("bytes per block256.5 KiB")
@@ -53,44 +42,68 @@ class KVCachePanel(Static):
         gap = "  "
         # the stage's servers first (what a person looks for at 80x24), then
         # the figures of the one shown
-        servers = report.servers
-        rows: list[tuple[str, object]] = [("stage", report.stage)]
-        if len(servers) > 1:
-            caps = [e.get("tokens_capacity") or 0 for e in servers.values()]
-            # (whose figures follow: the source row says)
-            rows.append(("servers", f"{len(servers)} (data parallel): {sum(caps):,} tokens in all"))
-        for name, e in sorted(servers.items(), key=lambda item: str(item[0])):
-            if len(servers) < 2 and name not in report.stopped:
-                break   # one server, up: the figures below are all there is
-            line = Text(f"{e.get('tokens_capacity') or 0:,} tokens, "
-                        f"{fmt.nbytes(e.get('total_bytes'))}, GPUs "
-                        f"{list(e.get('devices') or []) or '- (CPU)'}")
-            if name in report.stopped:
-                line.append(" · stopped", style="dim")
-            rows.append((f"server {name}", line))
-        if usage:
-            rows.append(("live use", f"{usage.get('usage_perc', 0) * 100:.1f}%  running "
-                                     f"{usage.get('running')}  waiting {usage.get('waiting')}"))
-        rows += [
-            ("blocks", f"{kv.get('num_blocks'):,}" if kv.get("num_blocks") else "-"),
-            ("block size", f"{kv.get('block_size')} tokens" if kv.get("block_size") else "-"),
-            ("bytes per block", fmt.nbytes(kv.get("bytes_per_block"))),
-            ("total", fmt.nbytes(kv.get("total_bytes"))),
-            ("token capacity", f"{kv.get('tokens_capacity'):,}" if kv.get("tokens_capacity") else "-"),
-            ("max concurrency", f"{kv.get('max_concurrency'):.2f}x at {kv.get('max_model_len')} tokens"
-             if kv.get("max_concurrency") else "-"),
-            ("bytes per token", fmt.nbytes(kv["total_bytes"] / kv["tokens_capacity"])
-             if kv.get("total_bytes") and kv.get("tokens_capacity") else "-"),
-            ("cache dtype", "auto (the model's)" if kv.get("cache_dtype") == "auto"
-             else str(kv.get("cache_dtype") or "-")),
-            ("source", str(kv.get("source", "-"))
-             + (f", {kv['pool']} memory" if kv.get("pool") else "")
-             + (f" (server {kv['server']}, GPUs {kv.get('devices') or '- (CPU)'})"
-                if "server" in kv else "")),
-        ]
-        rows += [("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
-                           f"{fmt.nbytes(g.get('page_size_bytes'))}")
-                 for g in kv.get("groups") or []]
-        for k, v in rows:
+        for k, v in server_rows(report) + figure_rows(report.kv, report.usage):
             t.add_row(k + gap, v)
         self.update(t)
+
+
+def no_report_text(report: KVReport) -> Text:
+    """Why there is no KV cache to show: the stage starts no server, the
+    backend has none, or the engine has not allocated it yet."""
+    if not report.has_servers and report.stage not in VLLM_STAGES:
+        return Text(f"{report.stage} starts no vLLM server, so it has no KV "
+                    f"cache. Select {', '.join(VLLM_STAGES)} to see theirs.", style="dim")
+    if report.backend == "hf":
+        return Text("No KV cache for this backend: the `hf` extract backend runs a "
+                    "plain transformers forward. vLLM backends report their "
+                    "KV-cache allocation here.", style="dim")
+    return Text(f"No KV-cache report from {report.stage} yet (it appears "
+                "when its vLLM engine has allocated its cache).", style="dim")
+
+
+def server_rows(report: KVReport) -> list[tuple[str, object]]:
+    """The stage, and each of its servers when there are several or one stopped."""
+    servers = report.servers
+    rows: list[tuple[str, object]] = [("stage", report.stage)]
+    if len(servers) > 1:
+        caps = [e.get("tokens_capacity") or 0 for e in servers.values()]
+        # (whose figures follow: the source row says)
+        rows.append(("servers", f"{len(servers)} (data parallel): {sum(caps):,} tokens in all"))
+    for name, e in sorted(servers.items(), key=lambda item: str(item[0])):
+        if len(servers) < 2 and name not in report.stopped:
+            break   # one server, up: the figures below are all there is
+        line = Text(f"{e.get('tokens_capacity') or 0:,} tokens, "
+                    f"{fmt.nbytes(e.get('total_bytes'))}, GPUs "
+                    f"{list(e.get('devices') or []) or '- (CPU)'}")
+        if name in report.stopped:
+            line.append(" · stopped", style="dim")
+        rows.append((f"server {name}", line))
+    return rows
+
+
+def figure_rows(kv: Mapping, usage: Mapping | None) -> list[tuple[str, object]]:
+    """The live use, then the figures of the report shown and its groups."""
+    rows: list[tuple[str, object]] = []
+    if usage:
+        rows.append(("live use", f"{usage.get('usage_perc', 0) * 100:.1f}%  running "
+                                 f"{usage.get('running')}  waiting {usage.get('waiting')}"))
+    rows += [
+        ("blocks", f"{kv.get('num_blocks'):,}" if kv.get("num_blocks") else "-"),
+        ("block size", f"{kv.get('block_size')} tokens" if kv.get("block_size") else "-"),
+        ("bytes per block", fmt.nbytes(kv.get("bytes_per_block"))),
+        ("total", fmt.nbytes(kv.get("total_bytes"))),
+        ("token capacity", f"{kv.get('tokens_capacity'):,}" if kv.get("tokens_capacity") else "-"),
+        ("max concurrency", f"{kv.get('max_concurrency'):.2f}x at {kv.get('max_model_len')} tokens"
+         if kv.get("max_concurrency") else "-"),
+        ("bytes per token", fmt.nbytes(kv["total_bytes"] / kv["tokens_capacity"])
+         if kv.get("total_bytes") and kv.get("tokens_capacity") else "-"),
+        ("cache dtype", "auto (the model's)" if kv.get("cache_dtype") == "auto"
+         else str(kv.get("cache_dtype") or "-")),
+        ("source", str(kv.get("source", "-"))
+         + (f", {kv['pool']} memory" if kv.get("pool") else "")
+         + (f" (server {kv['server']}, GPUs {kv.get('devices') or '- (CPU)'})"
+            if "server" in kv else "")),
+    ]
+    return rows + [("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
+                             f"{fmt.nbytes(g.get('page_size_bytes'))}")
+                   for g in kv.get("groups") or []]

@@ -64,23 +64,41 @@ def plot(series: list[tuple], width: int, height: int,
     log = log and not log_refused(series)
     x0 = min(float(x[0]) for _, x, _, _ in series)
     x1 = max(float(x[-1]) for _, x, _, _ in series)
-    reduced = []
-    for name, x, y, kind in series:
-        y = np.asarray(y, dtype=float)
-        if log:
-            y = np.log10(np.clip(y, 1e-12, None))
-        m = bucket_means(np.asarray(x, dtype=float), y, x0, x1, cols)
-        if smooth and kind == "line":
-            ok = ~np.isnan(m)
-            if ok.any():
-                m[ok] = ema(m[ok], 0.15)
-        reduced.append((name, m, kind))
-    finite = np.concatenate([m[~np.isnan(m)] for _, m, _ in reduced]) if reduced else np.array([])
+    reduced = [(name, reduce_series(x, y, x0, x1, cols, log, smooth and kind == "line"), kind)
+               for name, x, y, kind in series]
+    finite = np.concatenate([m[~np.isnan(m)] for _, m, _ in reduced])
     if not len(finite):
         return [Text("no finite values", style="dim")]
     lo, hi = float(finite.min()), float(finite.max())
     if hi - lo < 1e-12:
         hi = lo + 1.0
+    grid, color, marks = draw(reduced, lo, hi, rows, cols)
+    fmt_v = (lambda v: f"{10 ** v:.3g}") if log else (lambda v: f"{v:.3g}")
+    lines = rendered_rows(grid, color, marks, label_w,
+                          lambda i, n: fmt_v(row_value(i, n, lo, hi, rows)))
+    legend = Text(f"{'step':>{label_w - 1}} {int(x0)}..{int(x1)}  ", style="dim")
+    for k, (name, _, kind) in enumerate(reduced):
+        legend.append(f"{POINT if kind == 'points' else '■'} {name} ",
+                      style=COLORS[k % len(COLORS)])
+    lines.append(legend)
+    return lines
+
+
+def reduce_series(x, y, x0: float, x1: float, cols: int, log: bool, smooth: bool) -> np.ndarray:
+    """One value per dot column (log10 when `log`, EMA-smoothed when `smooth`)."""
+    y = np.asarray(y, dtype=float)
+    if log:
+        y = np.log10(np.clip(y, 1e-12, None))
+    m = bucket_means(np.asarray(x, dtype=float), y, x0, x1, cols)
+    if smooth:
+        ok = ~np.isnan(m)
+        if ok.any():
+            m[ok] = ema(m[ok], 0.15)
+    return m
+
+
+def draw(reduced: list[tuple], lo: float, hi: float, rows: int, cols: int):
+    """The braille dot grid, each cell's series, and the marked points' cells."""
     grid = np.zeros((rows // 4, cols // 2), dtype=np.int32)
     color = np.full(grid.shape, -1)
     marks: dict[tuple[int, int], int] = {}
@@ -103,15 +121,23 @@ def plot(series: list[tuple], width: int, height: int,
                 grid[rr // 4, c // 2] |= DOT[c % 2][rr % 4]
                 color[rr // 4, c // 2] = k
             prev = r
-    fmt_v = (lambda v: f"{10 ** v:.3g}") if log else (lambda v: f"{v:.3g}")
+    return grid, color, marks
+
+
+def row_value(i: int, n_rows: int, lo: float, hi: float, rows: int) -> float:
+    """The value a row's label says: the top's, the bottom's, else its middle dot's."""
+    if i == 0:
+        return hi
+    return lo if i == n_rows - 1 else hi - (i * 4 + 1.5) / max(rows - 1, 1) * (hi - lo)
+
+
+def rendered_rows(grid, color, marks: dict, label_w: int, label) -> list[Text]:
+    """The grid as lines of text, a y label (`label(i, n_rows)`) every TICK_EVERY rows."""
     n_rows = grid.shape[0]
     lines = []
     for i in range(n_rows):
-        # the value at the row's middle dot; the last row says the bottom
-        at = lo if i == n_rows - 1 else hi - (i * 4 + 1.5) / max(rows - 1, 1) * (hi - lo)
         tick = i == 0 or i == n_rows - 1 or (i % TICK_EVERY == 0 and n_rows - 1 - i >= 2)
-        label = fmt_v(hi if i == 0 else at) if tick else ""
-        line = Text(f"{label:>{label_w - 1}} ", style="dim")
+        line = Text(f"{label(i, n_rows) if tick else '':>{label_w - 1}} ", style="dim")
         for j in range(grid.shape[1]):
             if (i, j) in marks:
                 line.append(POINT, style="bold " + COLORS[marks[(i, j)] % len(COLORS)])
@@ -120,11 +146,6 @@ def plot(series: list[tuple], width: int, height: int,
             line.append(chr(BRAILLE + bits) if bits else " ",
                         style=COLORS[color[i, j] % len(COLORS)] if bits else "")
         lines.append(line)
-    legend = Text(f"{'step':>{label_w - 1}} {int(x0)}..{int(x1)}  ", style="dim")
-    for k, (name, _, kind) in enumerate(reduced):
-        legend.append(f"{POINT if kind == 'points' else '■'} {name} ",
-                      style=COLORS[k % len(COLORS)])
-    lines.append(legend)
     return lines
 
 

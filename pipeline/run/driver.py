@@ -297,37 +297,9 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False,
             state["cancel_requested"] = False
     result, services = 0, []
     try:
-        fps = fingerprints(cfg)
         steps = plan(cfg, reconcile(rd, ex), only, force)
         services = _begin_services(rd, cfg, steps)
-        for step in steps:
-            if step.action == "blocked":
-                _say(f"[{step.stage}] {step.why}")
-                result = 1
-                break
-            if step.action == "skip":
-                _say(f"[{step.stage}] skipped: {step.why}")
-                continue
-            if step.action == "off":
-                _say(f"[{step.stage}] {step.why}")
-                rd.update_stage(step.stage, status=Status.SKIPPED, fingerprint=fps[step.stage],
-                                reason=step.why, started_at=None, ended_at=None,
-                                exit_code=None, signal=None)
-                continue
-            if rd.read_state().get("cancel_requested"):
-                result = 130
-                break
-            st = rd.read_state()["stages"][step.stage]
-            if not (st["status"] == Status.RUNNING and ex.alive(st)):
-                _say(f"[{step.stage}] starting: {step.why}")
-                launch(rd, cfg, step.stage, fps[step.stage], force, ex,
-                       {k: v for svc in services for k, v in svc.env(step.stage).items()})
-            st = wait_stage(rd, step.stage, ex=ex)
-            _say(f"[{step.stage}] {st['status']}")
-            _each_service(services, "after", step.stage, cfg.runtime.term_grace_s)
-            if st["status"] not in DONE:
-                result = 130 if st["status"] == Status.CANCELLED else 1
-                break
+        result = _run_steps(rd, cfg, ex, steps, services, force)
     except DiskFull as e:
         _say(f"eagle-panel: {e}. {e.hint}")
         result = EXIT_DISK_FULL
@@ -344,6 +316,38 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False,
         if read_run(rd, ex).failed_for_disk():
             result = EXIT_DISK_FULL
     return result
+
+
+def _run_steps(rd: RunDir, cfg, ex, steps, services, force: bool) -> int:
+    """The planned steps in order, each to its end: the driver's exit code
+    (0, 1 for a blocked or failed stage, 130 for a cancel)."""
+    fps = fingerprints(cfg)
+    for step in steps:
+        if step.action == "blocked":
+            _say(f"[{step.stage}] {step.why}")
+            return 1
+        if step.action == "skip":
+            _say(f"[{step.stage}] skipped: {step.why}")
+            continue
+        if step.action == "off":
+            _say(f"[{step.stage}] {step.why}")
+            rd.update_stage(step.stage, status=Status.SKIPPED, fingerprint=fps[step.stage],
+                            reason=step.why, started_at=None, ended_at=None,
+                            exit_code=None, signal=None)
+            continue
+        if rd.read_state().get("cancel_requested"):
+            return 130
+        st = rd.read_state()["stages"][step.stage]
+        if not (st["status"] == Status.RUNNING and ex.alive(st)):
+            _say(f"[{step.stage}] starting: {step.why}")
+            launch(rd, cfg, step.stage, fps[step.stage], force, ex,
+                   {k: v for svc in services for k, v in svc.env(step.stage).items()})
+        st = wait_stage(rd, step.stage, ex=ex)
+        _say(f"[{step.stage}] {st['status']}")
+        _each_service(services, "after", step.stage, cfg.runtime.term_grace_s)
+        if st["status"] not in DONE:
+            return 130 if st["status"] == Status.CANCELLED else 1
+    return 0
 
 
 def _say(line: str) -> None:

@@ -155,41 +155,7 @@ def run_stage(name: str, body, argv=None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     provenance.start(ctx.run.stage_dir(name), name,
                      int(os.environ.get("EAGLE_PANEL_ATTEMPT") or 0), list(sys.argv))
-    status, summary, code = Status.FAILED, {}, 1
-    try:
-        fetch_target(ctx)
-        summary = body(ctx) or {}
-        status, code = Status.SUCCEEDED, 0
-    except Interrupted as e:
-        status, code = Status.CANCELLED, EXIT_INTERRUPTED
-        summary = {"stopped": "on request; resume continues from here", **e.summary}
-    except Skipped as e:
-        if ctx.stop_requested:
-            # The stop's signal reaches the stage's children too (one process
-            # group): a vLLM probe it killed read as "no usable vLLM", and a
-            # skip is an outcome resume keeps. Stopped, it runs again.
-            print(f"{name}: stopped on request (it had found: {e})", flush=True)
-            status, code = Status.CANCELLED, EXIT_INTERRUPTED
-            summary = {"stopped": "on request; resume runs it again"}
-        else:
-            print(f"{name}: skipped: {e}", flush=True)
-            ctx.events.warning(f"skipped: {e}")
-            status, code, summary = Status.SKIPPED, 0, {"skipped": str(e)}
-    except KeyboardInterrupt:
-        status, code = Status.CANCELLED, EXIT_INTERRUPTED
-    except StageError as e:
-        summary = _report(ctx, str(e), e.hint)
-    except DiskFull as e:
-        summary = _report(ctx, str(e), e.hint, disk_full=True)
-    except Exception as e:  # noqa: BLE001 - a crash must still end with events
-        full = explain(e, ctx.out)
-        if full is not None:   # e.g. torch.save's "unexpected pos" on a full disk
-            summary = _report(ctx, f"{full} ({type(e).__name__}: {str(e)[:200]})", full.hint,
-                              disk_full=True)
-        else:
-            traceback.print_exc()
-            summary = _report(ctx, f"{type(e).__name__}: {e}",
-                              f"see {ctx.run.log_path(name)} for the traceback", quiet=True)
+    status, summary, code = _outcome(ctx, name, body)
     from pipeline.vllm.compat import fired_so_far
     provenance.finish(fired_so_far())
     try:
@@ -199,6 +165,42 @@ def run_stage(name: str, body, argv=None) -> int:
         pass   # the supervisor records the exit code; the panel reads it from state
     ctx.events.close()
     return code
+
+
+def _outcome(ctx: StageContext, name: str, body) -> tuple[str, dict, int]:
+    """Run the body: its status, summary and exit code, whatever it raised."""
+    try:
+        fetch_target(ctx)
+        return Status.SUCCEEDED, body(ctx) or {}, 0
+    except Interrupted as e:
+        return (Status.CANCELLED, {"stopped": "on request; resume continues from here",
+                                   **e.summary}, EXIT_INTERRUPTED)
+    except Skipped as e:
+        if ctx.stop_requested:
+            # The stop's signal reaches the stage's children too (one process
+            # group): a vLLM probe it killed read as "no usable vLLM", and a
+            # skip is an outcome resume keeps. Stopped, it runs again.
+            print(f"{name}: stopped on request (it had found: {e})", flush=True)
+            return Status.CANCELLED, {"stopped": "on request; resume runs it again"}, \
+                EXIT_INTERRUPTED
+        print(f"{name}: skipped: {e}", flush=True)
+        ctx.events.warning(f"skipped: {e}")
+        return Status.SKIPPED, {"skipped": str(e)}, 0
+    except KeyboardInterrupt:
+        return Status.CANCELLED, {}, EXIT_INTERRUPTED
+    except StageError as e:
+        return Status.FAILED, _report(ctx, str(e), e.hint), 1
+    except DiskFull as e:
+        return Status.FAILED, _report(ctx, str(e), e.hint, disk_full=True), 1
+    except Exception as e:  # noqa: BLE001 - a crash must still end with events
+        full = explain(e, ctx.out)
+        if full is not None:   # e.g. torch.save's "unexpected pos" on a full disk
+            return Status.FAILED, _report(ctx, f"{full} ({type(e).__name__}: {str(e)[:200]})",
+                                          full.hint, disk_full=True), 1
+        traceback.print_exc()
+        return Status.FAILED, _report(ctx, f"{type(e).__name__}: {e}",
+                                      f"see {ctx.run.log_path(name)} for the traceback",
+                                      quiet=True), 1
 
 
 def fetch_target(ctx: StageContext) -> None:

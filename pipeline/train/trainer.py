@@ -38,85 +38,94 @@ def panel_trainer(base, hooks):
     `on_epochs(n)` (the epochs planned: what "epoch 2/4" counts to),
     `on_validation(epoch, val_metrics) -> bool` (True: stop after this
     epoch) and `stopped_before(epoch) -> bool` (a stop already decided)."""
-    on_validation = getattr(hooks, "on_validation", None)
-    stopped_before = getattr(hooks, "stopped_before", None)
-    on_phase = getattr(hooks, "on_phase", lambda name: None)
-    on_epochs = getattr(hooks, "on_epochs", lambda n: None)
-
-    class PanelTrainer(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            announce_saves(self.checkpointer, on_phase)
-            self._per_epoch = epoch_steps(self.train_loader, self.config.num_epochs)
-            steps = sum(self._per_epoch)
-            if self.config.max_steps:
-                steps = min(steps, self.config.max_steps)
-            hooks.on_total_steps(steps, len(self.train_loader))
-            on_epochs(self.config.num_epochs)
-            self._epoch = self.current_epoch
-            self._epoch_origin = self.global_step - self._resume_local_step
-
-        def train_epoch(self, epoch, **kwargs):
-            self._epoch = epoch
-            self._epoch_origin = self.global_step - (
-                self._resume_local_step if epoch == self.current_epoch else 0)
-            # The packed batches are drawn anew each epoch and their number
-            # changes with them: the total is the steps before this epoch and
-            # this epoch's and the later ones' as counted at the start (exact
-            # up to EXACT_ROWS rows: then it never moves; past them later
-            # epochs are counted as the first), so progress never ends at 118/117.
-            sampler = self.train_loader.batch_sampler
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            per_epoch = len(self.train_loader)
-            later = self._per_epoch[epoch + 1:] if len(self._per_epoch) > epoch else []
-            total = self._epoch_origin + per_epoch + sum(later)
-            if self.config.max_steps:
-                total = min(total, self.config.max_steps)
-            hooks.on_total_steps(total, per_epoch)
-            kwargs["step_callback"] = stop_between_steps(hooks, kwargs.get("step_callback"))
-            return super().train_epoch(epoch, **kwargs)
-
-        def run_training(self):
-            if hooks.should_stop():
-                hooks.on_interrupted(self._epoch, 0, self.global_step)
-                return None
-            if stopped_before is not None and stopped_before(self.current_epoch):
-                return None   # resumed after the plateau stop was decided
-            try:
-                return super().run_training()
-            except PlateauStop:
-                return None
-
-        def val_epoch(self, epoch):
-            on_phase("validating")   # an epoch's end: no step for a while, and why
-            return super().val_epoch(epoch)
-
-        def maybe_update_best(self, epoch, val_metrics):
-            super().maybe_update_best(epoch, val_metrics)
-            # every rank sees the same all-reduced metrics: all stop together
-            if on_validation is not None and isinstance(epoch, int) \
-                    and on_validation(epoch, val_metrics):
-                raise PlateauStop()
-
-        def maybe_save_checkpoint(self, epoch, local_step=0):
-            if epoch != "interrupted":
-                return super().maybe_save_checkpoint(epoch, local_step)
-            local = self.global_step - self._epoch_origin
-            hooks.on_interrupted(self._epoch, local, self.global_step)
-            if local <= 0:
-                return None  # nothing done since the last checkpoint
-            steps = len(self.train_loader)
-            saved = self.config
-            # Save now whatever the checkpoint frequency says: a mid-epoch
-            # checkpoint (or the epoch's end) that speculators resumes from.
-            self.config = saved._replace(checkpoint_freq=1, save_best=False)
-            try:
-                return super().maybe_save_checkpoint(self._epoch, 0 if local >= steps else local)
-            finally:
-                self.config = saved
-
+    class PanelTrainer(PanelHooks, base):
+        _hooks = hooks
     return PanelTrainer
+
+
+def capped(steps: int, max_steps: int) -> int:
+    """`steps`, no more than speculators' max_steps when one is set."""
+    return min(steps, max_steps) if max_steps else steps
+
+
+class PanelHooks:
+    """The overrides of speculators' Trainer that report to `_hooks`; mixed in
+    before the Trainer (panel_trainer), so each `super()` call is speculators'
+    own method."""
+    _hooks = None
+
+    def _hook(self, name: str, default=None):
+        return getattr(self._hooks, name, default)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        announce_saves(self.checkpointer, self._hook("on_phase", lambda name: None))
+        self._per_epoch = epoch_steps(self.train_loader, self.config.num_epochs)
+        self._hooks.on_total_steps(capped(sum(self._per_epoch), self.config.max_steps),
+                                   len(self.train_loader))
+        self._hook("on_epochs", lambda n: None)(self.config.num_epochs)
+        self._epoch = self.current_epoch
+        self._epoch_origin = self.global_step - self._resume_local_step
+
+    def train_epoch(self, epoch, **kwargs):
+        self._epoch = epoch
+        self._epoch_origin = self.global_step - (
+            self._resume_local_step if epoch == self.current_epoch else 0)
+        # The packed batches are drawn anew each epoch and their number
+        # changes with them: the total is the steps before this epoch and
+        # this epoch's and the later ones' as counted at the start (exact
+        # up to EXACT_ROWS rows: then it never moves; past them later
+        # epochs are counted as the first), so progress never ends at 118/117.
+        sampler = self.train_loader.batch_sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        per_epoch = len(self.train_loader)
+        later = self._per_epoch[epoch + 1:] if len(self._per_epoch) > epoch else []
+        total = capped(self._epoch_origin + per_epoch + sum(later), self.config.max_steps)
+        self._hooks.on_total_steps(total, per_epoch)
+        kwargs["step_callback"] = stop_between_steps(self._hooks, kwargs.get("step_callback"))
+        return super().train_epoch(epoch, **kwargs)
+
+    def run_training(self):
+        if self._hooks.should_stop():
+            self._hooks.on_interrupted(self._epoch, 0, self.global_step)
+            return None
+        stopped_before = self._hook("stopped_before")
+        if stopped_before is not None and stopped_before(self.current_epoch):
+            return None   # resumed after the plateau stop was decided
+        try:
+            return super().run_training()
+        except PlateauStop:
+            return None
+
+    def val_epoch(self, epoch):
+        self._hook("on_phase", lambda name: None)("validating")   # no step for a while: why
+        return super().val_epoch(epoch)
+
+    def maybe_update_best(self, epoch, val_metrics):
+        super().maybe_update_best(epoch, val_metrics)
+        # every rank sees the same all-reduced metrics: all stop together
+        on_validation = self._hook("on_validation")
+        if on_validation is not None and isinstance(epoch, int) \
+                and on_validation(epoch, val_metrics):
+            raise PlateauStop()
+
+    def maybe_save_checkpoint(self, epoch, local_step=0):
+        if epoch != "interrupted":
+            return super().maybe_save_checkpoint(epoch, local_step)
+        local = self.global_step - self._epoch_origin
+        self._hooks.on_interrupted(self._epoch, local, self.global_step)
+        if local <= 0:
+            return None  # nothing done since the last checkpoint
+        steps = len(self.train_loader)
+        saved = self.config
+        # Save now whatever the checkpoint frequency says: a mid-epoch
+        # checkpoint (or the epoch's end) that speculators resumes from.
+        self.config = saved._replace(checkpoint_freq=1, save_best=False)
+        try:
+            return super().maybe_save_checkpoint(self._epoch, 0 if local >= steps else local)
+        finally:
+            self.config = saved
 
 
 def stop_between_steps(hooks, then=None):
