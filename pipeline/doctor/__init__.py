@@ -30,7 +30,15 @@ from pipeline.config import Config
 
 # The area modules: imported for their checks' registration (the positions,
 # not this order, order doctor's output).
-from pipeline.doctor import cluster, environment, plans, rundir, target, vllm  # noqa: F401
+from pipeline.doctor import (  # noqa: F401
+    cluster,
+    environment,
+    plans,
+    rundir,
+    target,
+    validation,
+    vllm,
+)
 from pipeline.doctor.environment import check_environment, check_vllm_environment
 from pipeline.doctor.findings import (
     BLOCK,

@@ -76,15 +76,16 @@ def why_not(cfg) -> str | None:
     return next((why for bad, why in reasons if bad), None)
 
 
-def capture_flags(cfg, run: RunDir) -> tuple[list[str], int, int]:
+def capture_flags(cfg, storage: Path, own_connector: bool = True) -> tuple[list[str], int, int]:
     """(the flags extract's server gets, built by the function extract's own
-    servers are built with; its max_model_len as regenerate needs it, which
-    covers extract's rows: prepare cuts them at seq_length; the layers captured)."""
+    servers are built with, writing to `storage`; its max_model_len as
+    regenerate needs it, which covers extract's rows: prepare cuts them at
+    seq_length; the layers captured)."""
     from pipeline.extract.server_flags import extraction_flags
     from pipeline.model.info import read_model, validate_layer_ids
     m = read_model(cfg.target_path())
     layer_ids = validate_layer_ids(list(cfg.stages.extract.layer_ids), m.layers)
-    flags = extraction_flags(layer_ids, run.out_dir("extract") / "hidden_states", True,
+    flags = extraction_flags(layer_ids, storage, own_connector,
                              cfg.stages.extract.hidden_states_dtype == "fp8",
                              "linear" in m.kinds)
     return flags + list(cfg.stages.extract.server_args), regenerate_max_len(cfg), len(layer_ids)
@@ -106,7 +107,7 @@ class SharedServer:
         self.run, self.cfg = run, cfg
         self.folder = run.path / FOLDER
         devices = cfg.stage_devices("extract")
-        self.flags, max_len, captured = capture_flags(cfg, run)
+        self.flags, max_len, captured = capture_flags(cfg, run.out_dir("extract") / "hidden_states")
         rg, ex = cfg.stages.regenerate, cfg.stages.extract
         elem = 4 if cfg.dtype_name(bool(devices)) == "float32" else 2
         m = read_model(cfg.target_path())

@@ -133,6 +133,10 @@ USES: tuple[Use, ...] = (
     Use("ExampleHiddenStatesConnector",
         ("distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",),
         ("server",), why="pipeline.vllm.connector extends it (0.29+; else the stock one is used)"),
+    # -- vLLM's own validation (pipeline/vllm/validate.py, doctor) ----------------
+    Use("EngineArgs.create_engine_config", ("engine.arg_utils",), ("validate",), (),
+        why="`vllm serve` builds and checks its engine config here; the validation "
+            "stops the server once it returns"),
     # -- evaluate's draft swap (pipeline/vllm/swap_worker.py, inside the workers) -
     Use("reload_weights", ("model_executor.model_loader.reload.inplace",), ("swap",),
         ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format"),

@@ -321,6 +321,24 @@ def gpu_memory_reader(devices: list[int]):
     return used
 
 
+def serve_args(env: VllmEnv, target: Path, devices: list[int], dtype: str, max_model_len: int,
+               trust: bool, flags: list[str], serve_command: str = "", port: int = 0,
+               fired: bool = False) -> tuple[list[str], int]:
+    """(the server's whole command line, how many of its words come before
+    the model): what every stage starts and what vLLM's own validation
+    (pipeline.vllm.validation) checks — the target's flags, then the stage's
+    `flags`, tensor parallel over its GPUs. `fired`: the target's flags are
+    adaptations this process applies (recorded in provenance)."""
+    needs = target_flags(target, env.cpu_build, env.source())
+    if fired:
+        for t in needs:
+            compat.fired(t.key, t.detail)
+    argv = serve_argv(env.python, serve_command, target, port, max(1, len(devices)), dtype,
+                      max_model_len, trust, [f for t in needs for f in t.flags] + list(flags),
+                      eager=env.cpu_build)
+    return argv, argv.index(str(target))
+
+
 def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path: Path,
                 dtype: str, max_model_len: int, trust: bool, flags: list[str],
                 serve_command: str = "", kv_tokens: int = 0, kv_bytes_per_token: int = 0,
@@ -331,12 +349,8 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
     own `flags` then the user's server_args in them; tensor parallel over
     its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
     port, key = free_port(), secrets.token_hex(16)
-    needs = target_flags(target, env.cpu_build, env.source())
-    for t in needs:
-        compat.fired(t.key, t.detail)
-    argv = serve_argv(env.python, serve_command, target, port, max(1, len(devices)), dtype,
-                      max_model_len, trust, [f for t in needs for f in t.flags] + list(flags),
-                      eager=env.cpu_build)
+    argv, _ = serve_args(env, target, devices, dtype, max_model_len, trust, flags,
+                         serve_command, port, fired=True)
     kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
     provenance.note_server(argv, env.version, env.dist, env.python)
     return VllmServer(k, argv, port, key, devices, log_path,

@@ -1,0 +1,157 @@
+"""vLLM asked, not only read: each server the run will start, as its stage
+would start it, put through `vllm serve`'s own parser and engine config in
+the stages' vLLM (pipeline.vllm.validation). A refusal blocks, in vLLM's
+words; an answer is cached, and the launch checks read the cache.
+
+The planned servers come from the config the way the stages build theirs:
+regenerate's (or the server it shares with extract), extract's capture
+servers (and online train's), evaluate's target without a draft. Evaluate
+with a draft is not asked: before training there is no draft folder for
+vLLM to read (its speculative config loads the draft's config.json).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.config import Config
+from pipeline.doctor.findings import BLOCK, OK, WARN, Finding, check
+from pipeline.doctor.inputs import Inputs, serves_target
+from pipeline.model.info import ModelInfo
+from pipeline.vllm import validation
+from pipeline.vllm.validation import Planned
+
+# extract's servers write here in a run; vLLM's config only carries the path
+STORAGE = Path("<run>") / "extract" / "hidden_states"
+
+
+def _planned(cfg: Config, stage: str, name: str, max_len: int, flags: list[str],
+             devices: list[int], env_stage: str | None = None) -> Planned:
+    sec = getattr(cfg.stages, env_stage or stage)
+    env = {**cfg.runtime.env, **sec.env}
+    return Planned(name, tuple(devices), max_len, tuple(flags), cfg.dtype_name(bool(devices)),
+                   cfg.model.trust_remote_code, tuple(sorted(env.items())))
+
+
+def planned_servers(cfg: Config, m: ModelInfo, backend: str,
+                    own_connector: bool = True) -> list[Planned]:
+    """The servers the run starts, one of each kind (extract's first
+    tensor-parallel group stands for the others), as the config gives them."""
+    from pipeline.extract import shared_server
+    from pipeline.extract.job import gpu_groups
+    from pipeline.extract.server_flags import extraction_flags
+    from pipeline.model.info import validate_layer_ids
+    ex, seq = cfg.stages.extract, cfg.stages.prepare.seq_length
+    layers = validate_layer_ids(list(ex.layer_ids), m.layers)
+    groups = gpu_groups(cfg.stage_devices("extract"), ex.tensor_parallel) or [[]]
+    capture = extraction_flags(layers, STORAGE, own_connector,
+                               ex.hidden_states_dtype == "fp8", "linear" in m.kinds)
+    capture += list(ex.server_args)
+    out = []
+    shared = cfg.enabled("regenerate") and shared_server.why_not(cfg) is None
+    if shared:
+        flags, max_len, _ = shared_server.capture_flags(cfg, STORAGE, own_connector)
+        out.append(_planned(cfg, "regenerate", "regenerate + extract (one server)", max_len,
+                            flags, cfg.stage_devices("extract"), "extract"))
+    elif cfg.enabled("regenerate"):
+        rg = cfg.stages.regenerate
+        out.append(_planned(cfg, "regenerate", "regenerate", shared_server.regenerate_max_len(
+            cfg), list(rg.server_args), cfg.stage_devices("regenerate")))
+    if cfg.online:
+        out.append(_planned(cfg, "train", "train (online)", seq + 8, capture, groups[0],
+                            "extract"))
+    elif backend == "vllm-server" and not shared:
+        out.append(_planned(cfg, "extract", "extract", seq + 8, capture, groups[0]))
+    if cfg.enabled("evaluate"):
+        ev = cfg.stages.evaluate
+        max_len = int(m.max_position or 4096) if ev.prompts else seq + ev.max_tokens + 8
+        out.append(_planned(cfg, "evaluate", "evaluate (the target alone)", max_len,
+                            list(ev.server_args), cfg.stage_devices("evaluate")))
+    return out
+
+
+def findings(v: validation.Validation, version: str) -> list[Finding]:
+    """vLLM's answer as doctor's lines: a block per refusal, one line for the rest."""
+    if v.failed:
+        return [Finding("vllm", WARN, f"vLLM {version}'s own validation did not answer: "
+                        f"{v.failed}", "run `eagle-panel doctor` again; the checks read from "
+                        "the source above still stand")]
+    out = [Finding("vllm", BLOCK, f"vLLM {version} refuses {r.name}'s server: {r.error}",
+                   "change what it names ([stages.*] server_args, [prepare] seq_length, "
+                   "[model]); this is vLLM's own check of the exact command line the stage "
+                   "would run") for r in v.refusals]
+    ok = [r.name for r in v.results if r.ok]
+    if ok:
+        how = "cached" if v.cached else f"{v.seconds:.0f} s, {v.import_s:.0f} s of it vLLM's import"
+        out.append(Finding("vllm", OK, f"vLLM {version} accepts {', '.join(ok)}: each server's "
+                           f"command line through `vllm serve` up to its engine config ({how})"))
+    return out
+
+
+def target_folder(cfg: Config) -> Path | None:
+    """The target's folder without building or downloading it (a launch
+    must not wait for either): a built-in's cache folder, built or not; None
+    for a hub target still to be downloaded."""
+    from pipeline import builtin
+    from pipeline.model import hub
+    if cfg.model.target in builtin.TARGETS:
+        return builtin.target(cfg.model.target).cache_dir()
+    return None if hub.download_pending(cfg) else cfg.target_path()
+
+
+def _key(x: Inputs, backend: str) -> tuple[str | None, list[Planned]]:
+    """The cache key of the servers this config plans with `backend` (None,
+    [] where there is no target folder yet, or the layer ids are wrong:
+    check_layers says so)."""
+    from pipeline.vllm import compat
+    folder = target_folder(x.cfg)
+    if folder is None or not (folder / "config.json").exists():
+        return None, []
+    own = x.source is None or not compat.own_connector_missing(x.source)
+    try:
+        servers = planned_servers(x.cfg, x.model, backend, own)
+    except ValueError:
+        return None, []
+    env = x.vllm
+    python, vllm_dir = (env.python, env.vllm_dir) if env else (x.cfg.vllm_python(), None)
+    return (validation.cache_key(python, folder, servers, vllm_dir) if servers else None), servers
+
+
+@check(135)
+def check_vllm_accepts(x: Inputs) -> list[Finding]:
+    """Every planned server through vLLM's own validation (cached)."""
+    env = x.vllm
+    if env is None or not serves_target(x) or x.model is None or \
+            not validation.installed_vllm(env.python, env.vllm_dir):
+        return []   # no vLLM installed that can be named (nothing to ask)
+    why = env.unusable(x.cfg.stage_devices("extract") or x.cfg.stage_devices("evaluate"))
+    if why:
+        return [Finding("vllm", OK, f"vLLM's own validation not run here: {why.split(':')[0]}; "
+                        "the checks read from its source stand")]
+    if x.source is not None:
+        from pipeline.vllm import contract
+        broken = contract.check(x.source, "validate")
+        if broken:
+            return [Finding("vllm", WARN, f"vLLM's own validation cannot run on {env.version}: "
+                            f"{broken[0]}", "report this vLLM version; the checks read from "
+                            "its source stand")]
+    key, servers = _key(x, x.backend)
+    if not servers:
+        return []
+    v = validation.cached(key) or validation.validate(env, x.cfg.target_path(), servers, key=key)
+    return findings(v, env.version or "?")
+
+
+@check(None, launch=70)
+def check_vllm_accepted(x: Inputs) -> list[Finding]:
+    """The launch's: doctor's last answer for this config and vLLM, when
+    there is one (asking takes vLLM's import: doctor's job, not a launch's)."""
+    if x.model is None:
+        return []
+    # the launch resolves no backend: "auto" is looked up both ways doctor may have gone
+    backend = x.cfg.stages.extract.backend
+    for b in ("vllm-server", "hf") if backend == "auto" else (backend,):
+        v = validation.cached(_key(x, b)[0])
+        if v is not None:
+            return [f for f in findings(v, "(as `eagle-panel doctor` found)") if f.level == BLOCK]
+    return []

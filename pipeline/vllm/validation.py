@@ -1,0 +1,171 @@
+"""vLLM's own validation of the servers a run will start, asked before the
+launch (doctor) and remembered for the launch checks.
+
+A planned server (`Planned`: what a stage's config gives its `vllm serve`)
+becomes the exact argv the stage would start (`server.serve_args`, the
+function make_server uses), and pipeline.vllm.validate runs that argv
+through `vllm serve` in vLLM's own interpreter up to its engine config: what
+vLLM's parser, its serve checks, ModelConfig, SchedulerConfig and VllmConfig
+refuse is refused here, in vLLM's words, before hours of extraction and
+training. It loads no weights; most of its time is vLLM's import (~10-15 s
+on 2 cores), so a result is cached by what decides it: the interpreter and
+the vLLM installed for it, the target's config.json and the planned servers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.paths import PROJECT_ROOT, cache_dir
+from pipeline.run.rundir import atomic_write_json
+from pipeline.vllm.environment import VllmEnv, process_env
+
+# the engine config needs no weights, and a download is never doctor's to make
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One server a stage will start, as its config gives it (the target's
+    own flags are added from the vLLM that serves it: server.serve_args)."""
+    name: str                       # what the finding calls it: "extract", "evaluate (no draft)"
+    devices: tuple[int, ...]
+    max_model_len: int
+    flags: tuple[str, ...]          # the stage's own flags, then the section's server_args
+    dtype: str
+    trust_remote_code: bool = False
+    env: tuple[tuple[str, str], ...] = ()   # [runtime] env and the section's env
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Validation:
+    """vLLM's answer for each planned server, and what asking it cost."""
+    results: list[Result] = field(default_factory=list)
+    import_s: float = 0.0           # vLLM's import, once per environment
+    seconds: float = 0.0            # the whole subprocess(es), import included
+    cached: bool = False
+    failed: str = ""                # the validation itself could not run (not a refusal)
+
+    @property
+    def refusals(self) -> list[Result]:
+        return [r for r in self.results if not r.ok]
+
+    def to_json(self) -> dict:
+        return {"results": [asdict(r) for r in self.results], "import_s": self.import_s,
+                "seconds": self.seconds, "failed": self.failed}
+
+    @classmethod
+    def from_json(cls, d: dict, cached: bool = False) -> Validation:
+        return cls([Result(**r) for r in d.get("results", [])], d.get("import_s", 0.0),
+                   d.get("seconds", 0.0), cached, d.get("failed", ""))
+
+
+def installed_vllm(python: str, vllm_dir: str | None = None) -> str:
+    """Which vLLM is installed for `python`, read from the file system (the
+    dist-info folders beside its package, their names and times; no process
+    started): what the cache is keyed by, so that the launch checks, which
+    probe nothing, find doctor's answer. `vllm_dir` (vLLM's package folder,
+    where a probe found it), else a virtual environment's layout. "" when
+    none is found: nothing is cached then."""
+    if vllm_dir:
+        found = sorted(Path(vllm_dir).parent.glob("vllm*.dist-info"))
+    else:
+        prefix = Path(python).absolute().parent.parent
+        found = sorted(prefix.glob("lib/python3*/site-packages/vllm*.dist-info"))
+    return ";".join(f"{p.name}@{p.stat().st_mtime_ns}" for p in found)
+
+
+def cache_key(python: str, target: Path, servers: list[Planned],
+              vllm_dir: str | None = None) -> str | None:
+    """What decides vLLM's answer, hashed; None when the vLLM cannot be named."""
+    installed = installed_vllm(python, vllm_dir)
+    if not installed:
+        return None
+    try:
+        config = (target / "config.json").read_bytes()
+    except OSError:
+        return None
+    h = hashlib.sha256()
+    for part in (installed, config.hex(),
+                 json.dumps([asdict(s) for s in servers], sort_keys=True)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / "vllm-validation" / f"{key}.json"
+
+
+def cached(key: str | None) -> Validation | None:
+    """The remembered answer for `key`, or None."""
+    if key is None:
+        return None
+    try:
+        return Validation.from_json(json.loads(cache_path(key).read_text()), cached=True)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def argv(env: VllmEnv, target: Path, s: Planned) -> list[str]:
+    """What follows `vllm serve` for this server, as its stage would start it."""
+    from pipeline.vllm.server import serve_args
+    full, base = serve_args(env, target, list(s.devices), s.dtype, s.max_model_len,
+                            s.trust_remote_code, list(s.flags), port=0)
+    return full[base:]
+
+
+def validate(env: VllmEnv, target: Path, servers: list[Planned], timeout: float = 600.0,
+             key: str | None = None) -> Validation:
+    """Ask `env`'s vLLM about each server (one process per environment the
+    servers start with); the answer is cached under `key`."""
+    import time
+    t0, out = time.monotonic(), Validation()
+    groups: dict[tuple, list[Planned]] = {}
+    for s in servers:
+        groups.setdefault((s.devices, s.env), []).append(s)
+    for (devices, extra), group in groups.items():
+        answer = _ask(env, target, group, dict(extra), list(devices), timeout)
+        out.results += answer.results
+        out.import_s = max(out.import_s, answer.import_s)
+        out.failed = out.failed or answer.failed
+    out.seconds = round(time.monotonic() - t0, 3)
+    if key is not None and not out.failed:
+        cache_path(key).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cache_path(key), out.to_json())
+    return out
+
+
+def _ask(env: VllmEnv, target: Path, group: list[Planned], extra: dict, devices: list[int],
+         timeout: float) -> Validation:
+    """One pipeline.vllm.validate process for servers sharing an environment."""
+    request = json.dumps([{"name": s.name, "argv": argv(env, target, s)} for s in group])
+    base = {**os.environ, **extra, **OFFLINE}
+    with tempfile.TemporaryDirectory(prefix="eagle-panel-validate-") as tmp:
+        out, log = Path(tmp) / "out.json", Path(tmp) / "log"
+        try:
+            with open(log, "w") as f:
+                subprocess.run([env.python, "-m", "pipeline.vllm.validate", str(out)],
+                               input=request, text=True, stdout=f, stderr=subprocess.STDOUT,
+                               cwd=str(PROJECT_ROOT), timeout=timeout, check=False,
+                               env=process_env(env, devices, None, base=base))
+            answer = json.loads(out.read_text())
+        except subprocess.TimeoutExpired:
+            return Validation(failed=f"vLLM's validation took over {timeout:.0f} s")
+        except (OSError, ValueError):
+            tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
+            return Validation(failed=f"vLLM's validation stopped without an answer: {tail}")
+    return Validation([Result(**r) for r in answer["results"]], answer["import_s"])

