@@ -169,6 +169,31 @@ def test_doctor_says_evaluate_skips_a_draft_this_vllm_cannot_serve(tmp_path):
     assert "dflash2" not in f.fix.split("serves (")[-1], f.fix   # not among those it serves
 
 
+def test_doctor_reads_that_034_refuses_peagle(tmp_path):
+    """P-EAGLE is EAGLE-3 drafting in parallel (method eagle3 + parallel_drafting):
+    0.32 serves it; 0.34's SpeculativeConfig refuses parallel_drafting except for
+    dflash and dspark. Doctor says so in vLLM's words, from 0.34's source, and
+    names what that vLLM still serves; DFlash (parallel by nature) is unaffected."""
+    from pipeline import doctor
+    from tests.fakes import vllm_releases
+    env = {"python": "3.12.3", "executable": "/opt/env/bin/python", "vllm_dir": None,
+           "packages": {"torch": "2.11.0", "speculators": "0.9.0", "vllm": "0.34.0",
+                        "triton": "3.5.0"}}
+    found = {}
+    for version in ("0.32.0", "0.34.0"):
+        env["packages"]["vllm"] = version
+        x = doctor.Inputs(load_config(config(tmp_path, {"algorithm": "peagle"})), env,
+                          doctor.vllm_env_from(env), None, source=vllm_releases.source(version))
+        (found[version],) = doctor.check_draft_method(x)
+    assert found["0.32.0"].level == doctor.OK, found["0.32.0"]
+    f = found["0.34.0"]
+    assert f.level == doctor.WARN and "evaluate will be skipped" in f.message, f
+    assert "vLLM 0.34.0 refuses parallel_drafting for method 'eagle3': \"parallel_drafting is " \
+           "only supported by the dflash and dspark methods, not 'eagle3'.\"" in f.message, f
+    served = f.fix.split("serves (")[-1]
+    assert "eagle3" in served and "dflash" in served and "peagle" not in served, f.fix
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """prepare, extract (hf) and vocab once on 24 conversations of the built-in target."""

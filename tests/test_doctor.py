@@ -402,11 +402,11 @@ def test_doctor_on_sparse_and_linear_targets(tmp_path, version, name):
 
 def test_doctor_warns_about_a_release_no_test_read(tmp_path):
     cfg, gpus = kimi_k3_on_8_h200(tmp_path)
-    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm="0.34.0"))
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm="0.35.0"))
     findings = diagnose(cfg, env, gpus, "0.33.0")
     (w,) = [f for f in findings if f.key == "unread_release"]
-    assert w.level == doctor.WARN and "vLLM 0.34.0 is newer than every release" in w.message
-    assert "0.33.0" in w.message
+    assert w.level == doctor.WARN and "vLLM 0.35.0 is newer than every release" in w.message
+    assert "0.34.0" in w.message
 
 
 @pytest.mark.parametrize("name, want", [("kimi-linear-48b-a3b", "hf"), ("kimi-k3", "hf"),

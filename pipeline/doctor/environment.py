@@ -101,7 +101,8 @@ def check_backends(x: Inputs) -> list[Finding]:
     problem = v.unusable(x.cfg.stage_devices("extract")) if v else "vLLM is not installed"
     if v and not problem:
         lo, hi = compat.ENGINE_RANGE   # (its CPU build too: checked on 0.16's)
-        if compat.version_at_least(v.version, lo):
+        no_v1 = x.source is not None and compat.v1_runner_removed(x.source)
+        if compat.version_at_least(v.version, lo) and not no_v1:
             late = compat.version_at_least(v.version, hi)
             usable.append("vllm-engine" + (" (past the releases it was checked on)" if late else ""))
         if x.source is not None and x.source.has_module(compat.CONNECTOR_MODULE):
@@ -145,6 +146,9 @@ def engine_backend_findings(x: Inputs, v: VllmEnv) -> list[Finding]:
     if not compat.version_at_least(base, lo):
         return [Finding("backends", BLOCK, f"vLLM {v.version} is older than the vllm-engine "
                         f"backend supports ({lo})", f"upgrade vLLM to >= {lo}")]
+    if x.source is not None and compat.v1_runner_removed(x.source):
+        return [Finding("backends", BLOCK, compat.removed_v1_runner(x.source),
+                        'use backend = "vllm-server" (or "auto"): vLLM\'s own route')]
     prefer = (f'prefer backend = "vllm-server" (vLLM >= {compat.SERVER_ROUTE_SINCE}), the '
               "official route")
     if compat.version_at_least(base, hi):

