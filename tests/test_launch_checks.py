@@ -61,6 +61,20 @@ def test_run_refuses_before_creating_anything(tmp_path, stagekit, case):
     assert not (tmp_path / "runs").exists()
 
 
+def test_data_that_holds_nothing_is_refused(tmp_path, stagekit):
+    """[data] path naming a folder with no saved dataset, or an empty file: refused
+    at the launch, with what a dataset folder holds (it used to launch, and fail in
+    prepare)."""
+    (tmp_path / "empty-folder").mkdir()
+    (tmp_path / "empty.jsonl").write_text("")
+    for path, said in (("empty-folder", "is a folder with no dataset in it"),
+                       ("empty.jsonl", "is an empty file")):
+        stagekit(extra={"data": {"path": path}})
+        p = cli("run", cwd=tmp_path, check=2)
+        assert said in p.stderr and "save_to_disk" in p.stderr, p.stderr
+        assert not (tmp_path / "runs").exists()
+
+
 def test_a_remote_code_target_with_the_flag_off(tmp_path, stagekit):
     stagekit(extra={"model": {"target": str(kimi_folder(tmp_path))},
                     "stages": {"extract": {"layer_ids": [2, 30, 58]},

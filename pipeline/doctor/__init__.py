@@ -32,6 +32,7 @@ from pipeline.config import Config
 # not this order, order doctor's output).
 from pipeline.doctor import (  # noqa: F401
     cluster,
+    data,
     environment,
     plans,
     rundir,
