@@ -82,6 +82,9 @@ def probe(quick: bool = False) -> dict:
     spec = importlib.util.find_spec("vllm") if out["vllm_dist"] else None
     out["vllm_dir"] = (list(spec.submodule_search_locations)[0]
                        if spec and spec.submodule_search_locations else None)
+    spec = importlib.util.find_spec("speculators") if out["packages"].get("speculators") else None
+    out["speculators_dir"] = (list(spec.submodule_search_locations)[0]    # doctor reads it
+                              if spec and spec.submodule_search_locations else None)
     if out["packages"]["torch"] and not quick:
         try:
             import torch

@@ -40,7 +40,11 @@ from pipeline.doctor import (  # noqa: F401
     validation,
     vllm,
 )
-from pipeline.doctor.environment import check_environment, check_vllm_environment
+from pipeline.doctor.environment import (
+    check_environment,
+    check_speculators,
+    check_vllm_environment,
+)
 from pipeline.doctor.findings import (
     BLOCK,
     OK,
@@ -62,7 +66,8 @@ from pipeline.vllm.environment import VllmEnv
 
 __all__ = [
     "BLOCK", "OK", "WARN", "Finding", "Inputs", "as_json", "as_text", "blocking",
-    "check_draft_method", "check_environment", "check_privacy", "check_target_loads",
+    "check_draft_method", "check_environment", "check_privacy", "check_speculators",
+    "check_target_loads",
     "check_versions", "check_vllm_environment", "checks", "diagnose", "disk_forecast",
     "gather", "kv_plan", "launch_checks", "launch_findings", "nvml_gpus", "string_mismatches",
     "target_info", "tp_sizes", "vllm_env_from",

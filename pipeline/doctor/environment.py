@@ -58,6 +58,24 @@ def _stages_vllm(x: Inputs) -> str:
     return "no vLLM found"
 
 
+@check(15)
+def check_speculators(x: Inputs) -> list[Finding]:
+    """The stages' speculators against what the train stage patches and
+    imports of it (pipeline/train/speculators_contract.py), read from its
+    source: a missing name blocks train before it starts."""
+    where, version = x.env.get("speculators_dir"), x.packages.get("speculators")
+    if not (where and version) or not x.cfg.enabled("train"):
+        return []
+    from pipeline.train import speculators_contract
+    why = speculators_contract.refusal(where, version)
+    if why:
+        return [Finding("speculators", BLOCK, why, "install speculators 0.9.0 (what "
+                        "scripts/install.sh installs) in [runtime] python's environment")]
+    return [Finding("speculators", OK, f"speculators {version} has all "
+                    f"{len(speculators_contract.USES)} names the train stage patches or imports "
+                    "(pipeline/train/speculators_contract.py)")]
+
+
 @check(20)
 def check_trackers(x: Inputs) -> list[Finding]:
     """[tracking] loggers: each importable in the stages' environment (as

@@ -208,21 +208,26 @@ def announce_saves(checkpointer, on_phase) -> None:
 
 
 def install(cpu: bool, hooks, collective_timeout_s: float = 1800.0) -> None:
-    """Patch speculators' training modules for this process."""
-    from speculators.train import checkpointer as ck_mod
-    from speculators.train import cli as cli_mod
-    from speculators.train import distributed as dist_mod
-    from speculators.train import graceful_shutdown as gs_mod
-    from speculators.train import trainer as tr_mod
+    """Patch speculators' training modules for this process: the modules
+    and names pipeline/train/speculators_contract.py declares, checked
+    against the installed speculators first (a name it lacks is a
+    StageError naming it, not an AttributeError mid-training)."""
+    from pipeline.stage_error import StageError
+    from pipeline.train import speculators_contract
+    why = speculators_contract.refusal(*speculators_contract.installed())
+    if why:
+        raise StageError(why, hint="install the speculators eagle-panel was checked on "
+                                   "(scripts/install.sh: 0.9.0) in [runtime] python's environment")
+    m = speculators_contract.modules()
 
     from pipeline.train.cpu_patches import patch_distributed
-    patch_distributed(dist_mod, cli_mod, cpu, collective_timeout_s)
+    patch_distributed(m.dist_mod, m.cli_mod, cpu, collective_timeout_s)
 
-    tr_mod.SingleGPUCheckpointer = safe_checkpointer(ck_mod.SingleGPUCheckpointer)
-    cli_mod.Trainer = panel_trainer(tr_mod.Trainer, hooks)
-    real = getattr(gs_mod.GracefulShutdownHandler, "speculators_handler",
-                   gs_mod.GracefulShutdownHandler)
-    gs_mod.GracefulShutdownHandler = recording_shutdown_handler(real, hooks.request_stop)
+    m.tr_mod.SingleGPUCheckpointer = safe_checkpointer(m.ck_mod.SingleGPUCheckpointer)
+    m.cli_mod.Trainer = panel_trainer(m.tr_mod.Trainer, hooks)
+    gs = m.gs_mod.GracefulShutdownHandler
+    real = getattr(gs, "speculators_handler", gs)
+    m.gs_mod.GracefulShutdownHandler = recording_shutdown_handler(real, hooks.request_stop)
     if cpu:
         from pipeline.train.cpu_patches import patch_for_cpu
-        patch_for_cpu(tr_mod, ck_mod)
+        patch_for_cpu(m.tr_mod, m.ck_mod)
