@@ -439,13 +439,15 @@ def test_registry_follows_absolute_paths_and_platform_packages(version):
 @pytest.mark.parametrize("version", vllm_compat.READ_RELEASES)
 def test_every_declared_use_matches_each_read_release(version):
     """The contract (pipeline/vllm/contract.py) against each release's
-    source: the engine route's uses from 0.11, the server route's from 0.17
-    — nothing that no adaptation covers."""
+    source: the engine route's uses from 0.11, the server route's from 0.17,
+    vLLM's own validation's (doctor) from 0.11 — nothing that no adaptation
+    covers."""
     from pipeline.vllm import contract
     src = vllm_releases.source(version)
     fires = {a.key for a in vllm_compat.plan(src) if a.fires}
     no_v1 = vllm_compat.v1_runner_removed(src)   # 0.34: the engine route cannot run at all
     bad = [] if no_v1 else [m.line(version) for m in contract.check(src, "engine", fires)]
+    bad += [m.line(version) for m in contract.check(src, "validate", fires)]   # doctor asks
     if vllm_compat.version_at_least(version, vllm_compat.SERVER_ROUTE_SINCE):
         bad += [m.line(version) for m in contract.check(src, "server", fires)]
     assert bad == []

@@ -7,6 +7,7 @@ beside the servers it accepts."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -95,8 +96,9 @@ def test_the_launch_reads_doctors_answer(tmp_path):
     key, servers = _key(x, "vllm-server")
     assert key is not None and target_folder(cfg) == cfg.target_path()
     assert not [f for f in doctor.launch_findings(cfg) if "refuses" in f.message]
-    answer = validation.Validation([validation.Result("extract", False, "SchedulerConfig: "
-                                                      "max_num_batched_tokens (64) is smaller")])
+    answer = validation.Validation([validation.Result(
+        "extract", False, "SchedulerConfig: max_num_batched_tokens (64) is smaller",
+        step="config")])
     path = validation.cache_path(key + "-test")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,9 +140,63 @@ def test_doctor_and_the_launch_block_what_vllm_refuses(tmp_path):
     assert "extract's server: SchedulerConfig: max_num_batched_tokens (64) is smaller than " \
            "max_model_len (200)" in refused[1], refused
     assert "accepts evaluate (the target alone)" in p.stdout and "(cached)" not in p.stdout
+    assert "the model built from it on the meta device" in p.stdout
     launch = cli("run", cwd=tmp_path, timeout=120)
     assert launch.returncode == 2 and "max_num_batched_tokens (64)" in launch.stdout + \
         launch.stderr, launch.stdout + launch.stderr
     assert not (tmp_path / "runs" / "p" / "state.json").exists()   # nothing was started
     again = cli("doctor", cwd=tmp_path, timeout=120)
     assert "(cached)" in again.stdout and again.stdout.count("refuses") == 2, again.stdout
+
+
+def int4_kimi(tmp_path: Path) -> Path:
+    """tiny-kimi's config and tokenizer (no weights: vLLM is asked about the
+    config alone) with its routed experts in Kimi-K2.5's released format:
+    compressed-tensors INT4, group 32, symmetric; attention, the shared
+    experts, the dense MLP and lm_head left unquantized (issue 51)."""
+    from pipeline import builtin
+    built = builtin.target("builtin:tiny-kimi").ensure_built()
+    folder = tmp_path / "kimi-int4"
+    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    scheme = {"targets": ["Linear"], "format": "pack-quantized", "input_activations": None,
+              "output_activations": None,
+              "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                          "group_size": 32, "dynamic": False, "actorder": None,
+                          "observer": "minmax"}}
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "quantization_status": "compressed", "config_groups": {"group_0": scheme},
+             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                        "re:vision_tower.*", "re:mm_projector.*"],
+             "kv_cache_scheme": None, "_test": str(tmp_path)}
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = config["text_config"]["quantization_config"] = quant
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.vllm
+def test_a_target_whose_kernels_vllm_lacks_is_blocked_before_the_run(tmp_path):
+    """Kimi-K2.5's INT4 experts on vLLM's CPU build (issue 51: doctor said
+    ready, extract failed 38 s in): vLLM builds the model on the meta device
+    with its own loader, the MoE picks its INT4 backend as it is made, and
+    finds none; doctor blocks every server with vLLM's words, and the launch
+    is refused from that answer, nothing created."""
+    from pipeline.paths import VLLM_VENV
+    from pipeline.vllm.environment import probe
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists() or probe(str(py)).unusable([]):
+        pytest.skip(f"no usable real vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
+    write(tmp_path / "config.toml", merged(tiny_pipeline(), {
+        "model": {"target": str(int4_kimi(tmp_path)), "trust_remote_code": True},
+        "stages": {"extract": {"backend": "vllm-server"}}}))
+    p = cli("doctor", cwd=tmp_path, timeout=600)
+    assert p.returncode == 1, p.stdout + p.stderr
+    blocked = [ln for ln in p.stdout.splitlines() if "cannot build" in ln]
+    assert len(blocked) == 2 and all(
+        "No WNA16 MoE backend supports the deployment configuration" in ln for ln in blocked), \
+        p.stdout
+    assert "extract's model" in blocked[0] and "evaluate (the target alone)'s model" in blocked[1]
+    launch = cli("run", cwd=tmp_path, timeout=120)
+    assert launch.returncode == 2 and "No WNA16 MoE backend" in launch.stdout + launch.stderr
+    assert not (tmp_path / "runs").exists()

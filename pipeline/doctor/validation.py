@@ -76,16 +76,34 @@ def findings(v: validation.Validation, version: str) -> list[Finding]:
         return [Finding("vllm", WARN, f"vLLM {version}'s own validation did not answer: "
                         f"{v.failed}", "run `eagle-panel doctor` again; the checks read from "
                         "the source above still stand")]
-    out = [Finding("vllm", BLOCK, f"vLLM {version} refuses {r.name}'s server: {r.error}",
-                   "change what it names ([stages.*] server_args, [prepare] seq_length, "
-                   "[model]); this is vLLM's own check of the exact command line the stage "
-                   "would run") for r in v.refusals]
+    out = [refused(r, version) for r in v.refusals]
     ok = [r.name for r in v.results if r.ok]
     if ok:
         how = "cached" if v.cached else f"{v.seconds:.0f} s, {v.import_s:.0f} s of it vLLM's import"
+        partly = [r.name for r in v.results if r.ok and r.step == "config"]
+        unasked = MODEL_NOT_ASKED.format(", ".join(partly)) if partly else ""
         out.append(Finding("vllm", OK, f"vLLM {version} accepts {', '.join(ok)}: each server's "
-                           f"command line through `vllm serve` up to its engine config ({how})"))
+                           "command line through `vllm serve` to its engine config, and the "
+                           "model built from it on the meta device by vLLM's loader (its "
+                           f"kernels chosen){unasked} ({how})"))
     return out
+
+
+MODEL_NOT_ASKED = "; the model of {} cannot be built on the meta device, so not asked"
+
+
+def refused(r: validation.Result, version: str) -> Finding:
+    """A refusal, with the fix for the step that refused."""
+    if r.step == "model":
+        return Finding("vllm", BLOCK, f"vLLM {version} cannot build {r.name}'s model here: "
+                       f"{r.error} (its loader built the model on the meta device: the kernels "
+                       "it picks for this target on this platform)",
+                       "the stage would fail the same way: run it where this vLLM has those "
+                       'kernels (a GPU), or use backend = "hf" for extract')
+    return Finding("vllm", BLOCK, f"vLLM {version} refuses {r.name}'s server: {r.error}",
+                   "change what it names ([stages.*] server_args, [prepare] seq_length, "
+                   "[model]); this is vLLM's own check of the exact command line the stage "
+                   "would run")
 
 
 def target_folder(cfg: Config) -> Path | None:

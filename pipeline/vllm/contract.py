@@ -137,6 +137,18 @@ USES: tuple[Use, ...] = (
     Use("EngineArgs.create_engine_config", ("engine.arg_utils",), ("validate",), (),
         why="`vllm serve` builds and checks its engine config here; the validation "
             "stops the server once it returns"),
+    Use("set_current_vllm_config", ("config.vllm", "config"), ("validate",), ("vllm_config",),
+        positional=True, why="the config the model's layers read while they are built"),
+    Use("init_distributed_environment", ("distributed.parallel_state",), ("validate",),
+        ("world_size", "rank", "distributed_init_method", "local_rank", "backend"),
+        why="one process's groups (gloo), as a worker makes them, for the model's layers"),
+    Use("initialize_model_parallel", ("distributed.parallel_state",), ("validate",),
+        ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
+    Use("initialize_model", ("model_executor.model_loader.utils",), ("validate",),
+        ("vllm_config",), why="vLLM's loader builds the model class: each layer picks its "
+                              "kernels (the quantized MoE's backend) as it is made"),
+    Use("set_default_torch_dtype", ("utils.torch_utils", "model_executor.model_loader.utils"),
+        ("validate",), ("dtype",), positional=True, why="the model's dtype, as the loader sets it"),
     # -- evaluate's draft swap (pipeline/vllm/swap_worker.py, inside the workers) -
     Use("reload_weights", ("model_executor.model_loader.reload.inplace",), ("swap",),
         ("vllm_config", "model", "weights_iterator", "weights_path", "is_checkpoint_format"),

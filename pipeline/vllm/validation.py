@@ -49,6 +49,7 @@ class Result:
     ok: bool
     error: str = ""
     seconds: float = 0.0
+    step: str = "model"     # how far vLLM went: its engine "config", or the "model" built
 
 
 @dataclass

@@ -108,7 +108,9 @@ KEEP = ("v1/", "config", "model_executor/models/", "models/", "engine/arg_utils.
         "compilation/decorators.py", "distributed/kv_transfer/kv_connector/v1/",
         "entrypoints/cli/main.py", "sampling_params.py", "worker/worker_base.py", "platforms/",
         "model_executor/layers/mamba/ops/cpu/", "model_executor/model_loader/reload/",
-        "entrypoints/serve/dev/", "entrypoints/openai/api_server.py")
+        "entrypoints/serve/dev/", "entrypoints/openai/api_server.py",
+        "distributed/parallel_state.py", "model_executor/model_loader/utils.py",
+        "utils/torch_utils.py")
 
 
 def kept(version: str) -> Path:
