@@ -65,7 +65,13 @@ def check_model(x: Inputs) -> list[Finding]:
                    f"{m.hidden}, {m.heads} heads / {m.kv_heads} KV heads, {kind} attention, "
                    f"{m.dtype}" + (", decoder under text_config (multimodal wrapper)"
                                    if m.wrapped else "")
-                   + (f", weights {size_text(m.weights_bytes)}" if m.weights_bytes else ""))]
+                   + (f", weights {size_text(m.weights_bytes)}" if m.weights_bytes else "")
+                   + (f"; quantized: {m.quant.text()}" if m.quant else ""))]
+    if m.quant is not None and (m.quant.problem or not m.quant.known):
+        out.append(Finding("model", WARN, f"the target's quantization_config (config.json): "
+                           f"{m.quant.problem or m.quant.text()}; doctor cannot say what it "
+                           "quantizes", "vLLM's own check below still asks whether it can "
+                           "build the model; report the method if it is a released format"))
     if m.needs_remote_code and not x.cfg.model.trust_remote_code:
         out.append(Finding("model", BLOCK, "the target's config or tokenizer has auto_map "
                            "(custom code) and [model] trust_remote_code = false",

@@ -9,6 +9,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.model.quant import Quantization
+from pipeline.model.quant import read as read_quantization
+
 
 @dataclass
 class ModelInfo:
@@ -35,6 +38,7 @@ class ModelInfo:
     linear: dict | None = None        # the linear-attention state's shape (linear_state)
     index_head_dim: int | None = None  # DSA's indexer keys
     sliding_window: int | None = None
+    quant: Quantization | None = None  # quantization_config, read (pipeline.model.quant)
 
     @property
     def mla(self) -> bool:
@@ -112,7 +116,7 @@ def model_info(raw: dict, tokenizer_remote_code: bool = False,
         max_position=text.get("max_position_embeddings"),
         vocab_size=text.get("vocab_size") or raw.get("vocab_size"),
         linear=linear_state(text), index_head_dim=text.get("index_head_dim"),
-        sliding_window=text.get("sliding_window"))
+        sliding_window=text.get("sliding_window"), quant=read_quantization(raw))
     m.kinds = layer_kinds(text, m.layers)
     return m
 
