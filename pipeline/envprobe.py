@@ -25,6 +25,8 @@ from pipeline.tracking import TRACKERS  # (standard library only, like this modu
 
 # what the trackers need: looked up, not imported
 TRACKER_MODULES = sorted({m for modules, _ in TRACKERS.values() for m in modules})
+# what transformers needs to read a quantized target (the hf route), by method
+QUANT_MODULES = ("compressed_tensors",)
 PACKAGES = ("torch", "transformers", "speculators", "hs-connectors", "vllm", "datasets",
             "safetensors", "nvidia-ml-py", "triton", "nvidia-mtbench-evaluator")
 
@@ -71,7 +73,8 @@ def probe(quick: bool = False) -> dict:
            "machine": platform.machine(), "cpu_flags": cpu_flags()}
     for name in PACKAGES:
         out["packages"][name] = _version(name)
-    out["modules"] = {m: importlib.util.find_spec(m) is not None for m in TRACKER_MODULES}
+    out["modules"] = {m: importlib.util.find_spec(m) is not None
+                      for m in (*TRACKER_MODULES, *QUANT_MODULES)}
     out["vllm_dist"] = None
     if out["packages"]["vllm"]:
         out["vllm_dist"] = "vllm"

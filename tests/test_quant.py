@@ -67,3 +67,24 @@ def test_doctor_names_the_quantization_and_warns_on_what_it_cannot_read(tmp_path
     (warn,) = [f for f in doctor.target.check_model(x) if f.level == doctor.WARN]
     assert "quantization_config (config.json): hqq (a method eagle-panel does not read)" in \
         warn.message
+
+
+def test_the_hf_route_needs_what_transformers_reads_the_weights_with(tmp_path):
+    """Kimi-K2.5's INT4 experts on extract's hf backend: transformers reads them
+    through compressed-tensors; a stage environment without it is blocked with the
+    pip command (it used to fail in extract: "compressed-tensors>=0.15.0 is
+    required"); with it, or for an unquantized target, nothing is said."""
+    raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())
+    write(tmp_path / "config.toml", {"stages": {"extract": {"backend": "hf",
+                                                            "layer_ids": [1, 2, 3]}}})
+    cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 0)
+    env = {"executable": "/env/bin/python", "modules": {"compressed_tensors": False}}
+    plain = doctor.Inputs(cfg, env=env, vllm=None, gpus=None, model=model_info(raw))
+    assert doctor.environment.check_hf_reads_the_target(plain) == []
+    raw["text_config"]["quantization_config"] = INT4_GROUP_32
+    x = doctor.Inputs(cfg, env=env, vllm=None, gpus=None, model=model_info(raw))
+    (f,) = doctor.environment.check_hf_reads_the_target(x)
+    assert f.level == doctor.BLOCK and "through the compressed-tensors package" in f.message
+    assert f.fix.startswith("/env/bin/python -m pip install compressed-tensors==0.17.0"), f.fix
+    env["modules"]["compressed_tensors"] = True
+    assert doctor.environment.check_hf_reads_the_target(x) == []

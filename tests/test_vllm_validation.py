@@ -197,6 +197,9 @@ def test_a_target_whose_kernels_vllm_lacks_is_blocked_before_the_run(tmp_path):
         "No WNA16 MoE backend supports the deployment configuration" in ln for ln in blocked), \
         p.stdout
     assert "extract's model" in blocked[0] and "evaluate (the target alone)'s model" in blocked[1]
+    # the fix names what runs without vLLM's kernels here, per stage
+    assert '[stages.extract] backend = "hf"' in p.stdout and \
+        "[stages.evaluate] enabled = false (the run ends at train's estimate)" in p.stdout
     launch = cli("run", cwd=tmp_path, timeout=120)
     assert launch.returncode == 2 and "No WNA16 MoE backend" in launch.stdout + launch.stderr
     assert not (tmp_path / "runs").exists()

@@ -155,6 +155,27 @@ def check_backends(x: Inputs) -> list[Finding]:
     return out
 
 
+# The package transformers reads a quantization method's checkpoints through
+READS_QUANT = {"compressed-tensors": ("compressed_tensors", "compressed-tensors==0.17.0")}
+
+
+@check(42)
+def check_hf_reads_the_target(x: Inputs) -> list[Finding]:
+    """A quantized target on the hf route (extract's, by choice or by "auto"):
+    the stage environment has what transformers reads its weights with."""
+    m, modules = x.model, x.env.get("modules")
+    if m is None or m.quant is None or x.backend != "hf" or x.cfg.online or modules is None:
+        return []
+    need = READS_QUANT.get(m.quant.method)
+    if need is None or modules.get(need[0]):
+        return []
+    return [Finding("backends", BLOCK, f"extract's hf backend reads this {m.quant.method} target "
+                    f"through the {need[1].split('==')[0]} package, which the stage "
+                    f"environment ({x.env.get('executable')}) lacks",
+                    f"{x.env.get('executable')} -m pip install {need[1]} (scripts/install.sh "
+                    "installs it)")]
+
+
 def engine_backend_findings(x: Inputs, v: VllmEnv) -> list[Finding]:
     """The vllm-engine backend against this vLLM: the releases its contract
     was read on and run on, and (the CPU build) its KV block size."""

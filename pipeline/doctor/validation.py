@@ -98,12 +98,22 @@ def refused(r: validation.Result, version: str) -> Finding:
         return Finding("vllm", BLOCK, f"vLLM {version} cannot build {r.name}'s model here: "
                        f"{r.error} (its loader built the model on the meta device: the kernels "
                        "it picks for this target on this platform)",
-                       "the stage would fail the same way: run it where this vLLM has those "
-                       'kernels (a GPU), or use backend = "hf" for extract')
+                       "the stage would fail the same way; run it where this vLLM has those "
+                       "kernels (a GPU), or: " + "; ".join(
+                           fix for stage, fix in ROUTES_AROUND.items() if stage in r.name))
     return Finding("vllm", BLOCK, f"vLLM {version} refuses {r.name}'s server: {r.error}",
                    "change what it names ([stages.*] server_args, [prepare] seq_length, "
                    "[model]); this is vLLM's own check of the exact command line the stage "
                    "would run")
+
+
+# What runs without that server, by the stage whose server it is
+ROUTES_AROUND = {
+    "regenerate": "[stages.regenerate] enabled = false (prepare takes the data's own answers)",
+    "extract": '[stages.extract] backend = "hf" (transformers reads the weights, dequantized)',
+    "train (online)": '[pipeline] mode = "offline" with backend = "hf"',
+    "evaluate": "[stages.evaluate] enabled = false (the run ends at train's estimate)",
+}
 
 
 def target_folder(cfg: Config) -> Path | None:
