@@ -302,12 +302,13 @@ class Bench:
                 "train_argv": train_direct.recorded_argv(rd), **self.ours_draft(rd, state)}
 
     def ours_draft(self, rd: Path, state: dict) -> dict:
-        """The last epoch's validation (the train stage's summary), optimizer steps,
-        and the acceptance its evaluate measured."""
+        """The last epoch's validation (the train stage's summary), and the
+        checkpoint evaluate measured (train's choice: not the last epoch's after a
+        plateau stop), its optimizer steps and acceptance."""
         ev = state["evaluate"]
         events = [json.loads(x) for x in (rd / "train/events.jsonl").read_text().splitlines() if x]
         summary = [e for e in events if e["type"] == "stage_finished"][-1]["summary"]
-        ckpt = last_checkpoint(rd / "train/out/checkpoints")
+        ckpt = measured_checkpoint(rd)
         m = json.loads((rd / "evaluate/out/results.json").read_text())["checkpoints"][ckpt.name]
         return {"val_loss": summary.get("val_loss"), "estimate": summary.get("acceptance_length"),
                 "epochs": summary.get("epochs_trained"), "stopped": summary.get("stopped"),
@@ -318,22 +319,23 @@ class Bench:
                 "acceptance": m["acceptance_length"], "per_position": m["per_position"],
                 "drafts": m["drafts"]}
 
-    def ours_matched(self, theirs_steps: int, ours: dict) -> dict:
+    def ours_matched(self, theirs: dict, ours: dict) -> dict:
         """Ours again from train on (prepare, extract and vocab are kept: their config
         is unchanged), with total_seq_len scaled so that it takes as many optimizer
         steps per epoch as theirs: theirs has one row per assistant turn, ours one per
         conversation, so at the same tokens per step theirs takes more, smaller steps."""
         d = self.ours_rd.parent.parent
-        seq = round(ours["total_seq_len"] * ours["optimizer_steps"] / theirs_steps)
+        seq, why = matched_total_seq_len(ours, theirs, self.s["seq_length"])
+        if seq is None:
+            return {"skipped": why}
         # the epochs ours trained, fixed: the budget rule would re-plan them for the new size
         write(d / "config.toml", merged(tomllib.loads((d / "config.toml").read_text()), {
             "stages": {"train": {"total_seq_len": seq,
                                  "epochs": ours["epochs"] or self.s["epochs"]}}}))
         rc, _ = run([sys.executable, "-m", "app.cli", "run", "--wait"], d / "run.log", d,
                     self.a.timeout)
-        if rc != 0:
-            raise SystemExit(f"ours (steps matched): `eagle-panel run --wait` exited {rc}:\n"
-                             f"{tail(d / 'run.log')}")
+        if rc != 0:   # optional: the figures measured before it are kept
+            return {"failed": f"`eagle-panel run --wait` exited {rc}: {tail(d / 'run.log', 8)}"}
         state = json.loads((self.ours_rd / "state.json").read_text())["stages"]
         st = state["train"]
         return {"total_seq_len": seq, "train_wall_s": st["ended_at"] - st["started_at"],
@@ -446,7 +448,7 @@ class Bench:
         val = {k.removesuffix("_epoch"): v for k, v in vals[-1].items()}
         total = {"wall_s": end - t_all, "peak_rss": self.rss.peak(t_all, end),
                  "disk_bytes": sum(s["disk_bytes"] for s in steps.values())}
-        return {"steps": steps, "total": total, "val_loss": val.get("loss"),
+        return {"steps": steps, "total": total, "val_loss": val.get("loss"), "epochs": len(vals),
                 "estimate": estimate(val, self.s["ttt_steps"]),
                 "optimizer_steps": optimizer_steps(ckpt), "checkpoint": str(ckpt),
                 "train_argv": self.sp_argv}
@@ -585,6 +587,32 @@ def their_train_argv(ours: list[str], sp: Path, num_layers: int) -> list[str]:
             out.append(str(paths[tok]))
             next(it, None)
     return out
+
+
+def measured_checkpoint(rd: Path) -> Path:
+    """The checkpoint a run's evaluate measured (its summary's checkpoint_path),
+    else the last one."""
+    events = [json.loads(x) for x in (rd / "evaluate/events.jsonl").read_text().splitlines() if x]
+    done = [e for e in events if e["type"] == "stage_finished"]
+    path = done[-1]["summary"].get("checkpoint_path") if done else None
+    return Path(path) if path else last_checkpoint(rd / "train/out/checkpoints")
+
+
+def matched_total_seq_len(ours: dict, theirs: dict, seq_length: int) -> tuple[int | None, str]:
+    """(ours' total_seq_len at which it takes as many optimizer steps per epoch as
+    theirs, or None; why not). Per epoch, not per run: ours may stop on a plateau
+    before the epochs theirs trains. A size below seq_length cannot hold one row,
+    and config refuses it."""
+    o_ep, t_ep = ours.get("epochs") or 0, theirs.get("epochs") or 0
+    if not (ours.get("optimizer_steps") and theirs.get("optimizer_steps") and o_ep and t_ep):
+        return None, "the optimizer steps or epochs of one side are unknown"
+    per_ours, per_theirs = ours["optimizer_steps"] / o_ep, theirs["optimizer_steps"] / t_ep
+    seq = round(ours["total_seq_len"] * per_ours / per_theirs)
+    if seq < seq_length:
+        return None, (f"theirs takes {per_theirs:.0f} steps an epoch, ours {per_ours:.0f} at "
+                      f"total_seq_len {ours['total_seq_len']}: matching needs total_seq_len "
+                      f"{seq}, below seq_length {seq_length}, which holds no row")
+    return seq, ""
 
 
 def last_checkpoint(save: Path) -> Path:
@@ -753,9 +781,11 @@ def main() -> None:
         else:
             print(f"acceptance length (vLLM, {n} held-out prompts): ours {acc_o:.3f}, theirs "
                   f"not measured: {why}", flush=True)
-        matched = None
-        if a.match_steps and ours["optimizer_steps"] and theirs["optimizer_steps"]:
-            matched = b.ours_matched(theirs["optimizer_steps"], ours)
+        matched = b.ours_matched(theirs, ours) if a.match_steps else None
+        if matched is not None and ("skipped" in matched or "failed" in matched):
+            print(f"ours, steps matched: not measured: {matched.get('skipped') or matched['failed']}",
+                  flush=True)
+        elif matched is not None:
             ratio = f": ours / theirs {matched['acceptance'] / acc_t:.3f}" if acc_t else ""
             print(f"ours, steps matched (total_seq_len {matched['total_seq_len']}): "
                   f"{matched['optimizer_steps']} optimizer steps, train "
