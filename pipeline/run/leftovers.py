@@ -112,7 +112,10 @@ def session_processes(sid: int | None, leader_ticks: int | None, token: str | No
         return []   # the pid is someone else's now: so is any session it leads
     if leader is not None and carries(sid, SUPERVISOR_VAR, token) is False:
         return []   # a live leader this run did not start (its numbers copied into a row)
-    needle = f"{TOKEN_VAR}={token}".encode() if token else None
+    # The token's value anywhere in the environment: EAGLE_PANEL_TOKEN's, or a
+    # server's EAGLE_PANEL_SERVER_TOKEN, which starts with it (pipeline.vllm.server),
+    # whichever a rename (setproctitle) left readable; or none at all, erased.
+    needle = f"={token}".encode() if token else None
     out = []
     for pid in snap.stat:
         if pid == sid or snap.sid(pid) != sid or not _ours(pid):
@@ -121,7 +124,7 @@ def session_processes(sid: int | None, leader_ticks: int | None, token: str | No
         if ticks is None or ticks < leader_ticks:
             continue
         env = snap.env(pid)
-        if (needle and needle in env) or b"=" not in env:   # the token, or erased by a rename
+        if (needle and needle in env) or b"=" not in env:
             out.append(pid)
     return out
 

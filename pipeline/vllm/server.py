@@ -110,7 +110,12 @@ class VllmServer:
         self.k, self.argv, self.devices, self.log_path = k, argv, devices, Path(log_path)
         self.env, self.api_key, self.what = env, api_key, what
         self.url = f"http://127.0.0.1:{port}"
-        self.token = secrets.token_hex(8)
+        # the attempt's token inside the server's own: its processes are found by
+        # the attempt's token whichever of the two a rename of theirs left readable
+        # (pipeline.run.leftovers.session_processes)
+        attempt = env.get(TOKEN_VAR) or os.environ.get(TOKEN_VAR)
+        self.token = f"{attempt}/server{k}/{secrets.token_hex(8)}" if attempt else \
+            secrets.token_hex(8)
         self.proc: subprocess.Popen | None = None
         self.ready = False    # answered /health once (wait_ready)
         self.stopped = False
@@ -146,14 +151,18 @@ class VllmServer:
             # (the stage's; the driver's for the shared server): the supervisor, or
             # the next launch, finds it and its renamed EngineCore and workers there
             # even after a SIGKILL of its starter (pipeline.run.leftovers). It
-            # carries the attempt's EAGLE_PANEL_TOKEN too, unless it was given a
-            # token of its own (the driver's shared server).
-            attempt = {TOKEN_VAR: os.environ[TOKEN_VAR]} \
-                if TOKEN_VAR in os.environ and TOKEN_VAR not in self.env else {}
+            # carries the attempt's EAGLE_PANEL_TOKEN too (the driver's shared server:
+            # the token the driver gave it).
+            # The tokens go last: a process rename (setproctitle: vLLM's EngineCore and
+            # workers) overwrites its environment's memory from the front, and where it
+            # stops short of the end the last variables still read back.
+            attempt = {TOKEN_VAR: self.env.get(TOKEN_VAR) or os.environ[TOKEN_VAR]} \
+                if TOKEN_VAR in self.env or TOKEN_VAR in os.environ else {}
+            rest = {k: v for k, v in self.env.items() if k != TOKEN_VAR}
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**self.env, **attempt, SERVER_TOKEN_VAR: self.token,
-                     "VLLM_API_KEY": self.api_key},
+                env={**rest, "VLLM_API_KEY": self.api_key, SERVER_TOKEN_VAR: self.token,
+                     **attempt},
                 **(_dying_with_parent() if self.die_with_parent else OWN_GROUP))
 
     # -- its log ---------------------------------------------------------------
