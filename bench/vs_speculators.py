@@ -312,6 +312,8 @@ class Bench:
         m = json.loads((rd / "evaluate/out/results.json").read_text())["checkpoints"][ckpt.name]
         return {"val_loss": summary.get("val_loss"), "estimate": summary.get("acceptance_length"),
                 "epochs": summary.get("epochs_trained"), "stopped": summary.get("stopped"),
+                # the epochs the measured checkpoint holds (named by its epoch, from 0)
+                "epochs_measured": int(ckpt.name) + 1 if ckpt.name.isdigit() else None,
                 "total_seq_len": summary.get("total_seq_len") or self.s["total_seq_len"],
                 "budget": summary.get("budget"),
                 "optimizer_steps": optimizer_steps(ckpt), "checkpoint": str(ckpt),
@@ -603,7 +605,8 @@ def matched_total_seq_len(ours: dict, theirs: dict, seq_length: int) -> tuple[in
     theirs, or None; why not). Per epoch, not per run: ours may stop on a plateau
     before the epochs theirs trains. A size below seq_length cannot hold one row,
     and config refuses it."""
-    o_ep, t_ep = ours.get("epochs") or 0, theirs.get("epochs") or 0
+    # ours' steps are the measured checkpoint's: per epoch, by the epochs it holds
+    o_ep, t_ep = ours.get("epochs_measured") or ours.get("epochs") or 0, theirs.get("epochs") or 0
     if not (ours.get("optimizer_steps") and theirs.get("optimizer_steps") and o_ep and t_ep):
         return None, "the optimizer steps or epochs of one side are unknown"
     per_ours, per_theirs = ours["optimizer_steps"] / o_ep, theirs["optimizer_steps"] / t_ep

@@ -175,12 +175,15 @@ def test_a_name_gone_blocks_doctor_and_train_before_training(tmp_path, monkeypat
     gone = sc.missing(sc.source(copy, "0.10.0"))
     assert gone == ["speculators.train.trainer._StepTimer is gone (subclassed: cpu_patches: no "
                     "CUDA events on the CPU)"]
+    # a name only the CPU patches use does not stop training on GPUs
+    assert sc.refusal(str(copy), "0.10.0", cpu=False) is None
     # doctor, from the stages' envprobe report
     from pipeline import doctor
     from pipeline.config import load as load_config
     from tests.configs import write
     write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 2, 3]}}})
     cfg = load_config(tmp_path / "config.toml")
+    # (no [gpus] devices: train runs on the CPU, where the CPU patches' names count)
     env = {"python": "3.11", "executable": sys.executable, "speculators_dir": str(copy),
            "packages": {"torch": "2.13.0", "transformers": "5.19.0", "speculators": "0.10.0"}}
     (f,) = doctor.check_speculators(doctor.Inputs(cfg, env, None, None))

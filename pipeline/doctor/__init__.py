@@ -8,16 +8,19 @@ target's config (read from config.json, no code run), layer ids, EAGLE-3
 support of the architecture in the installed vLLM (read from its source,
 never imported), the compatibility adaptations that will fire, a KV-cache
 plan (per GPU, or the CPU build's KV space) and the hidden-state disk
-forecast. Each finding is ok / warning / blocking, with the fix; a vLLM
+forecast; and vLLM itself, in its own interpreter, asked about each server
+the run will start (cached). Each finding is ok / warning / blocking, with the fix; a vLLM
 that cannot be read is a finding too, never a traceback.
 
 One module per area, each check registered where it is defined, with its
 position in doctor's output (and in the launch checks', for those):
 findings.py (levels, `Finding`, the registry, the renderings), inputs.py
-(`Inputs` and what gathers them), environment.py (interpreters, trackers,
-extract backends), target.py (GPUs, the target's shapes, EAGLE-3 and draft
-support), vllm.py (what vLLM will do: adaptations, flags, CPU attention,
-starts), plans.py (target loads, KV cache, disk), rundir.py (the run
+(`Inputs` and what gathers them), environment.py (interpreters, speculators,
+trackers, extract backends), data.py ([data] path), target.py (GPUs, the
+target's shapes, EAGLE-3 and draft support), vllm.py (what vLLM will do, read
+from its source: adaptations, flags, CPU attention, starts), validation.py
+(vLLM asked: each planned server through `vllm serve` to its engine config
+and model), plans.py (target loads, KV cache, disk), rundir.py (the run
 directory: versions, privacy, survivors) and cluster.py (Slurm). This
 package imports every area module, so that all checks are registered
 before `diagnose` or `launch_findings` runs; it keeps the API its callers

@@ -67,7 +67,7 @@ def check_speculators(x: Inputs) -> list[Finding]:
     if not (where and version) or not x.cfg.enabled("train"):
         return []
     from pipeline.train import speculators_contract
-    why = speculators_contract.refusal(where, version)
+    why = speculators_contract.refusal(where, version, cpu=not x.cfg.stage_devices("train"))
     if why:
         return [Finding("speculators", BLOCK, why, "install speculators 0.9.0 (what "
                         "scripts/install.sh installs) in [runtime] python's environment")]

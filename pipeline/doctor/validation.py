@@ -48,7 +48,9 @@ def planned_servers(cfg: Config, m: ModelInfo, backend: str,
                                ex.hidden_states_dtype == "fp8", "linear" in m.kinds)
     capture += list(ex.server_args)
     out = []
-    shared = cfg.enabled("regenerate") and shared_server.why_not(cfg) is None
+    # (as doctor's plan of target loads decides it: plans.planned_loads)
+    shared = cfg.enabled("regenerate") and backend.startswith("vllm") and not cfg.online and \
+        shared_server.why_not(cfg) is None
     if shared:
         flags, max_len, _ = shared_server.capture_flags(cfg, STORAGE, own_connector)
         out.append(_planned(cfg, "regenerate", "regenerate + extract (one server)", max_len,
@@ -72,11 +74,11 @@ def planned_servers(cfg: Config, m: ModelInfo, backend: str,
 
 def findings(v: validation.Validation, version: str) -> list[Finding]:
     """vLLM's answer as doctor's lines: a block per refusal, one line for the rest."""
-    if v.failed:
-        return [Finding("vllm", WARN, f"vLLM {version}'s own validation did not answer: "
-                        f"{v.failed}", "run `eagle-panel doctor` again; the checks read from "
-                        "the source above still stand")]
     out = [refused(r, version) for r in v.refusals]
+    if v.failed:
+        out.append(Finding("vllm", WARN, f"vLLM {version}'s own validation did not answer for "
+                           f"every server: {v.failed}", "run `eagle-panel doctor` again; the "
+                           "checks read from the source above still stand"))
     ok = [r.name for r in v.results if r.ok]
     if ok:
         how = "cached" if v.cached else f"{v.seconds:.0f} s, {v.import_s:.0f} s of it vLLM's import"
@@ -85,7 +87,7 @@ def findings(v: validation.Validation, version: str) -> list[Finding]:
         out.append(Finding("vllm", OK, f"vLLM {version} accepts {', '.join(ok)}: each server's "
                            "command line through `vllm serve` to its engine config, and the "
                            "model built from it on the meta device by vLLM's loader (its "
-                           f"kernels chosen){unasked} ({how})"))
+                           f"kernels chosen, at tensor-parallel 1){unasked} ({how})"))
     return out
 
 
@@ -128,21 +130,24 @@ def target_folder(cfg: Config) -> Path | None:
 
 
 def _key(x: Inputs, backend: str) -> tuple[str | None, list[Planned]]:
-    """The cache key of the servers this config plans with `backend` (None,
-    [] where there is no target folder yet, or the layer ids are wrong:
-    check_layers says so)."""
+    """The cache key of the servers this config plans with `backend`, and the
+    servers as this vLLM would be asked about them (None, [] where there is no
+    target folder yet, or the layer ids are wrong: check_layers says so). The
+    key takes them with eagle-panel's own connector, whatever this vLLM has:
+    the launch, which reads no source, computes the same key."""
     from pipeline.vllm import compat
     folder = target_folder(x.cfg)
     if folder is None or not (folder / "config.json").exists():
         return None, []
     own = x.source is None or not compat.own_connector_missing(x.source)
     try:
-        servers = planned_servers(x.cfg, x.model, backend, own)
+        keyed = planned_servers(x.cfg, x.model, backend)
+        servers = keyed if own else planned_servers(x.cfg, x.model, backend, own)
     except ValueError:
         return None, []
     env = x.vllm
     python, vllm_dir = (env.python, env.vllm_dir) if env else (x.cfg.vllm_python(), None)
-    return (validation.cache_key(python, folder, servers, vllm_dir) if servers else None), servers
+    return (validation.cache_key(python, folder, keyed, vllm_dir) if keyed else None), servers
 
 
 @check(135)
@@ -166,7 +171,11 @@ def check_vllm_accepts(x: Inputs) -> list[Finding]:
     key, servers = _key(x, x.backend)
     if not servers:
         return []
-    v = validation.cached(key) or validation.validate(env, x.cfg.target_path(), servers, key=key)
+    validation.remember(env.python, env.vllm_dir)   # (where the launch finds this vLLM)
+    # an answer with no refusal stands; a refusal is asked again (the fix may be in)
+    v = validation.cached(key)
+    if v is None or v.refusals:
+        v = validation.validate(env, x.cfg.target_path(), servers, key=key)
     return findings(v, env.version or "?")
 
 

@@ -297,9 +297,10 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False,
             state["cancel_requested"] = False
     result, services = 0, []
     try:
+        fps = fingerprints(cfg)   # (before any service starts: nothing to stop if it fails)
         steps = plan(cfg, reconcile(rd, ex), only, force)
         services = _begin_services(rd, cfg, steps)
-        result = _run_steps(rd, cfg, ex, steps, services, force)
+        result = _run_steps(rd, cfg, ex, steps, services, force, fps)
     except DiskFull as e:
         _say(f"eagle-panel: {e}. {e.hint}")
         result = EXIT_DISK_FULL
@@ -318,10 +319,10 @@ def drive(rd: RunDir, only: str | None = None, force: bool = False,
     return result
 
 
-def _run_steps(rd: RunDir, cfg, ex, steps, services, force: bool) -> int:
+def _run_steps(rd: RunDir, cfg, ex, steps, services, force: bool,
+               fps: dict[str, str]) -> int:
     """The planned steps in order, each to its end: the driver's exit code
     (0, 1 for a blocked or failed stage, 130 for a cancel)."""
-    fps = fingerprints(cfg)
     for step in steps:
         if step.action == "blocked":
             _say(f"[{step.stage}] {step.why}")

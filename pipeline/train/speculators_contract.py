@@ -46,10 +46,12 @@ class Use:
     name: str        # "Trainer", "Trainer.train_epoch" (a method or self.X), "_local_rank"
     how: str         # imported | replaced | subclassed | overridden | read | called
     why: str = ""
+    cpu_only: bool = False   # patched only for training on the CPU (cpu_patches)
 
 
-def _all(module: str, how: str, *names: str, why: str = "") -> tuple[Use, ...]:
-    return tuple(Use(module, n, how, why) for n in names)
+def _all(module: str, how: str, *names: str, why: str = "", cpu_only: bool = False
+         ) -> tuple[Use, ...]:
+    return tuple(Use(module, n, how, why, cpu_only) for n in names)
 
 
 USES: tuple[Use, ...] = (
@@ -65,13 +67,13 @@ USES: tuple[Use, ...] = (
           "TrainerConfig.checkpoint_freq", "TrainerConfig.save_best",
           why="the steps planned; an interrupt's save forces checkpoint_freq and save_best"),
     Use(TR, "SingleGPUCheckpointer", "replaced", "safe_checkpointer: atomic saves"),
-    Use(TR, "_StepTimer", "subclassed", "cpu_patches: no CUDA events on the CPU"),
-    Use(TR, "get_local_rank", "replaced", "cpu_patches: the CPU device"),
-    Use(TR, "torch", "replaced", "cpu_patches: autocast on the CPU"),
+    Use(TR, "_StepTimer", "subclassed", "cpu_patches: no CUDA events on the CPU", cpu_only=True),
+    Use(TR, "get_local_rank", "replaced", "cpu_patches: the CPU device", cpu_only=True),
+    Use(TR, "torch", "replaced", "cpu_patches: autocast on the CPU", cpu_only=True),
     Use(CK, "SingleGPUCheckpointer", "subclassed", "safe_checkpointer"),
     Use(CK, "SingleGPUCheckpointer.save_checkpoint", "overridden",
         "announce_saves: the panel's 'saving checkpoint' phase"),
-    Use(CK, "get_current_device", "replaced", "cpu_patches: the CPU device"),
+    Use(CK, "get_current_device", "replaced", "cpu_patches: the CPU device", cpu_only=True),
     # -- the CLI the stage runs in process (in_process.run_in_process)
     *_all(CLI, "replaced", "Trainer", "maybe_setup_distributed", "setup_metric_logger",
           why="our Trainer, our distributed setup on the CPU, our metric handler"),
@@ -81,10 +83,12 @@ USES: tuple[Use, ...] = (
     Use("train.dataloader", "ArrowDataset", "replaced", "online mode's dataset (our servers)"),
     Use("train.data", "ArrowDataset", "subclassed", "online mode's keyed dataset"),
     # -- torchrun on the CPU (cpu_patches.patch_distributed)
-    *_all(DIST, "replaced", "maybe_setup_distributed", "dist", "_local_rank",
-          "_is_distributed", "_rank", "_world_size",
-          why="gloo on the CPU, the collective timeout"),
-    Use(DIST, "_init_sp_process_groups", "called", "the sequence-parallel groups, as it makes them"),
+    *_all(DIST, "replaced", "maybe_setup_distributed", "dist",
+          why="the collective timeout (and gloo on the CPU)"),
+    *_all(DIST, "replaced", "_local_rank", "_is_distributed", "_rank", "_world_size",
+          why="gloo on the CPU: speculators' own state, set as its setup sets it", cpu_only=True),
+    Use(DIST, "_init_sp_process_groups", "called", "the sequence-parallel groups, as it makes "
+        "them (on the CPU)", cpu_only=True),
     # -- a stop that must stop (trainer.recording_shutdown_handler)
     Use(GS, "GracefulShutdownHandler", "subclassed", "a stop swallowed on its way is raised again"),
     *_all(GS, "read", "GracefulShutdownHandler._handler", "GracefulShutdownHandler._owner_pid",
@@ -151,11 +155,13 @@ def origin(src, module: str, name: str, depth: int = 0) -> str:
     return module
 
 
-def missing(src) -> list[str]:
+def missing(src, cpu: bool = True) -> list[str]:
     """Each declared use the speculators in `src` lacks, as a line naming it
-    and what eagle-panel does with it."""
+    and what eagle-panel does with it (`cpu`: the CPU patches' too)."""
     out = []
     for use in USES:
+        if use.cpu_only and not cpu:
+            continue
         if not src.has_module(use.module):
             out.append(f"speculators.{use.module} is gone ({use.how}: {use.name})")
         elif not defined(src, use.module, use.name):
@@ -184,12 +190,17 @@ def installed() -> tuple[str | None, str]:
     return (where[0] if where else None), v
 
 
-def refusal(package_dir: str | None, version: str) -> str | None:
+def refusal(package_dir: str | None, version: str, cpu: bool = True) -> str | None:
     """One sentence naming what this speculators lacks of what the train
-    stage patches (None: nothing, or no speculators to read)."""
+    stage patches (None: nothing, or no speculators to read). Source this
+    interpreter cannot parse (a newer Python's syntax) is said, not raised."""
     if not package_dir:
         return None
-    gone = missing(source(package_dir, version))
+    try:
+        gone = missing(source(package_dir, version), cpu)
+    except (SyntaxError, ValueError) as e:
+        return (f"speculators {version}'s source cannot be read by this Python "
+                f"({type(e).__name__}: {e}): its uses of speculators are unchecked")
     if not gone:
         return None
     more = f" (and {len(gone) - 3} more)" if len(gone) > 3 else ""

@@ -214,7 +214,7 @@ def install(cpu: bool, hooks, collective_timeout_s: float = 1800.0) -> None:
     StageError naming it, not an AttributeError mid-training)."""
     from pipeline.stage_error import StageError
     from pipeline.train import speculators_contract
-    why = speculators_contract.refusal(*speculators_contract.installed())
+    why = speculators_contract.refusal(*speculators_contract.installed(), cpu=cpu)
     if why:
         raise StageError(why, hint="install the speculators eagle-panel was checked on "
                                    "(scripts/install.sh: 0.9.0) in [runtime] python's environment")

@@ -19,7 +19,8 @@ not asked.
 Input: a JSON list of {"name", "argv"} (argv: what follows `vllm serve`).
 Output (OUT.json, written once all are done): {"import_s", "results":
 [{"name", "ok", "error", "step", "seconds"}]} (step: how far vLLM went,
-"config" or "model"). Standard library, vLLM and pipeline.vllm.contract only.
+"config" or "model"). It imports the standard library, vLLM (and its torch),
+pipeline.vllm.launch and pipeline.vllm.contract: nothing else of ours.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ function make_server uses), and pipeline.vllm.validate runs that argv
 through `vllm serve` in vLLM's own interpreter up to its engine config: what
 vLLM's parser, its serve checks, ModelConfig, SchedulerConfig and VllmConfig
 refuse is refused here, in vLLM's words, before hours of extraction and
-training. It loads no weights; most of its time is vLLM's import (~10-15 s
-on 2 cores), so a result is cached by what decides it: the interpreter and
-the vLLM installed for it, the target's config.json and the planned servers.
+training. It loads no weights; most of its time is vLLM's import (10-20 s
+on 2 cores), so a result is cached by what decides it: what is installed
+beside vLLM, the target's config.json and the planned servers.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -76,18 +77,48 @@ class Validation:
 
 
 def installed_vllm(python: str, vllm_dir: str | None = None) -> str:
-    """Which vLLM is installed for `python`, read from the file system (the
-    dist-info folders beside its package, their names and times; no process
-    started): what the cache is keyed by, so that the launch checks, which
-    probe nothing, find doctor's answer. `vllm_dir` (vLLM's package folder,
-    where a probe found it), else a virtual environment's layout. "" when
-    none is found: nothing is cached then."""
+    """What is installed beside the vLLM of `python`, read from the file system
+    (the dist-info folders of its site-packages, names and times; no process
+    started): what the cache is keyed by, so that an install or upgrade there
+    (vLLM, compressed-tensors, torch ...) asks again. `vllm_dir`: vLLM's
+    package folder, where a probe found it (doctor remembers it for the
+    launch checks, which probe nothing: `remembered`). "" when no vLLM is
+    found there: nothing is cached then."""
+    vllm_dir = vllm_dir or remembered(python)
     if vllm_dir:
-        found = sorted(Path(vllm_dir).parent.glob("vllm*.dist-info"))
+        site = Path(vllm_dir).parent
     else:
-        prefix = Path(python).absolute().parent.parent
-        found = sorted(prefix.glob("lib/python3*/site-packages/vllm*.dist-info"))
-    return ";".join(f"{p.name}@{p.stat().st_mtime_ns}" for p in found)
+        found = sorted(Path(python).absolute().parent.parent.glob(
+            "lib/python3*/site-packages/vllm"))
+        site = found[0].parent if found else None
+    if site is None or not any(site.glob("vllm*.dist-info")):
+        return ""
+    h = hashlib.sha256()
+    for p in sorted(site.glob("*.dist-info")):
+        h.update(f"{p.name}@{p.stat().st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def remember(python: str, vllm_dir: str | None) -> None:
+    """Doctor's probe's answer to "where is this interpreter's vLLM", kept for
+    the launch checks (a best effort: a cache that cannot be written is not)."""
+    if not vllm_dir:
+        return
+    path = cache_dir() / "vllm-validation" / "where.json"
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+        if known.get(python) != vllm_dir:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, {**known, python: vllm_dir})
+    except (OSError, ValueError):
+        pass
+
+
+def remembered(python: str) -> str | None:
+    try:
+        return json.loads((cache_dir() / "vllm-validation" / "where.json").read_text()).get(python)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def cache_key(python: str, target: Path, servers: list[Planned],
@@ -145,8 +176,11 @@ def validate(env: VllmEnv, target: Path, servers: list[Planned], timeout: float 
         out.failed = out.failed or answer.failed
     out.seconds = round(time.monotonic() - t0, 3)
     if key is not None and not out.failed:
-        cache_path(key).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(cache_path(key), out.to_json())
+        try:
+            cache_path(key).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(cache_path(key), out.to_json())
+        except OSError:
+            pass   # (DiskFull is one) the answer stands; only the next doctor asks again
     return out
 
 
@@ -159,13 +193,19 @@ def _ask(env: VllmEnv, target: Path, group: list[Planned], extra: dict, devices:
         out, log = Path(tmp) / "out.json", Path(tmp) / "log"
         try:
             with open(log, "w") as f:
-                subprocess.run([env.python, "-m", "pipeline.vllm.validate", str(out)],
-                               input=request, text=True, stdout=f, stderr=subprocess.STDOUT,
-                               cwd=str(PROJECT_ROOT), timeout=timeout, check=False,
-                               env=process_env(env, devices, None, base=base))
+                # a session of its own: whatever vLLM starts goes with it on a timeout
+                proc = subprocess.Popen([env.python, "-m", "pipeline.vllm.validate", str(out)],
+                                        stdin=subprocess.PIPE, stdout=f,
+                                        stderr=subprocess.STDOUT, text=True,
+                                        cwd=str(PROJECT_ROOT), start_new_session=True,
+                                        env=process_env(env, devices, None, base=base))
+                try:
+                    proc.communicate(request, timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return Validation(failed=f"vLLM's validation took over {timeout:.0f} s")
             answer = json.loads(out.read_text())
-        except subprocess.TimeoutExpired:
-            return Validation(failed=f"vLLM's validation took over {timeout:.0f} s")
         except (OSError, ValueError):
             tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
             return Validation(failed=f"vLLM's validation stopped without an answer: {tail}")
