@@ -67,6 +67,12 @@ def check_speculators(x: Inputs) -> list[Finding]:
     if not (where and version) or not x.cfg.enabled("train"):
         return []
     from pipeline.train import speculators_contract
+    try:   # (this interpreter may be older than the stages': their syntax may be newer)
+        speculators_contract.missing(speculators_contract.source(where, version))
+    except (SyntaxError, ValueError) as e:
+        return [Finding("speculators", WARN, f"speculators {version}'s source cannot be read by "
+                        f"doctor's Python ({type(e).__name__}: {e}): what the train stage patches "
+                        "is checked when it starts", "")]
     why = speculators_contract.refusal(where, version, cpu=not x.cfg.stage_devices("train"))
     if why:
         return [Finding("speculators", BLOCK, why, "install speculators 0.9.0 (what "

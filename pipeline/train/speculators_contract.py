@@ -192,15 +192,14 @@ def installed() -> tuple[str | None, str]:
 
 def refusal(package_dir: str | None, version: str, cpu: bool = True) -> str | None:
     """One sentence naming what this speculators lacks of what the train
-    stage patches (None: nothing, or no speculators to read). Source this
-    interpreter cannot parse (a newer Python's syntax) is said, not raised."""
+    stage patches (None: nothing, no speculators to read, or source this
+    interpreter cannot parse: a newer Python's syntax)."""
     if not package_dir:
         return None
     try:
         gone = missing(source(package_dir, version), cpu)
-    except (SyntaxError, ValueError) as e:
-        return (f"speculators {version}'s source cannot be read by this Python "
-                f"({type(e).__name__}: {e}): its uses of speculators are unchecked")
+    except (SyntaxError, ValueError):
+        return None   # unchecked, not refused: doctor says so (check_speculators)
     if not gone:
         return None
     more = f" (and {len(gone) - 3} more)" if len(gone) > 3 else ""
