@@ -236,6 +236,36 @@ def test_a_cancel_during_a_launch_stops_what_the_launch_starts(tmp_path, stageki
     assert all(st["status"] != "running" for st in rd.read_state()["stages"].values())
 
 
+def test_a_cancel_before_the_stage_pid_is_recorded_still_stops_it(tmp_path, stagekit):
+    """A cancel that lands after the driver marked the stage running and before
+    the supervisor recorded the stage's pid finds nothing to signal (seen under
+    load: `run` then `cancel` at once, the stage then ran its whole course). Its
+    request is on the row: the supervisor reads it with its own record and
+    stops the stage as the cancel would have."""
+    from pipeline.config import load as load_config
+    from pipeline.run.proctree import SUPERVISOR_VAR
+    from pipeline.run.rundir import Status
+    stagekit({"prepare": "sleep:60"})
+    cli("run", "--stage", "regenerate", "--wait", cwd=tmp_path, check=0)
+    rd = RunDir(tmp_path / "runs" / "t")
+    cfg = load_config(rd.config_path)
+    token = "t/prepare/1/abcd"
+    # the row as launch() writes it, and the cancel's request on it
+    rd.update_stage("prepare", status=Status.RUNNING, attempt=1, token=token, devices=[],
+                    cancel_requested=True, started_at=time.time())
+    argv = [cfg.python(), "-m", cfg.stage_entry("prepare"), "--run-dir", str(rd.path),
+            "--config", str(rd.config_path)]
+    t0 = time.monotonic()
+    from pipeline.run.driver import _stage_env
+    sup = subprocess.run([sys.executable, "-m", "pipeline.run.supervise", "--run-dir",
+                          str(rd.path), "--stage", "prepare", "--", *argv], cwd=rd.path,
+                         env={**_stage_env(cfg, "prepare", 1), SUPERVISOR_VAR: token},
+                         start_new_session=True, timeout=50, capture_output=True, text=True)
+    st = rd.read_state()["stages"]["prepare"]
+    assert st["status"] == Status.CANCELLED, (st, sup.stdout[-2000:], sup.stderr[-2000:])
+    assert time.monotonic() - t0 < 45   # stopped (without the supervisor's read: 60 s)
+
+
 def test_supervisor_cleans_up_leftover_processes(tmp_path, stagekit):
     stagekit({"regenerate": "grandchild:0.2"})
     cli("run", "--stage", "regenerate", "--wait", cwd=tmp_path, check=0)

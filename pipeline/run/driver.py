@@ -518,9 +518,15 @@ def cancel_stage(rd: RunDir, stage: str, grace: float, term_grace: float,
     rd.update_stage(stage, cancel_requested=True)
     if st.get("slurm_job") and isinstance(ex, Scheduler):
         return _cancel_job(rd, stage, st["slurm_job"], grace, term_grace + kill_grace, ex)
-    # The supervisor records the pid right after it starts the stage.
-    deadline = time.monotonic() + 5
-    while st.get("pid") is None and ex.alive(st) and time.monotonic() < deadline:
+    # The supervisor records the pid right after it starts the stage, and the
+    # driver the supervisor's right after starting it: a cancel that comes in
+    # between (a `cancel` at once after `run`) waits for them, or it would find
+    # nothing to signal and the stage would run on. (Should it still find none:
+    # the supervisor reads the stage's cancel_requested after its record.)
+    deadline = time.monotonic() + 15
+    while st.get("pid") is None and st["status"] == Status.RUNNING and \
+            time.monotonic() < deadline and \
+            (st.get("supervisor_pid") is None or ex.alive(st)):
         time.sleep(0.05)
         st = rd.read_state()["stages"][stage]
     find = lambda: cancel_targets(st)  # noqa: E731

@@ -81,10 +81,16 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
         me = {} if os.environ.get("SLURM_JOB_ID") else {   # (a node's pid: not the driver's)
             k: v for k, v in _own_session(st).items() if k.startswith("supervisor_")
             and v is not None}
-        rd.update_stage(stage, pid=child.pid, pgid=child.pid,
-                        create_time=proc_start_ticks(child.pid), **me)
+        row = rd.update_stage(stage, pid=child.pid, pgid=child.pid,
+                              create_time=proc_start_ticks(child.pid), **me)
+        if row.get("cancel_requested"):
+            # a cancel came before this record and found no pid to signal: the
+            # stage is asked to stop as that cancel would have (its SIGINT)
+            os.killpg(child.pid, signal.SIGINT)
     except DiskFull:
         pass   # still waited for and stopped below; we are its recorded supervisor
+    except ProcessLookupError:
+        pass   # (the stage has ended already)
     code, usage = _wait(child)
 
     # Anything the stage left behind (a vLLM server in a process group of its
