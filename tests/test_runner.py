@@ -255,7 +255,6 @@ def test_a_cancel_before_the_stage_pid_is_recorded_still_stops_it(tmp_path, stag
                     cancel_requested=True, started_at=time.time())
     argv = [cfg.python(), "-m", cfg.stage_entry("prepare"), "--run-dir", str(rd.path),
             "--config", str(rd.config_path)]
-    t0 = time.monotonic()
     from pipeline.run.driver import _stage_env
     sup = subprocess.run([sys.executable, "-m", "pipeline.run.supervise", "--run-dir",
                           str(rd.path), "--stage", "prepare", "--", *argv], cwd=rd.path,
@@ -263,7 +262,10 @@ def test_a_cancel_before_the_stage_pid_is_recorded_still_stops_it(tmp_path, stag
                          start_new_session=True, timeout=50, capture_output=True, text=True)
     st = rd.read_state()["stages"]["prepare"]
     assert st["status"] == Status.CANCELLED, (st, sup.stdout[-2000:], sup.stderr[-2000:])
-    assert time.monotonic() - t0 < 45   # stopped (without the supervisor's read: 60 s)
+    # stopped, not run to its end (without the supervisor's read: 60 s, past the timeout)
+    done = [e["done"] for e in map(json.loads, open(rd.events_path("prepare")))
+            if e["type"] == "progress"]
+    assert not done or done[-1] < 600, done[-3:]
 
 
 def test_supervisor_cleans_up_leftover_processes(tmp_path, stagekit):
