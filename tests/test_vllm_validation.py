@@ -88,6 +88,21 @@ def test_the_cache_key_follows_what_decides_the_answer(tmp_path):
     assert validation.cache_key(py, target, one) is None
 
 
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"results": [{"nam": 1}]}',
+                                  '{"results": 3}', '"a string"'])
+def test_a_damaged_cache_is_asked_again_not_a_traceback(tmp_path, monkeypatch, text):
+    """A cached answer or where.json damaged in any shape reads as absent."""
+    monkeypatch.setattr(validation, "cache_path", lambda key: tmp_path / f"{key}.json")
+    monkeypatch.setattr(validation, "cache_dir", lambda: tmp_path)
+    (tmp_path / "k.json").write_text(text)
+    assert validation.cached("k") is None
+    (tmp_path / "vllm-validation").mkdir(exist_ok=True)
+    (tmp_path / "vllm-validation" / "where.json").write_text(text)
+    assert validation.remembered("/env/bin/python") is None
+    validation.remember("/env/bin/python", "/env/lib/vllm")       # rewritten, whole
+    assert validation.remembered("/env/bin/python") == "/env/lib/vllm"
+
+
 def test_the_launch_reads_doctors_answer(tmp_path, monkeypatch):
     """The key doctor writes (its probed vLLM and source) is the one the launch
     reads (no probe): a refusal doctor recorded blocks the launch checks in vLLM's

@@ -99,26 +99,33 @@ def installed_vllm(python: str, vllm_dir: str | None = None) -> str:
     return h.hexdigest()
 
 
+def _where() -> dict[str, str]:
+    """where.json's python -> vLLM folder entries ({} when missing or damaged:
+    only speed is lost, the launch then looks in a virtual environment's layout)."""
+    try:
+        known = json.loads((cache_dir() / "vllm-validation" / "where.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in known.items() if isinstance(v, str)} \
+        if isinstance(known, dict) else {}
+
+
 def remember(python: str, vllm_dir: str | None) -> None:
     """Doctor's probe's answer to "where is this interpreter's vLLM", kept for
     the launch checks (a best effort: a cache that cannot be written is not)."""
-    if not vllm_dir:
+    known = _where()
+    if not vllm_dir or known.get(python) == vllm_dir:
         return
     path = cache_dir() / "vllm-validation" / "where.json"
     try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-        if known.get(python) != vllm_dir:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, {**known, python: vllm_dir})
-    except (OSError, ValueError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {**known, python: vllm_dir})
+    except OSError:
         pass
 
 
 def remembered(python: str) -> str | None:
-    try:
-        return json.loads((cache_dir() / "vllm-validation" / "where.json").read_text()).get(python)
-    except (OSError, ValueError, AttributeError):
-        return None
+    return _where().get(python)
 
 
 def cache_key(python: str, target: Path, servers: list[Planned],
@@ -146,9 +153,9 @@ def cached(key: str | None) -> Validation | None:
     """The remembered answer for `key`, or None."""
     if key is None:
         return None
-    try:
+    try:   # (damaged, of any shape: asked again, as if it were not there)
         return Validation.from_json(json.loads(cache_path(key).read_text()), cached=True)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
