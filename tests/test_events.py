@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pipeline.run.events import EventTail, EventWriter, last_event, read_events, tail_lines
 from tests.helpers import ROOT
 
@@ -114,3 +116,32 @@ def test_writer_refuses_unknown_types_and_missing_fields(tmp_path):
     assert [e["type"] for e in read_events(tmp_path / "e.jsonl")] == ["progress"]
     assert check_event("kv_usage", {"usage_perc": 0.1, "running": 1, "waiting": 0}) \
         is EventType.KV_USAGE
+
+
+@pytest.mark.parametrize("ev, ok", [
+    ({"type": "progress", "t": 1.0, "done": 3, "total": None, "unit": "steps"}, True),
+    ({"type": "progress", "t": 1.0, "done": 3.0, "total": 7, "unit": "steps"}, True),  # 3 == 3.0
+    ({"type": "progress", "t": 1.0, "done": "lots", "unit": "steps"}, False),
+    ({"type": "progress", "t": 1.0, "done": True, "unit": "steps"}, False),   # a bool is no count
+    ({"type": "progress", "t": "now", "done": 3}, False),
+    ({"type": "progress", "t": None, "done": 3}, True),          # a NaN time, written as null
+    ({"type": "kv_cache", "t": 1.0, "server": 0, "devices": [0, 1]}, True),
+    ({"type": "kv_cache", "t": 1.0, "server": "n0/1", "devices": [0, "1"]}, False),
+    ({"type": "kv_cache", "t": 1.0, "server": [0]}, False),      # int | str: neither
+    ({"type": "kv_cache", "t": 1.0, "pool": None, "cache_dtype": "auto"}, True),
+    ({"type": "kv_cache", "t": 1.0, "groups": {"a": 1}}, False),  # list[dict]
+    ({"type": "metric", "t": 1.0, "step": None, "values": {"loss": 0.5}, "epoch": "any"}, True),
+    ({"type": "metric", "t": 1.0, "values": [0.5]}, False),
+    ({"type": "no_such_type", "t": 1.0, "done": "anything"}, True),   # unknown: only t and type
+    ({"type": "stage_finished", "t": 1.0, "status": "succeeded", "duration_s": 2,
+      "summary": {"acceptance_length": "high"}}, False),
+    ({"type": "stage_finished", "t": 1.0, "status": "succeeded", "duration_s": 2,
+      "summary": {"acceptance_length": 3.1, "per_position": [0.9, None]}}, True),
+    (["not", "an", "object"], False),
+])
+def test_each_field_is_checked_against_its_declared_type(ev, ok):
+    """valid_event, whose checks are built once from the TypedDicts'
+    annotations: each kind of annotation (int | None, int | str, list[int],
+    list[dict], dict, Any) accepts what the writer writes and refuses damage."""
+    from pipeline.run.events import valid_event
+    assert valid_event(ev) is ok

@@ -14,10 +14,12 @@ Standard library only (stages import it from any interpreter).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -200,20 +202,36 @@ def _type_ok(value, annotation: str) -> bool:
     Any, and unions of them. A float may be null (the writer turns NaN and
     infinities into null), an int a float (JSON does not tell 3 from 3.0
     across writers); a dict's contents are its reader's to check."""
-    for alt in (a.strip() for a in annotation.split("|")):
-        base, _, inner = alt.partition("[")
-        if base == "Any" or (value is None and base in ("None", "float", "int")):
-            return True
-        if base in ("int", "float") and isinstance(value, (int, float)) \
-                and not isinstance(value, bool):
-            return True
-        if base in ("str", "bool", "dict") and isinstance(value, {"str": str, "bool": bool,
-                                                                  "dict": dict}[base]):
-            return True
-        if base == "list" and isinstance(value, list) and \
-                all(_type_ok(v, inner.rstrip("]") or "Any") for v in value):
-            return True
-    return False
+    return _checker(annotation)(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _checker(annotation: str) -> Callable[[Any], bool]:
+    """The check of one annotation, parsed once: every line a reader reads
+    is checked (a million-event run: a million times), and parsing the
+    annotation's text at each check was most of `status`'s time."""
+    alts = [_alternative(a.strip()) for a in annotation.split("|")]
+    if len(alts) == 1:
+        return alts[0]
+    return lambda value: any(ok(value) for ok in alts)
+
+
+def _alternative(alt: str) -> Callable[[Any], bool]:
+    base, _, inner = alt.partition("[")
+    if base == "Any":
+        return lambda value: True
+    if base == "None":
+        return lambda value: value is None
+    if base in ("int", "float"):
+        return lambda value: value is None or (isinstance(value, (int, float))
+                                               and not isinstance(value, bool))
+    if base in ("str", "bool", "dict"):
+        kind = {"str": str, "bool": bool, "dict": dict}[base]
+        return lambda value: isinstance(value, kind)
+    if base == "list":
+        item = _checker(inner.rstrip("]") or "Any")
+        return lambda value: isinstance(value, list) and all(item(v) for v in value)
+    return lambda value: False
 
 
 def _annotations(kind: EventType) -> dict[str, str]:
@@ -224,7 +242,9 @@ def _annotations(kind: EventType) -> dict[str, str]:
     return out
 
 
-_ANNOTATIONS = {kind: _annotations(kind) for kind in FIELDS}
+_NUMBER = _checker("float")
+# each known type's fields and their checks, built once (valid_event runs on every line read)
+_CHECKS = {kind: {k: _checker(a) for k, a in _annotations(kind).items()} for kind in FIELDS}
 
 
 def valid_event(ev) -> bool:
@@ -234,10 +254,10 @@ def valid_event(ev) -> bool:
     must not crash `status` or the panel: such a line is skipped like a
     half-written one."""
     if not isinstance(ev, dict) or not isinstance(ev.get("type"), str) or \
-            not _type_ok(ev.get("t", 0), "float"):
+            not _NUMBER(ev.get("t", 0)):
         return False
-    fields = _ANNOTATIONS.get(ev["type"])
-    if fields is not None and not all(_type_ok(ev[k], a) for k, a in fields.items() if k in ev):
+    fields = _CHECKS.get(ev["type"])
+    if fields is not None and not all(ok(ev[k]) for k, ok in fields.items() if k in ev):
         return False
     return ev["type"] != EventType.STAGE_FINISHED or _summary_ok(ev.get("summary") or {})
 

@@ -407,7 +407,10 @@ class RunReader:
                 if key in self._shared:
                     self._shared.discard(key)
                     self._metrics[key] = self._metrics[key].copy()
-                self._metrics.setdefault(key, Series()).add(step, float(v))
+                series = self._metrics.get(key)
+                if series is None:   # (not setdefault: that builds a Series per point)
+                    series = self._metrics[key] = Series()
+                series.add(step, float(v))
 
     @staticmethod
     def _started(info: _Stage, ev: dict) -> None:
