@@ -10,7 +10,7 @@ import pytest
 
 from app.panel import PanelApp
 from pipeline.telemetry import Telemetry
-from tests.helpers import cli
+from tests.helpers import cli, until
 from tests.test_doctor import CONFIGS
 from tests.test_reads_never_write import tree
 
@@ -117,7 +117,7 @@ async def test_the_panels_r_shows_the_blocking_lines(tmp_path, stagekit):
                    telemetry=Telemetry(simulate=0))
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("r")
-        await pilot.pause(0.5)
+        await until(pilot, lambda: hasattr(app.screen, "report_text"), what="the doctor's report")
         report = app.screen.report_text()
         assert "nothing was started" in report
         assert "tensor-parallel size 3 does not fit" in report and "BLOCK" in report

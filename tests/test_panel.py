@@ -566,22 +566,30 @@ async def test_kv_tab_shows_the_engine_report(tmp_path, stagekit):
 
 async def test_dialogs_can_stay_open_while_the_panel_updates(tmp_path, stagekit):
     """The 1 Hz redraw and the log poll keep following the run under an open
-    dialog, and the run is seen to its end."""
-    stagekit({"extract": "sleep:4"})
+    dialog, and the run is seen to its end. Extract waits on a gate the test
+    opens, so the cancel dialog is asked for while a stage surely runs (a
+    timed sleep lost that race on a loaded CI machine)."""
+    stagekit({"extract": "gate"})
     cli("run", cwd=tmp_path)
     rd = RunDir(tmp_path / "runs/t")
     app = make_app(rd, tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
-        await pilot.press("question_mark")
-        await pilot.pause(3.5)
-        assert app.screen.__class__.__name__ == "HelpScreen"
-        await pilot.press("escape")
+        await until(pilot, lambda: cell(app, "extract", "Status") == "running",
+                    what="extract to be shown running")
         await pilot.press("c")
-        await pilot.pause(2.5)
-        assert app.screen.__class__.__name__ == "ConfirmScreen"
+        await until(pilot, lambda: app.screen.__class__.__name__ == "ConfirmScreen",
+                    what="the cancel dialog")
         await pilot.press("escape")
+        await until(pilot, lambda: app.screen.__class__.__name__ == "MainScreen",
+                    what="the cancel dialog dismissed without cancelling")
+        await pilot.press("question_mark")
+        await until(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen",
+                    what="the help screen")
+        (rd.stage_dir("extract") / "gate").write_text("open")
         await until(pilot, lambda: cell(app, "train", "Status") == "succeeded",
-                    what="the run, followed through the dialogs, to finish")
+                    what="the run, followed under the help screen, to finish")
+        assert app.screen.__class__.__name__ == "HelpScreen"
+        assert rd.read_state()["stages"]["extract"]["status"] == "succeeded"
 
 
 async def test_gpus_of_cluster_nodes_grouped_stale_marked_and_drilled(tmp_path, stagekit):
