@@ -22,20 +22,24 @@ from pipeline.model.info import (
 from pipeline.run.rundir import RunDir
 from pipeline.vllm import contract_strings, draft_swap, start_history
 from pipeline.vllm.environment import cpu_kv_space_gib
+from pipeline.vllm.memory_fraction import default_fraction
 
-DEFAULT_GPU_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
 
-
-def _server_util(cfg: Config) -> float:
+def server_util(cfg: Config, src) -> tuple[float, str]:
+    """(the share of each GPU the extract server takes, where that figure comes
+    from): the run's own --gpu-memory-utilization, else the installed release's
+    default by its own rule (pipeline/vllm/memory_fraction.py: 0.9, 0.92, or
+    1.0 with 0.34's extensible KV cache on CUDA)."""
     args = list(cfg.stages.extract.server_args)
     for i, a in enumerate(args):
         if a.startswith(contract_strings.FLAG_GPU_UTIL):
             val = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
             try:
-                return float(val)
+                return float(val), f"{contract_strings.FLAG_GPU_UTIL} in server_args"
             except ValueError:
                 pass
-    return DEFAULT_GPU_UTIL
+    rule = default_fraction(src, cuda=True)
+    return rule.fraction, rule.why
 
 
 def evaluated_checkpoints(cfg: Config) -> int:
@@ -118,8 +122,9 @@ def check_kv_cache(x: Inputs) -> list[Finding]:
         if x.vllm is not None and x.vllm.cpu_build:
             return [cpu_kv_plan(x.model, x.cfg, x.layer_ids)]
         return []
-    util = sec.gpu_memory_utilization if x.backend == "vllm-engine" else _server_util(x.cfg)
-    return kv_plan(x.model, tp, planned_gpus(x), x.cfg, util)
+    util, why = (sec.gpu_memory_utilization, "[stages.extract] gpu_memory_utilization") \
+        if x.backend == "vllm-engine" else server_util(x.cfg, x.source)
+    return kv_plan(x.model, tp, planned_gpus(x), x.cfg, util, why)
 
 
 def planned_gpus(x: Inputs) -> list[dict]:
@@ -209,7 +214,8 @@ def kv_kind(m: ModelInfo, tp: int) -> str:
             if m.mla else "2 (K,V) x layers x KV heads per rank x head_dim x 2 B")
 
 
-def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -> list[Finding]:
+def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float,
+            util_why: str = "") -> list[Finding]:
     per_tok = kv_bytes_per_token(m, tp)
     per_seq = recurrent_bytes_per_seq(m, tp)
     max_len = cfg.stages.prepare.seq_length + 8
@@ -233,7 +239,8 @@ def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float) -
     note = "" if m.weights_bytes else " (weights size unknown: not subtracted)"
     return [Finding("kv_cache", OK if tokens >= max_len else BLOCK,
                     f"KV cache per GPU at TP={tp}: {per_tok:,} B/token ({kind}); "
-                    f"{util:.0%} of {mem / GIB:.0f} GiB - weights {weights / GIB:.1f} GiB = "
+                    f"{util:.0%}{f' ({util_why})' if util_why else ''} of {mem / GIB:.0f} GiB"
+                    f" - weights {weights / GIB:.1f} GiB = "
                     f"{free / GIB:.1f} GiB -> ~{tokens:,} tokens, max concurrency "
                     f"~{seqs:.1f} at {max_len} tokens{note}",
                     "" if tokens >= max_len else "raise tensor_parallel or lower seq_length")]
