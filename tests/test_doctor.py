@@ -503,3 +503,23 @@ def test_every_check_is_registered_once_at_its_own_position():
         "check_interpreters", "check_data", "check_gpus", "check_model", "check_layers",
         "check_shapes",
         "check_server_overrides", "check_vllm_accepted"]
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_kimi_k31_is_known_by_the_release_that_registers_it(tmp_path, version):
+    """vLLM 0.34's registry maps KimiK31ForConditionalGeneration to Kimi-K3's
+    class; read from the registry, not a list of ours: 0.34 serves it with
+    EAGLE-3, 0.33 has no class for it and says so, blocking."""
+    cfg, gpus = kimi_k3_on_8_h200(tmp_path)
+    conf = tmp_path / "kimi-k3" / "config.json"
+    conf.write_text(conf.read_text().replace('"KimiK3ForConditionalGeneration"',
+                                             '"KimiK31ForConditionalGeneration"'))
+    env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm=version))
+    (e3,) = by_area(diagnose(cfg, env, gpus, version), "eagle3")
+    if version == "0.34.0":
+        assert e3.level == doctor.OK and e3.message == (
+            "KimiK31ForConditionalGeneration (KimiK3ForConditionalGeneration) implements "
+            "SupportsEagle3")
+    else:
+        assert e3.level == doctor.BLOCK
+        assert "0.33.0 has no model class for architecture KimiK31" in e3.message
