@@ -36,6 +36,9 @@ def test_releases_that_can_swap_read_from_their_source():
     assert why["0.32.0"] is None and why["0.33.0"] is None
     assert why["0.22.0"] and why["0.22.0"].startswith("vLLM 0.22.0: ")
     assert all(why[v] for v in ("0.11.0", "0.16.0"))
+    # 0.34: V1 is gone; said so, not as a missing symbol of V1's
+    assert why["0.34.0"].startswith("vLLM 0.34.0 removed Model Runner V1")
+    assert "not in" not in why["0.34.0"] and "device_config.device" in why["0.34.0"]
     # a user's own worker extension: ours cannot be mixed in beside it
     got = draft_swap.unavailable(vllm_releases.source("0.32.0"),
                                  [vs.FLAG_WORKER_EXTENSION_CLS + "=my.Ext"])

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from pipeline.model.info import tensor_specs
-from pipeline.vllm import contract
+from pipeline.vllm import compat, contract
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.swap_worker import METHOD
 
@@ -51,6 +51,11 @@ def unavailable(src, server_args: list[str]) -> str | None:
         return "the installed vLLM's source cannot be read"
     if any(a.split("=", 1)[0] == vs.FLAG_WORKER_EXTENSION_CLS for a in server_args):
         return f"server_args set a {vs.FLAG_WORKER_EXTENSION_CLS} of their own"
+    if compat.v1_runner_removed(src):   # before the uses: V1's are gone, but that is not why
+        return (f"vLLM {src.version} removed Model Runner V1, the only runner the swap is "
+                "proven on (vLLM's CPU build, 0.32); under V2 (vllm/v1/worker/gpu/"
+                "model_runner.py) it is unproven: its in-place reload places the weights on "
+                "load_config.device or device_config.device, which only a GPU can check")
     uses = [u for u in contract.USES if "swap" in u.routes]
     runners = [u for u in uses if u.name.endswith(".get_draft_model")]   # V1's, V2's
     for u in uses:

@@ -105,8 +105,11 @@ class DraftSwap:
             return {"error": str(e)}
         # the draft's own model config (its dtype for the attention layers'
         # processing), the server's load config (not read: weights are given)
+        # (device_config: 0.34's reload places the weights on load_config.device, which
+        # defaults to None there, or else on device_config.device)
         config = SimpleNamespace(model_config=spec.draft_model_config,
                                  load_config=self.vllm_config.load_config,
+                                 device_config=self.vllm_config.device_config,
                                  lora_config=None)
         reload_weights(config, drafter, weights_iterator=iter(own), weights_path=None,
                        is_checkpoint_format=True)
