@@ -6,6 +6,7 @@ target."""
 import json
 import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +64,7 @@ def test_config_refuses_what_an_algorithm_cannot_do(tmp_path, train, evaluate, s
 
 
 def test_train_flags_per_algorithm(tmp_path):
-    from pipeline.stages.train import algorithm_flags
+    from pipeline.train.flags import algorithm_flags
     flags = {name: algorithm_flags(load_config(config(tmp_path, {"algorithm": name}))
                                    .stages.train) for name in algorithms.ALGORITHMS}
     assert flags["eagle3"] == []            # speculators' default: the argv as before
@@ -235,6 +236,20 @@ def train_once(prepared, name: str):
 EVALUATE = {"max_prompts": 4, "max_tokens": 24, "baseline": False}
 
 
+def stand_in_config(prepared, name: str) -> dict:
+    """The config.json doctor's stand-in for `name`'s draft holds, asked of
+    this interpreter's speculators with train_once's config."""
+    import sys
+
+    from pipeline import config as config_mod
+    from pipeline.train import draft_stand_in
+    (prepared / f"{name}.toml").write_text(train_once(prepared, name)[3])
+    cfg = config_mod.load(prepared / f"{name}.toml", gpu_count=None)
+    got = draft_stand_in.ask(sys.executable, f"test {name}", cfg, [1, 2, 3])
+    assert got.ok, got
+    return json.loads((Path(got.folder) / "config.json").read_text())
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("name", ["eagle3.1", "peagle", "dflash", "dspark", "dflash2"])
 def test_each_algorithm_trains_and_gives_its_estimate(prepared, name):
@@ -254,6 +269,10 @@ def test_each_algorithm_trains_and_gives_its_estimate(prepared, name):
     assert s["acceptance_length"] is not None and 1.0 <= s["acceptance_length"] <= most, s
     written = json.loads((rd.stage_dir("train") / "out/checkpoints/0/config.json").read_text())
     assert written["speculators_model_type"] == algorithms.get(name).speculator_type, written
+    # doctor's stand-in for this draft (speculators' own build_draft_model from the same
+    # flags, stopped before the weights: pipeline/train/draft_stand_in.py) is the trained
+    # checkpoint's config, key for key
+    assert stand_in_config(prepared, name) == written
     if algorithms.get(name).full_vocab:   # DFlash2: the target's vocabulary, no mapping
         assert "--d2t-path" not in s["train_argv"] and "--draft-vocab-size" not in s["train_argv"]
         target = load_config(prepared / "config.toml").target_path()

@@ -165,6 +165,11 @@ def test_doctor_and_the_launch_block_what_vllm_refuses(tmp_path):
            "max_model_len (200)" in refused[1], refused
     assert "accepts evaluate (the target alone)" in p.stdout and "(cached)" not in p.stdout
     assert "the model built from it on the meta device" in p.stdout
+    # evaluate's server with the draft train will make: speculators builds a config-only
+    # stand-in from the stage's flags, and vLLM is asked about the server that serves it
+    assert "speculators 0.9.0 takes the train stage's flags and builds the EAGLE-3 draft's " \
+           "config" in p.stdout, p.stdout
+    assert "accepts evaluate (with the EAGLE-3 draft)" in p.stdout, p.stdout
     launch = cli("run", cwd=tmp_path, timeout=120)
     assert launch.returncode == 2 and "max_num_batched_tokens (64)" in launch.stdout + \
         launch.stderr, launch.stdout + launch.stderr
@@ -172,7 +177,9 @@ def test_doctor_and_the_launch_block_what_vllm_refuses(tmp_path):
     # a refusal is asked again (the fix may be in); the fixed config is accepted, and
     # that answer is cached
     again = cli("doctor", cwd=tmp_path, timeout=600)
-    assert "(cached)" not in again.stdout and again.stdout.count("refuses") == 2, again.stdout
+    # (only the draft's stand-in and its server, which vLLM accepted, come from the cache)
+    assert again.stdout.count("(cached)") == 2 and again.stdout.count("refuses") == 2, \
+        again.stdout
     write(tmp_path / "config.toml", merged(tiny_pipeline(), {
         "model": {"target": str(target)},
         "stages": {"regenerate": {"enabled": True}, "extract": {"backend": "vllm-server"}}}))
@@ -181,6 +188,7 @@ def test_doctor_and_the_launch_block_what_vllm_refuses(tmp_path):
     cached = cli("doctor", cwd=tmp_path, timeout=120)
     assert "accepts regenerate, extract, evaluate (the target alone)" in cached.stdout and \
         "(cached)" in cached.stdout, cached.stdout
+    assert cached.stdout.count("(cached)") == 3, cached.stdout   # + the stand-in, its server
 
 
 def int4_kimi(tmp_path: Path) -> Path:

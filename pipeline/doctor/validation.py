@@ -194,3 +194,68 @@ def check_vllm_accepted(x: Inputs) -> list[Finding]:
         if v is not None:
             return [f for f in findings(v, "(as `eagle-panel doctor` found)") if f.level == BLOCK]
     return []
+
+
+def draft_server(cfg: Config, m: ModelInfo, folder: str) -> Planned:
+    """evaluate's server with the draft, as the stage starts it (its
+    speculative config: the algorithm's method and keys), the draft read from
+    the stand-in `folder` speculators made (pipeline/train/draft_stand_in.py)."""
+    import json
+
+    from pipeline.train import algorithms
+    from pipeline.vllm import contract_strings as vs
+    ev, algo = cfg.stages.evaluate, algorithms.get(cfg.stages.train.algorithm)
+    spec = {"method": algo.vllm_method, "model": folder,
+            "num_speculative_tokens": ev.num_speculative_tokens, **algo.vllm_extra}
+    max_len = int(m.max_position or 4096) if ev.prompts else \
+        cfg.stages.prepare.seq_length + ev.max_tokens + 8
+    return _planned(cfg, "evaluate", f"evaluate (with the {algo.display} draft)", max_len,
+                    [vs.FLAG_SPECULATIVE_CONFIG, json.dumps(spec), *ev.server_args],
+                    cfg.stage_devices("evaluate"))
+
+
+def stand_in_refused(s, version: str, algo: str) -> Finding:
+    """speculators' refusal of the train stage's flags or of its draft."""
+    what = "the train stage's flags" if s.step == "resolve" else f"the {algo} draft's config"
+    return Finding("speculators", BLOCK, f"speculators {version} refuses {what}: {s.error}",
+                   "this is speculators' own parser and draft builder on the flags train "
+                   "would pass; change what it names in [stages.train], or install the "
+                   "speculators the stage was written for (scripts/install.sh)")
+
+
+@check(136)
+def check_draft_served(x: Inputs) -> list[Finding]:
+    """The draft train will make, asked before training: speculators builds
+    its config from the stage's flags (a config-only stand-in, no weights),
+    and vLLM's own validation reads it as evaluate's server will. An MLA
+    draft is served from an export of trained weights: not asked."""
+    from pipeline.doctor.vllm import draft_layer
+    from pipeline.train import algorithms, draft_stand_in
+    env = x.vllm
+    if not (x.cfg.enabled("evaluate") and x.cfg.enabled("train")) or env is None or \
+            x.model is None or x.layer_ids is None or "error" in x.env or \
+            not validation.installed_vllm(env.python, env.vllm_dir) or \
+            env.unusable(x.cfg.stage_devices("evaluate")):
+        return []   # (check_vllm_accepts says why vLLM is not asked)
+    algo = algorithms.get(x.cfg.stages.train.algorithm)
+    if draft_layer(x.cfg, x.model, env.cpu_build) == "mla":
+        return [Finding("vllm", OK, "evaluate with the MLA draft: not asked before training "
+                        "(vLLM serves its export, made from the trained weights)")]
+    version = x.packages.get("speculators") or "?"
+    stand_in = draft_stand_in.ask(x.cfg.python(), f"{version} {x.env.get('speculators_dir')}",
+                                  x.cfg, x.layer_ids[:-1])
+    if stand_in.failed:
+        return [Finding("speculators", WARN, f"speculators did not answer for the {algo.display}"
+                        f" draft: {stand_in.failed}", "run `eagle-panel doctor` again")]
+    if not stand_in.ok:
+        return [stand_in_refused(stand_in, version, algo.display)]
+    folder = target_folder(x.cfg)
+    planned = draft_server(x.cfg, x.model, stand_in.folder)
+    key = validation.cache_key(env.python, folder, [planned], env.vllm_dir) if folder else None
+    v = validation.cached(key)
+    if v is None or v.refusals:
+        v = validation.validate(env, x.cfg.target_path(), [planned], key=key)
+    how = "cached" if stand_in.cached else f"{stand_in.import_s + stand_in.seconds:.0f} s"
+    return [Finding("speculators", OK, f"speculators {version} takes the train stage's flags "
+                    f"and builds the {algo.display} draft's config ({how}); vLLM is asked "
+                    "about evaluate's server with it below")] + findings(v, env.version or "?")

@@ -42,6 +42,7 @@ from pipeline.run.stage_context import Interrupted, StageContext, StageError, ma
 from pipeline.train import algorithms
 from pipeline.train.budget import Budget, PlateauWatch, packed_steps, plan
 from pipeline.train.checkpoints import complete_checkpoint, latest_checkpoint, set_aside_incomplete
+from pipeline.train.flags import draft_flags, wrapper_mask_token
 from pipeline.train.in_process import MetricEvents, plateau_watch, run_in_process
 from pipeline.train.mla_draft import (
     DraftChoice,
@@ -103,29 +104,22 @@ def trainer_argv(ctx: StageContext, meta: dict, loss: str, attn: str,
     (the budget's epochs and total_seq_len written out)."""
     sec = ctx.section
     argv = [
-        "--verifier-name-or-path", str(ctx.cfg.target_path()),
+        *draft_flags(ctx.cfg, meta["aux_layer_ids"],
+                    wrapper_mask_token(ctx.cfg.target_path(), ctx.cfg.model.trust_remote_code)),
         "--data-path", str(ctx.out_of("prepare") / "data"),
         "--hidden-states-path", str(ctx.out_of("extract") / "hidden_states"),
         *vocab_flags(ctx),
-        "--target-layer-ids", *map(str, meta["aux_layer_ids"]),
         "--save-path", str(ctx.out / "checkpoints"), *logger_flags(ctx),
         "--epochs", str(budget.epochs), "--lr", str(sec.lr),
-        "--num-layers", str(algorithms.num_layers(sec)),
         "--total-seq-len", str(budget.total_seq_len),
-        "--ttt-steps", str(sec.ttt_steps), "--train-data-ratio", str(sec.train_ratio),
+        "--train-data-ratio", str(sec.train_ratio),
         "--checkpoint-freq", str(sec.checkpoint_freq), "--log-freq", str(sec.log_freq),
         "--hidden-states-dtype", meta["dtype"], "--seed", str(sec.seed),
         "--loss-implementation", loss, "--draft-attn-impl", attn,
         "--on-missing", "raise", "--num-workers", str(dataloader_workers(ctx)),
     ]
-    argv += algorithm_flags(sec)
     if sec.max_steps:
         argv += ["--max-steps", str(sec.max_steps)]
-    if ctx.cfg.model.trust_remote_code:
-        argv.append("--trust-remote-code")
-    mask = wrapper_mask_token(ctx)
-    if mask is not None:
-        argv += ["--mask-token-id", str(mask)]
     if stores_fp8(ctx, meta):
         # speculators' own FP8 loader: files dequantized as they are read
         argv += ["--hidden-states-backend", "fp8"]
@@ -138,27 +132,7 @@ def vocab_flags(ctx: StageContext) -> list[str]:
     if algorithms.get(ctx.section.algorithm).full_vocab:
         return []
     n, vocab = ctx.cfg.stages.vocab.draft_vocab_size, ctx.out_of("vocab")
-    return ["--d2t-path", str(vocab / f"d2t-{n}.npy"), "--t2d-path", str(vocab / f"t2d-{n}.npy"),
-            "--draft-vocab-size", str(n)]
-
-
-def algorithm_flags(sec) -> list[str]:
-    """`--speculator-type` and the flags `[stages.train] algorithm` needs
-    (pipeline.train.algorithms), its loss weights and per-position decay;
-    nothing for plain EAGLE-3 at speculators' defaults."""
-    algo = algorithms.get(sec.algorithm)
-    flags = [] if algo.name == "eagle3" else ["--speculator-type", algo.speculator_type,
-                                              *algo.flags]
-    if algo.block and sec.block_size:
-        flags += ["--block-size", str(sec.block_size)]
-    if sec.loss_weights:
-        weights = dict(sec.loss_weights)
-        alone = next(iter(weights)) if len(weights) == 1 and set(weights.values()) == {1.0} \
-            else None
-        flags += ["--loss-fn", alone or json.dumps(weights)]
-    if sec.position_decay:
-        flags += [algo.decay_flag, str(sec.position_decay)]
-    return flags
+    return ["--d2t-path", str(vocab / f"d2t-{n}.npy"), "--t2d-path", str(vocab / f"t2d-{n}.npy")]
 
 
 def stores_fp8(ctx: StageContext, meta: dict) -> bool:
@@ -167,27 +141,6 @@ def stores_fp8(ctx: StageContext, meta: dict) -> bool:
     if ctx.cfg.pipeline.mode != "offline":
         return ctx.cfg.stages.extract.hidden_states_dtype == "fp8"
     return meta.get("stored") == "fp8"
-
-
-def wrapper_mask_token(ctx: StageContext) -> int | None:
-    """speculators 0.9 finds its mask token through the verifier's
-    AutoProcessor; a multimodal wrapper's (Kimi-K2.5's) also builds its image
-    processor, which needs torchvision — not installable beside a CPU torch,
-    and not needed for text. For such a target the token is found here the
-    way speculators would from the tokenizer (its mask token, else pad,
-    eos, unk) and passed as --mask-token-id; other targets are left to
-    speculators."""
-    from pipeline.model.info import read_model
-    target = ctx.cfg.target_path()
-    if not read_model(target).wrapped:
-        return None
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(target),
-                                        trust_remote_code=ctx.cfg.model.trust_remote_code)
-    for token_id in (tok.mask_token_id, tok.pad_token_id, tok.eos_token_id, tok.unk_token_id):
-        if token_id is not None:
-            return int(token_id)
-    return None
 
 
 def train_lengths(ctx: StageContext) -> list[int]:

@@ -80,6 +80,11 @@ USES: tuple[Use, ...] = (
     Use(CLI, "main", "called", "the training itself"),
     Use("train.config", "TrainConfig", "called", "TrainConfig.resolve(argv): the flags"),
     Use("train.config", "TrainConfig.resolve", "called", "the stage's flags to a config"),
+    # -- doctor's config-only stand-in of the draft (pipeline/train/draft_shape.py)
+    *_all(CLI, "called", "build_draft_model", "parse_vocab_mappings",
+          why="the draft's config as the trainer builds it, before training"),
+    Use("model", "SpeculatorModel", "read", "its registry: the speculator class per type"),
+    Use(CK, "patch_config_dtype", "called", "the stand-in's config.json in the saved dtype"),
     Use("train.dataloader", "ArrowDataset", "replaced", "online mode's dataset (our servers)"),
     Use("train.data", "ArrowDataset", "subclassed", "online mode's keyed dataset"),
     # -- torchrun on the CPU (cpu_patches.patch_distributed)
