@@ -43,7 +43,8 @@ def algorithms_served(src) -> dict[str, str | None]:
     from pipeline.train.algorithms import ALGORITHMS
     from pipeline.vllm import compat
     return {a.name: compat.draft_method_unservable(src, a.vllm_method, True, {},
-                                                    a.architectures, tuple(a.vllm_extra))
+                                                    a.architectures, tuple(a.vllm_extra),
+                                                    a.speculator_type)
             for a in ALGORITHMS.values()}
 
 

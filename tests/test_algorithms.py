@@ -195,6 +195,32 @@ def test_doctor_reads_that_034_refuses_peagle(tmp_path):
     assert "eagle3" in served and "dflash" in served and "peagle" not in served, f.fix
 
 
+@pytest.mark.parametrize("version", ["0.32.0", "0.34.0"])
+def test_the_speculators_types_each_vllm_reads(version):
+    """vLLM reads a draft's config.json by its speculators type, through the
+    registry in transformers_utils/configs/speculators/algos.py: read from
+    the release, every algorithm's type is registered; 0.34 registers
+    `peagle` only to raise, said in its words; a type it has no entry for
+    (speculators' MTP) is named with what it does read."""
+    from pipeline.vllm import compat
+    from tests.fakes import vllm_releases
+    src = vllm_releases.source(version)
+    types = compat.speculators_types(src)
+    assert {a.speculator_type for a in algorithms.ALGORITHMS.values()} <= set(types), types
+    why = {a.speculator_type: compat.speculators_type_refusal(src, a.speculator_type)
+           for a in algorithms.ALGORITHMS.values()}
+    if version == "0.32.0":
+        assert not any(why.values()), why
+    else:
+        assert why.pop("peagle") == (
+            "vLLM 0.34.0 refuses speculators type 'peagle': \"P-EAGLE (parallel drafting "
+            "EAGLE-3) is not supported.\" (vllm/transformers_utils/configs/speculators/algos.py)")
+        assert not any(why.values()), why
+    mtp = compat.speculators_type_refusal(src, "mtp")
+    assert mtp.startswith(f"vLLM {version} reads no speculators config of type 'mtp' (") and \
+        "eagle3" in mtp
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """prepare, extract (hf) and vocab once on 24 conversations of the built-in target."""

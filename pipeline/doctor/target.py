@@ -245,7 +245,8 @@ def check_draft_method(x: Inputs) -> list[Finding]:
 
     def why_not(a):
         return compat.draft_method_unservable(x.source, a.vllm_method, x.vllm.triton, environ,
-                                              a.architectures, tuple(a.vllm_extra))
+                                              a.architectures, tuple(a.vllm_extra),
+                                              a.speculator_type)
     why = why_not(algo)
     if why is None:
         return [Finding("evaluate", OK, f"vLLM {x.vllm.version} serves {algo.display} drafts "

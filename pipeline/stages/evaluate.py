@@ -637,7 +637,8 @@ def body(ctx: StageContext) -> dict:
     env = probe(ctx.cfg.vllm_python())
     algo = algorithms.get(ctx.cfg.stages.train.algorithm)
     why = env.unusable(ctx.cfg.stage_devices("evaluate")) or \
-        env.cannot_serve(algo.vllm_method, os.environ, algo.architectures, tuple(algo.vllm_extra))
+        env.cannot_serve(algo.vllm_method, os.environ, algo.architectures, tuple(algo.vllm_extra),
+                         algo.speculator_type)
     if why:
         raise Skipped(f"{why}; the pipeline ends at train, with its estimate")
     tracking.require(ctx.cfg.tracking.loggers, StageError)

@@ -596,9 +596,52 @@ def _message(raised: ast.Raise, method: str) -> str:
     return "".join(parts).strip()
 
 
+ALGOS = "transformers_utils.configs.speculators.algos"
+
+
+def speculators_types(src) -> dict[str, ast.FunctionDef] | None:
+    """The speculators config types vLLM reads a draft's config.json by (its
+    `@register_speculator("eagle3")` functions in
+    transformers_utils/configs/speculators/algos.py), or None where the
+    release has no such registry."""
+    tree = src.tree(ALGOS)
+    if tree is None:
+        return None
+    out = {}
+    for node in tree.body:
+        for d in getattr(node, "decorator_list", ()):
+            if isinstance(d, ast.Call) and ast.unparse(d.func) == "register_speculator" and \
+                    d.args and isinstance(d.args[0], ast.Constant):
+                out[d.args[0].value] = node
+    return out
+
+
+def speculators_type_refusal(src, speculator_type: str) -> str | None:
+    """Why vLLM cannot read a draft whose config.json says
+    `speculators_model_type: <speculator_type>`, in its words, read from its
+    registry: the type not registered, or registered only to raise (0.34:
+    `peagle`, "P-EAGLE (parallel drafting EAGLE-3) is not supported."); None
+    where it reads it, or the release has no registry to tell by."""
+    types = speculators_types(src)
+    if types is None:
+        return None
+    where = "vllm/transformers_utils/configs/speculators/algos.py"
+    fn = types.get(speculator_type)
+    if fn is None:
+        return (f"vLLM {src.version} reads no speculators config of type {speculator_type!r} "
+                f"({where} registers {', '.join(sorted(types))})")
+    body = [b for b in fn.body if not (isinstance(b, ast.Expr) and
+                                       isinstance(b.value, ast.Constant))]
+    if body and isinstance(body[0], ast.Raise):
+        return (f"vLLM {src.version} refuses speculators type {speculator_type!r}: "
+                f"\"{_message(body[0], speculator_type)}\" ({where})")
+    return None
+
+
 def draft_method_unservable(src, method: str, triton: bool, environ,
                             architectures: tuple[str, ...] = (),
-                            keys: tuple[str, ...] = ()) -> str | None:
+                            keys: tuple[str, ...] = (),
+                            speculator_type: str | None = None) -> str | None:
     """Why the installed vLLM cannot serve a draft of speculative `method`
     (and architecture, where vLLM refuses by it: DFlash2's candidate heads)
     here (one sentence with the fix, where there is one), or None: from
@@ -607,8 +650,11 @@ def draft_method_unservable(src, method: str, triton: bool, environ,
     needs Triton), not a version table. `triton`: whether vLLM's interpreter
     has Triton; `environ`: the stage's, for VLLM_USE_V2_MODEL_RUNNER.
     Not modelled: V2's other fallbacks to V1 (its own unsupported features,
-    e.g. microbatching), which a plain evaluate server does not use."""
-    refused = speculative_refusal(src, method, keys)   # keys: the algorithm's vllm_extra
+    e.g. microbatching), which a plain evaluate server does not use.
+    `speculator_type`: the draft config's speculators type, which vLLM's
+    registry of speculators configs must read (speculators_type_refusal)."""
+    refused = speculative_refusal(src, method, keys) or (   # keys: the algorithm's vllm_extra
+        speculator_type and speculators_type_refusal(src, speculator_type))
     if refused:
         return f"{refused}: serve it with a vLLM that takes it, or train another algorithm"
     # (a release without config/speculative.py, before 0.10: nothing to tell by)

@@ -69,7 +69,8 @@ class VllmEnv:
         return None
 
     def cannot_serve(self, method: str, environ, architectures: tuple[str, ...] = (),
-                     keys: tuple[str, ...] = ()) -> str | None:
+                     keys: tuple[str, ...] = (), speculator_type: str | None = None
+                     ) -> str | None:
         """Why this vLLM cannot serve a draft of speculative `method` (and
         architecture, where vLLM refuses by it; `keys`: the other
         speculative-config keys passed; read from its source:
@@ -79,7 +80,7 @@ class VllmEnv:
             return None
         from pipeline.vllm import compat
         return compat.draft_method_unservable(src, method, self.triton, environ, architectures,
-                                              keys)
+                                              keys, speculator_type)
 
 
 def probe(python: str, timeout: float = 60.0) -> VllmEnv:
