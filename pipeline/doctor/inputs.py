@@ -59,6 +59,15 @@ def count_rows(path: Path, cap: int) -> int | None:
     return n
 
 
+def model_refused(cfg: Config, env: VllmEnv | None, model: ModelInfo | None) -> str | None:
+    """vLLM's words where an earlier doctor found it cannot build this target
+    here (pipeline.vllm.validation.record_model), else None."""
+    if env is None or model is None:
+        return None
+    from pipeline.vllm import validation
+    return validation.model_refused(env.python, cfg.target_path(), env.vllm_dir)
+
+
 def probe_env(python: str, timeout: float = 120.0) -> dict:
     r = subprocess.run([python, "-m", "pipeline.envprobe"], capture_output=True, text=True,
                        timeout=timeout, cwd=str(PROJECT_ROOT), check=False)
@@ -150,7 +159,8 @@ def gather(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool 
     elif sec.backend == "auto":
         devices = cfg.stage_devices("extract")
         x.backend, x.backend_why = choose_backend("auto", vllm_env, devices, x.model,
-                                                  cfg.dtype_name(bool(devices)))
+                                                  cfg.dtype_name(bool(devices)),
+                                                  model_refused(cfg, vllm_env, x.model))
     else:
         x.backend = sec.backend
     return x

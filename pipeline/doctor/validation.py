@@ -178,7 +178,46 @@ def check_vllm_accepts(x: Inputs) -> list[Finding]:
     v = validation.cached(key)
     if v is None or v.refusals:
         v = validation.validate(env, x.cfg.target_path(), servers, key=key)
-    return findings(v, env.version or "?")
+    record_model(x, v)
+    return planned_around(x, v, env.version or "?")
+
+
+def record_model(x: Inputs, v: validation.Validation) -> None:
+    """Keep vLLM's answer on building the target for the stages (auto's
+    backend, evaluate's skip): its first model refusal, or none once a
+    server's model was built."""
+    built = [r for r in v.results if r.step == "model"]
+    if not built or x.vllm is None:
+        return
+    refused = next((r.error for r in built if not r.ok), None)
+    validation.record_model(x.vllm.python, x.cfg.target_path(), refused, x.vllm.vllm_dir)
+
+
+def planned_around(x: Inputs, v: validation.Validation, version: str) -> list[Finding]:
+    """vLLM's answer as doctor's lines, where a model vLLM cannot build here is
+    run around rather than blocked: `backend = "auto"` extracts on hf (said
+    once, x.backend follows for the checks after this one), and evaluate is
+    skipped with vLLM's reason (the run ends at train's estimate), as the
+    stages themselves do from the recorded answer."""
+    out, kept = [], []
+    auto = x.cfg.stages.extract.backend == "auto" and not x.cfg.online
+    for r in v.results:
+        cannot = not r.ok and r.step == "model"
+        if cannot and auto and r.name == "extract":
+            x.backend, x.backend_why = "hf", f"vLLM {version} cannot build the target here"
+            out.append(Finding("backends", OK, f'backend = "auto" -> hf: vLLM {version} '
+                               f"cannot build the target here ({r.error}): the hf backend "
+                               "extracts instead (recorded: the stages decide the same way)"))
+        elif cannot and r.name.startswith("evaluate"):
+            out.append(Finding("evaluate", WARN, f"evaluate will be skipped: vLLM {version} "
+                               f"cannot build the target here ({r.error}); the run ends at "
+                               "train's estimate",
+                               "measure the draft where this vLLM has the target's kernels (a "
+                               "GPU build); [stages.evaluate] enabled = false says it is meant"))
+        else:
+            kept.append(r)
+    answer = validation.Validation(kept, v.import_s, v.seconds, v.cached, v.failed)
+    return out + findings(answer, version)
 
 
 @check(None, launch=70)
@@ -192,7 +231,8 @@ def check_vllm_accepted(x: Inputs) -> list[Finding]:
     for b in ("vllm-server", "hf") if backend == "auto" else (backend,):
         v = validation.cached(_key(x, b)[0])
         if v is not None:
-            return [f for f in findings(v, "(as `eagle-panel doctor` found)") if f.level == BLOCK]
+            return [f for f in planned_around(x, v, "(as `eagle-panel doctor` found)")
+                    if f.level == BLOCK]
     return []
 
 
@@ -237,6 +277,8 @@ def check_draft_served(x: Inputs) -> list[Finding]:
             not validation.installed_vllm(env.python, env.vllm_dir) or \
             env.unusable(x.cfg.stage_devices("evaluate")):
         return []   # (check_vllm_accepts says why vLLM is not asked)
+    if validation.model_refused(env.python, x.cfg.target_path(), env.vllm_dir):
+        return []   # (evaluate is skipped: check_vllm_accepts says why)
     algo = algorithms.get(x.cfg.stages.train.algorithm)
     if draft_layer(x.cfg, x.model, env.cpu_build) == "mla":
         return [Finding("vllm", OK, "evaluate with the MLA draft: not asked before training "
@@ -258,4 +300,5 @@ def check_draft_served(x: Inputs) -> list[Finding]:
     how = "cached" if stand_in.cached else f"{stand_in.import_s + stand_in.seconds:.0f} s"
     return [Finding("speculators", OK, f"speculators {version} takes the train stage's flags "
                     f"and builds the {algo.display} draft's config ({how}); vLLM is asked "
-                    "about evaluate's server with it below")] + findings(v, env.version or "?")
+                    "about evaluate's server with it below")] + \
+        planned_around(x, v, env.version or "?")

@@ -220,8 +220,10 @@ def _vllm_refuses(cfg, env) -> str | None:
     problem = env.unusable(devices)
     if problem:
         return problem
+    from pipeline.vllm.validation import model_refused
     backend, why = choose_backend(cfg.stages.extract.backend, env, devices,
-                                  read_model(cfg.target_path()), cfg.dtype_name(bool(devices)))
+                                  read_model(cfg.target_path()), cfg.dtype_name(bool(devices)),
+                                  model_refused(env.python, cfg.target_path(), env.vllm_dir))
     if backend != "vllm-server":
         return f"extract would use {backend} ({why})"
     missing = compat.own_connector_missing(VllmSource.from_dir(Path(env.vllm_dir),

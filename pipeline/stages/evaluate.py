@@ -68,6 +68,7 @@ from pipeline.vllm.metrics import acceptance, spec_counters
 from pipeline.vllm.serve_command import rewritten
 from pipeline.vllm.server import bring_up, make_server, server_log
 from pipeline.vllm.target_flags import parser_has
+from pipeline.vllm.validation import model_refused
 
 
 def checkpoints(save_path: Path, which: str, train_chose: Path | None = None) -> list[Path]:
@@ -636,7 +637,10 @@ def body(ctx: StageContext) -> dict:
     sec = ctx.section
     env = probe(ctx.cfg.vllm_python())
     algo = algorithms.get(ctx.cfg.stages.train.algorithm)
+    refused = model_refused(env.python, ctx.cfg.target_path(), env.vllm_dir)
     why = env.unusable(ctx.cfg.stage_devices("evaluate")) or \
+        (refused and f"vLLM {env.version} cannot build the target here ({refused}: found by "
+                     "`eagle-panel doctor`, which asked it)") or \
         env.cannot_serve(algo.vllm_method, os.environ, algo.architectures, tuple(algo.vllm_extra),
                          algo.speculator_type)
     if why:

@@ -47,8 +47,10 @@ def resolve_backend(ctx: StageContext, devices: list[int]):
         model = read_model(ctx.cfg.target_path())
     except (OSError, ValueError, KeyError):
         model = None
+    from pipeline.vllm.validation import model_refused
     backend, why = choose_backend(sec.backend, env, devices, model,
-                                  ctx.cfg.dtype_name(bool(devices)))
+                                  ctx.cfg.dtype_name(bool(devices)),
+                                  model_refused(env.python, ctx.cfg.target_path(), env.vllm_dir))
     if sec.backend == "auto" and backend == "hf":
         ctx.events.warning(why, hint="scripts/install.sh installs vLLM's CPU build; on a GPU "
                                      "server set [runtime] vllm_python")

@@ -122,13 +122,15 @@ def process_env(env: VllmEnv, devices: list[int], kv_space_gib: int | None,
 
 
 def choose_backend(configured: str, env: VllmEnv | None, gpus: list[int],
-                   model=None, dtype: str = "") -> tuple[str, str]:
+                   model=None, dtype: str = "", refused: str | None = None) -> tuple[str, str]:
     """(backend, why) for `[stages.extract] backend`: "auto" takes vLLM's
     own route (vllm-server) where a usable vLLM is installed, its source
     has a hidden-state connector this machine can run, and (the CPU build)
     a kernel for the target's linear attention; else hf and the reason. A
     named backend is kept (its problems are errors then). `model`: the
-    target's ModelInfo, where known; `dtype`: the stages' ([model] dtype)."""
+    target's ModelInfo, where known; `dtype`: the stages' ([model] dtype);
+    `refused`: vLLM's words where doctor found it cannot build the target's
+    model here (pipeline.vllm.validation.model_refused)."""
     from pipeline.vllm import compat
     from pipeline.vllm.source import VllmSource
     if configured != "auto":
@@ -136,6 +138,9 @@ def choose_backend(configured: str, env: VllmEnv | None, gpus: list[int],
     why = env.unusable(gpus) if env is not None else "no vLLM interpreter to probe"
     if why:
         return "hf", f"vLLM cannot run here ({why}): the hf backend extracts instead"
+    if refused:
+        return "hf", (f"vLLM {env.version} cannot build the target here ({refused}: found by "
+                      "`eagle-panel doctor`, which asked it): the hf backend extracts instead")
     src = VllmSource.from_dir(Path(env.vllm_dir), env.version or "?")
     if not src.has_module(compat.CONNECTOR_MODULE):
         return "hf", (f"vLLM {env.version} has no hidden-state connector (vLLM >= "

@@ -128,6 +128,49 @@ def remembered(python: str) -> str | None:
     return _where().get(python)
 
 
+def model_path(python: str, target: Path, vllm_dir: str | None = None) -> Path | None:
+    """Where doctor records that this vLLM cannot build this target here (by
+    what is installed beside it and the target's config.json), or None."""
+    installed = installed_vllm(python, vllm_dir)
+    try:
+        config = (Path(target) / "config.json").read_bytes()
+    except OSError:
+        return None
+    if not installed:
+        return None
+    key = hashlib.sha256(installed.encode() + b"\0" + config).hexdigest()[:32]
+    return cache_dir() / "vllm-validation" / f"model-{key}.json"
+
+
+def record_model(python: str, target: Path, refused: str | None,
+                 vllm_dir: str | None = None) -> None:
+    """doctor's answer on building the target's model (None: vLLM built it),
+    kept for the stages: "auto" extracts on hf and evaluate is skipped where
+    vLLM cannot build the target (a best effort, like the rest of the cache)."""
+    path = model_path(python, target, vllm_dir)
+    if path is None:
+        return
+    try:
+        if refused is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, {"refused": refused})
+    except OSError:
+        pass
+
+
+def model_refused(python: str, target: Path, vllm_dir: str | None = None) -> str | None:
+    """vLLM's words when doctor found it cannot build this target's model
+    here (its kernels: Kimi-K2.5's INT4 experts on the CPU build), else None."""
+    path = model_path(python, target, vllm_dir)
+    try:
+        said = json.loads(path.read_text()).get("refused") if path else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return said if isinstance(said, str) and said else None
+
+
 def cache_key(python: str, target: Path, servers: list[Planned],
               vllm_dir: str | None = None) -> str | None:
     """What decides vLLM's answer, hashed; None when the vLLM cannot be named."""
