@@ -39,7 +39,28 @@ def load_model(model_path: Path, dtype, trust_remote_code: bool = False):
             type(config) not in AutoModelForCausalLM._model_mapping:
         auto = AutoModelForImageTextToText
     return auto.from_pretrained(str(model_path), config=config, dtype=dtype,
-                                trust_remote_code=trust_remote_code)
+                                trust_remote_code=trust_remote_code,
+                                **dequantizing(config))
+
+
+def dequantizing(config) -> dict:
+    """A compressed-tensors target loaded dequantized, through transformers'
+    own option: left compressed, a dense pack-quantized Linear has no
+    `.weight` and its forward fails on the CPU ("'Linear' object has no
+    attribute 'weight'", transformers 5.19 with compressed-tensors 0.17: a
+    dense INT4 Llama); dequantized, its weights equal compressed-tensors'
+    own dequantization (tests/test_int4_target.py). `dequantize=True` is
+    the option's name from transformers 5 (`run_compressed=False` before)."""
+    import inspect
+    q = getattr(text_config(config), "quantization_config", None) or \
+        getattr(config, "quantization_config", None)
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    if str(getattr(method, "value", method)) != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+    params = inspect.signature(CompressedTensorsConfig.__init__).parameters
+    off = {"dequantize": True} if "dequantize" in params else {"run_compressed": False}
+    return {"quantization_config": CompressedTensorsConfig(**off)}
 
 
 def decoder_layers(model, num_layers: int):

@@ -1,10 +1,12 @@
-"""A tiny target in Kimi-K2.5's released format (issue 51): the built-in
+"""Tiny targets in Kimi-K2.5's released format (issue 51): the built-in
 tiny-kimi (Kimi-K2.5's multimodal wrapper over a DeepSeek-V3 MLA + MoE
 decoder) with its routed experts' Linear weights quantized the way Kimi-K2.5
 ships them — compressed-tensors `pack-quantized`, int4, group 32,
 symmetric; on disk `weight_packed` (int32), `weight_scale` (bf16) and
 `weight_shape` — and attention, the shared experts, the dense MLP and
-lm_head left as they are.
+lm_head left as they are; and a dense INT4 Llama (the built-in tiny-llama,
+every decoder Linear in the same scheme: its shapes are multiples of 32),
+which vLLM's CPU build serves through its INT4 linear kernel.
 
 The quantization is compressed-tensors' own (its qparams, quantize and
 pack functions, the library transformers and vLLM load it with), never
@@ -26,17 +28,26 @@ IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
           "re:.*vision_tower.*", "re:.*mm_projector.*"]
 
 
-def quantization_config() -> dict:
+def quantization_config(ignore: list[str] | None = None) -> dict:
     return {"quant_method": "compressed-tensors", "format": "pack-quantized",
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
                                           "weights": dict(SCHEME), "input_activations": None,
                                           "output_activations": None}},
-            "ignore": list(IGNORE), "kv_cache_scheme": None}
+            "ignore": list(IGNORE if ignore is None else ignore), "kv_cache_scheme": None}
 
 
 def is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name and name.endswith("_proj.weight")
+
+
+def is_decoder_linear(name: str) -> bool:
+    """A dense model's every decoder Linear (attention and MLP), not lm_head."""
+    return ".layers." in name and name.endswith("_proj.weight")
+
+
+# A dense INT4 Llama: every decoder Linear quantized, lm_head (and the embedding) not
+DENSE_IGNORE = ["lm_head"]
 
 
 def _args():
@@ -59,13 +70,15 @@ def quantize_weight(w):
     return pack_to_int32(q, 4), scale, torch.tensor([out, inn], dtype=torch.int32)
 
 
-def make(src: Path, dest: Path) -> Path:
-    """`src`'s target (tiny-kimi's folder) written to `dest` with INT4 experts."""
+def make(src: Path, dest: Path, select=is_routed_expert, ignore: list[str] | None = None
+         ) -> Path:
+    """`src`'s target written to `dest` with the weights `select` names in
+    INT4 (default: tiny-kimi's routed experts, Kimi-K2.5's ignore list)."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.safetensors"))
     out = {}
     for name, w in load_file(str(Path(src) / "model.safetensors")).items():
-        if is_routed_expert(name):
+        if select(name):
             base = name[: -len(".weight")]
             (out[f"{base}.weight_packed"], out[f"{base}.weight_scale"],
              out[f"{base}.weight_shape"]) = quantize_weight(w)
@@ -73,7 +86,7 @@ def make(src: Path, dest: Path) -> Path:
             out[name] = w
     save_file(out, str(dest / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dest / "config.json").read_text())
-    q = quantization_config()
+    q = quantization_config(ignore)
     config["quantization_config"] = q
     if "text_config" in config:
         config["text_config"]["quantization_config"] = q
