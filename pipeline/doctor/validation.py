@@ -12,6 +12,7 @@ vLLM to read (its speculative config loads the draft's config.json).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import Config
@@ -174,12 +175,70 @@ def check_vllm_accepts(x: Inputs) -> list[Finding]:
     if not servers:
         return []
     validation.remember(env.python, env.vllm_dir)   # (where the launch finds this vLLM)
-    # an answer with no refusal stands; a refusal is asked again (the fix may be in)
-    v = validation.cached(key)
-    if v is None or v.refusals:
-        v = validation.validate(env, x.cfg.target_path(), servers, key=key)
+    draft = draft_ask(x)
+    # an answer with no refusal stands; a refusal is asked again (the fix may be in); what
+    # is asked goes to one vLLM process (its import is most of the time)
+    v, d = validation.cached(key), validation.cached(draft.key)
+    base, own = v is None or bool(v.refusals), draft.planned is not None and (
+        d is None or bool(d.refusals))
+    if base or own:
+        asked = [*(servers if base else []), *([draft.planned] if own else [])]
+        got = validation.validate(env, x.cfg.target_path(), asked)
+        if base:
+            v = got.part({s.name for s in servers})
+            validation.store(key, v)
+        if own:
+            d = got.part({draft.planned.name})
+            validation.store(draft.key, d)
     record_model(x, v)
-    return planned_around(x, v, env.version or "?")
+    out = planned_around(x, v, env.version or "?")
+    if validation.model_refused(env.python, x.cfg.target_path(), env.vllm_dir):
+        return out   # (evaluate is skipped, said above: its draft is not asked about)
+    return out + draft.lines + (planned_around(x, d, env.version or "?") if d else [])
+
+
+@dataclass
+class DraftAsk:
+    """speculators' part of asking about evaluate's server with the draft:
+    its lines, and the server to put to vLLM (None: not asked, lines say why)."""
+    lines: list[Finding]
+    planned: Planned | None = None
+    key: str | None = None
+
+
+def draft_ask(x: Inputs) -> DraftAsk:
+    """The draft train will make, asked before training: speculators builds
+    its config from the stage's flags (a config-only stand-in, no weights),
+    for vLLM's own validation to read as evaluate's server will. An MLA
+    draft is served from an export of trained weights: not asked."""
+    from pipeline.doctor.vllm import draft_layer
+    from pipeline.train import algorithms, draft_stand_in
+    env = x.vllm
+    if not (x.cfg.enabled("evaluate") and x.cfg.enabled("train")) or x.layer_ids is None or \
+            "error" in x.env or env.unusable(x.cfg.stage_devices("evaluate")) or \
+            validation.model_refused(env.python, x.cfg.target_path(), env.vllm_dir):
+        return DraftAsk([])
+    algo = algorithms.get(x.cfg.stages.train.algorithm)
+    if draft_layer(x.cfg, x.model, env.cpu_build) == "mla":
+        return DraftAsk([Finding("vllm", OK, "evaluate with the MLA draft: not asked before "
+                                 "training (vLLM serves its export, made from the trained "
+                                 "weights)")])
+    version = x.packages.get("speculators") or "?"
+    stand_in = draft_stand_in.ask(x.cfg.python(), f"{version} {x.env.get('speculators_dir')}",
+                                  x.cfg, x.layer_ids[:-1])
+    if stand_in.failed:
+        return DraftAsk([Finding("speculators", WARN, f"speculators did not answer for the "
+                                 f"{algo.display} draft: {stand_in.failed}",
+                                 "run `eagle-panel doctor` again")])
+    if not stand_in.ok:
+        return DraftAsk([stand_in_refused(stand_in, version, algo.display)])
+    folder, planned = target_folder(x.cfg), draft_server(x.cfg, x.model, stand_in.folder)
+    how = "cached" if stand_in.cached else f"{stand_in.import_s + stand_in.seconds:.0f} s"
+    return DraftAsk([Finding("speculators", OK, f"speculators {version} takes the train stage's "
+                             f"flags and builds the {algo.display} draft's config ({how}); "
+                             "vLLM is asked about evaluate's server with it below")], planned,
+                    validation.cache_key(env.python, folder, [planned], env.vllm_dir)
+                    if folder else None)
 
 
 def record_model(x: Inputs, v: validation.Validation) -> None:
@@ -261,44 +320,3 @@ def stand_in_refused(s, version: str, algo: str) -> Finding:
                    "this is speculators' own parser and draft builder on the flags train "
                    "would pass; change what it names in [stages.train], or install the "
                    "speculators the stage was written for (scripts/install.sh)")
-
-
-@check(136)
-def check_draft_served(x: Inputs) -> list[Finding]:
-    """The draft train will make, asked before training: speculators builds
-    its config from the stage's flags (a config-only stand-in, no weights),
-    and vLLM's own validation reads it as evaluate's server will. An MLA
-    draft is served from an export of trained weights: not asked."""
-    from pipeline.doctor.vllm import draft_layer
-    from pipeline.train import algorithms, draft_stand_in
-    env = x.vllm
-    if not (x.cfg.enabled("evaluate") and x.cfg.enabled("train")) or env is None or \
-            x.model is None or x.layer_ids is None or "error" in x.env or \
-            not validation.installed_vllm(env.python, env.vllm_dir) or \
-            env.unusable(x.cfg.stage_devices("evaluate")):
-        return []   # (check_vllm_accepts says why vLLM is not asked)
-    if validation.model_refused(env.python, x.cfg.target_path(), env.vllm_dir):
-        return []   # (evaluate is skipped: check_vllm_accepts says why)
-    algo = algorithms.get(x.cfg.stages.train.algorithm)
-    if draft_layer(x.cfg, x.model, env.cpu_build) == "mla":
-        return [Finding("vllm", OK, "evaluate with the MLA draft: not asked before training "
-                        "(vLLM serves its export, made from the trained weights)")]
-    version = x.packages.get("speculators") or "?"
-    stand_in = draft_stand_in.ask(x.cfg.python(), f"{version} {x.env.get('speculators_dir')}",
-                                  x.cfg, x.layer_ids[:-1])
-    if stand_in.failed:
-        return [Finding("speculators", WARN, f"speculators did not answer for the {algo.display}"
-                        f" draft: {stand_in.failed}", "run `eagle-panel doctor` again")]
-    if not stand_in.ok:
-        return [stand_in_refused(stand_in, version, algo.display)]
-    folder = target_folder(x.cfg)
-    planned = draft_server(x.cfg, x.model, stand_in.folder)
-    key = validation.cache_key(env.python, folder, [planned], env.vllm_dir) if folder else None
-    v = validation.cached(key)
-    if v is None or v.refusals:
-        v = validation.validate(env, x.cfg.target_path(), [planned], key=key)
-    how = "cached" if stand_in.cached else f"{stand_in.import_s + stand_in.seconds:.0f} s"
-    return [Finding("speculators", OK, f"speculators {version} takes the train stage's flags "
-                    f"and builds the {algo.display} draft's config ({how}); vLLM is asked "
-                    "about evaluate's server with it below")] + \
-        planned_around(x, v, env.version or "?")

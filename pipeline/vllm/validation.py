@@ -66,6 +66,11 @@ class Validation:
     def refusals(self) -> list[Result]:
         return [r for r in self.results if not r.ok]
 
+    def part(self, names: set[str]) -> Validation:
+        """The answer for the servers named (one process asked about more)."""
+        return Validation([r for r in self.results if r.name in names], self.import_s,
+                          self.seconds, self.cached, self.failed)
+
     def to_json(self) -> dict:
         return {"results": [asdict(r) for r in self.results], "import_s": self.import_s,
                 "seconds": self.seconds, "failed": self.failed}
@@ -225,13 +230,19 @@ def validate(env: VllmEnv, target: Path, servers: list[Planned], timeout: float 
         out.import_s = max(out.import_s, answer.import_s)
         out.failed = out.failed or answer.failed
     out.seconds = round(time.monotonic() - t0, 3)
-    if key is not None and not out.failed:
-        try:
-            cache_path(key).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(cache_path(key), out.to_json())
-        except OSError:
-            pass   # (DiskFull is one) the answer stands; only the next doctor asks again
+    store(key, out)
     return out
+
+
+def store(key: str | None, answer: Validation) -> None:
+    """Cache an answer under `key` (not one that failed to come)."""
+    if key is None or answer.failed:
+        return
+    try:
+        cache_path(key).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cache_path(key), answer.to_json())
+    except OSError:
+        pass   # (DiskFull is one) the answer stands; only the next doctor asks again
 
 
 def _ask(env: VllmEnv, target: Path, group: list[Planned], extra: dict, devices: list[int],
