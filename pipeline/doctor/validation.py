@@ -5,9 +5,12 @@ words; an answer is cached, and the launch checks read the cache.
 
 The planned servers come from the config the way the stages build theirs:
 regenerate's (or the server it shares with extract), extract's capture
-servers (and online train's), evaluate's target without a draft. Evaluate
-with a draft is not asked: before training there is no draft folder for
-vLLM to read (its speculative config loads the draft's config.json).
+servers (and online train's), evaluate's target without a draft; and
+evaluate's with the draft, whose folder before training is a config-only
+stand-in speculators builds from the train stage's flags
+(pipeline/train/draft_stand_in.py), asked in the same vLLM process.
+A model vLLM cannot build here (its kernels) is recorded and run around
+(planned_around): "auto" extracts on hf, evaluate is skipped.
 """
 
 from __future__ import annotations

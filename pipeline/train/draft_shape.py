@@ -9,17 +9,18 @@ Two questions, each answered by speculators' own code, never by ours:
 2. The draft's config as its trainer builds it: `build_draft_model` from the
    resolved flags, the speculator class constructed on the meta device (no
    memory) and stopped there, before the verifier's weights are read. It is
-   saved with its own `save_pretrained` and no tensors: a config-only folder,
-   which speculators itself knows (`is_config_only_dir`) and which vLLM's
-   speculative config reads like a trained checkpoint's (tests/
-   test_algorithms.py: equal to the trained checkpoint's config.json). doctor hands that
-   folder to vLLM's own validation of evaluate's server with the draft
-   (pipeline/doctor/validation.py), so a method or key the installed vLLM
-   refuses for this algorithm is found before hours of training.
+   saved with its own `save_pretrained` and no tensors: a config-only
+   folder, which speculators itself knows (`is_config_only_dir`) and which
+   vLLM's speculative config reads like a trained checkpoint's (equal to a
+   trained checkpoint's config.json: tests/test_algorithms.py). doctor
+   hands that folder to vLLM's own validation of evaluate's server with the
+   draft (pipeline/doctor/validation.py), so a method or key the installed
+   vLLM refuses for this algorithm is found before hours of training.
 
-Input: {"argv": [...], "folder": "<where the config goes>"}. Output (OUT.json): {"ok", "error", "step":
-"resolve" or "config", "import_s", "seconds"}. The flags' paths (data,
-hidden states, save path) need not exist: neither question reads them.
+Input: {"argv": [...], "folder": "<where the config goes>"}. Output
+(OUT.json): {"ok", "error", "step": "resolve" or "config", "import_s",
+"seconds"}. The flags' paths (data, hidden states, save path) need not
+exist: neither question reads them.
 """
 
 from __future__ import annotations
