@@ -33,7 +33,10 @@ marker is trusted), corrupt files found by the stages on resume, files left
 over (temporaries, set-aside checkpoints), processes left over (by the
 run's path and tokens, by every attempt's supervisor session, and by vLLM's
 process names VLLM::EngineCore / VLLM::Worker: any one fails the run), train
-steps redone. `--seed` replays the same choices of victims and delays (process
+steps redone, and for each stage killed the seconds from the kill until the
+attempt's last process is gone (its children, its vLLM servers and their
+renamed workers, its supervisor once it has recorded the end; one not gone
+within 120 s fails the run). `--seed` replays the same choices of victims and delays (process
 timing is the machine's).
 """
 
@@ -329,14 +332,19 @@ def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout:
             continue
         kind = rng.choice(kinds)
         what, kill = rng.choice(alive[kind])
+        attempt = killed_attempt(rd, kind, what)
         try:
             kill()
         except (ProcessLookupError, PermissionError):
             continue
         t = round(time.time() - t0, 1)
+        record = {"t": t, "kind": kind, "what": what}
+        if attempt:
+            time_to_gone(attempt, record)
         time.sleep(0.5)
         found = integrity(rd)
-        made.append({"t": t, "kind": kind, "what": what, "problems": found})
+        record["problems"] = found
+        made.append(record)
         problems += found
         survived += not found
         streak += kind in ("stage", "vllm")
@@ -345,6 +353,57 @@ def chaos(work: Path, name: str, kills: int, seed: int, max_gap: float, timeout:
     return {"kills_made": len(made), "kills_survived": survived, "integrity_problems": problems,
             "resumes": resumes, "kills": made, "wall_s": round(time.time() - t0, 1),
             "leftover_processes": _after(rd, panels, seen, vllm_before)}
+
+
+def killed_attempt(rd: RunDir, kind: str, what: str) -> dict | None:
+    """The identity (token, supervisor) of the stage attempt a stage kill (its
+    process group, SIGKILL) ends, read before the kill; None for the other
+    kinds (a vLLM server killed under a live stage is restarted by it)."""
+    if kind != "stage":
+        return None
+    try:
+        stages = rd.read_state()["stages"]
+    except Exception:  # noqa: BLE001 - a state being replaced: not measured
+        return None
+    running = [st for s, st in stages.items() if st["status"] == "running" and s == what
+               and st.get("token")]
+    return {k: running[0].get(k) for k in ("token", "supervisor_pid", "supervisor_create_time")} \
+        if running else None
+
+
+GONE_WAIT_S = 120.0
+
+
+def time_to_gone(attempt: dict, record: dict) -> None:
+    """In a thread: seconds from the kill until no process of the attempt is
+    alive (by its token and its supervisor's session, pipeline/run/leftovers.py:
+    the stage's children, its vLLM servers and their renamed workers, the
+    supervisor once it has recorded the end), into record["gone_s"] (None:
+    still there after GONE_WAIT_S)."""
+    import threading
+    t0 = time.time()
+
+    def watch():
+        while time.time() - t0 < GONE_WAIT_S:
+            if not attempt_processes(attempt):
+                record["gone_s"] = round(time.time() - t0, 2)
+                return
+            time.sleep(0.05)
+        record["gone_s"] = None
+    record["gone_s"] = "watching"
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def gone_summary(rounds: list[dict]) -> dict:
+    """Kill-to-gone seconds of the stage kills."""
+    out = {}
+    for kind in ("stage",):
+        got = [k.get("gone_s") for r in rounds for k in r["kills"] if k["kind"] == kind]
+        done = sorted(g for g in got if isinstance(g, float | int))
+        out[kind] = {"n": len(got), "median_s": done[len(done) // 2] if done else None,
+                     "max_s": done[-1] if done else None,
+                     "not_gone": sum(1 for g in got if not isinstance(g, float | int))}
+    return out
 
 
 def _after(rd: RunDir, panels: list[str], seen: dict, vllm_before: set[int]) -> list[str]:
@@ -398,6 +457,7 @@ def summarize(rounds: list[dict], a, ref_wall: float) -> dict:
         "leftover_files": [f for r in rounds for f in r["leftover_files"]],
         "leftover_processes": [p for r in rounds for p in r["leftover_processes"]],
         "train_steps_redone": total("train_steps_redone"),
+        "kill_to_gone": gone_summary(rounds),
         "hidden_states_max_abs_diff": max(
             (r["comparison"]["hidden_states_max_abs_diff"] or 0.0 for r in rounds), default=None),
         "loss_max_abs_diff": max(
@@ -408,7 +468,8 @@ def summarize(rounds: list[dict], a, ref_wall: float) -> dict:
     }
     report["ok"] = bool(rounds) and all(r["ok"] for r in rounds) \
         and report["kills_survived"] == report["kills_made"] >= a.kills \
-        and not report["leftover_processes"]
+        and not report["leftover_processes"] \
+        and not any(g["not_gone"] for g in report["kill_to_gone"].values())
     return report
 
 
@@ -424,6 +485,11 @@ def render(r: dict, a) -> str:
         f"  corrupt files found on resume: {r['corrupt_found_on_resume']}",
         f"  leftover files: {len(r['leftover_files'])}  processes: {len(r['leftover_processes'])}",
         f"  train steps redone: {r['train_steps_redone']}",
+        "  kill to gone (the attempt's last process): " + "; ".join(
+            f"{kind} kills {g['n']}, median {g['median_s']} s, max {g['max_s']} s"
+            + (f", {g['not_gone']} not gone" if g["not_gone"] else "")
+            for kind, g in r["kill_to_gone"].items() if g["n"]) if any(
+            g["n"] for g in r["kill_to_gone"].values()) else "  kill to gone: no stage killed",
         f"  datasets identical: {each('dataset_identical')}   "
         f"d2t/t2d identical: {each('vocab_identical')}   "
         f"evaluate results: {each('evaluate_results')}",
