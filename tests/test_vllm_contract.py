@@ -220,8 +220,8 @@ ARGV_BUILDERS = ("pipeline/vllm/server.py", "pipeline/vllm/target_flags.py",
                  "pipeline/extract/vllm_server.py", "<snippet>")
 # Other programs' flags that vLLM's parser spells the same.
 OTHER_PROGRAMS = {
-    "pipeline/stages/train.py": {"--seed", "--trust-remote-code", "--nnodes",   # speculators, torchrun
-                                   "--block-size"},                           # (DFlash's block)
+    "pipeline/stages/train.py": {"--seed", "--nnodes"},              # speculators, torchrun
+    "pipeline/train/flags.py": {"--trust-remote-code", "--block-size"},  # speculators (DFlash's block)
     "bench/vs_speculators.py": {"--model", "--seed", "--trust-remote-code"},     # speculators' CLI
 }
 
@@ -329,8 +329,10 @@ def test_the_string_walker_catches_one():
     ok = ast.parse("argv = [vs.FLAG_TENSOR_PARALLEL, '2', vs.FLAG_DTYPE + '=float32']\n"
                    "TOOK = re.compile(vs.LOG_TOOK)\nurl = base + vs.ROUTE_HEALTH\n")
     assert undeclared_strings(ok, {"--dtype"}) == []
-    train = ast.parse("argv = ['--seed', '0', '--trust-remote-code']\n")
+    train = ast.parse("argv = ['--seed', '0', '--nnodes', '2']\n")
     assert undeclared_strings(train, {"--seed"}, "pipeline/stages/train.py") == []
+    flags = ast.parse("argv = ['--trust-remote-code', '--block-size', '8']\n")
+    assert undeclared_strings(flags, {"--block-size"}, "pipeline/train/flags.py") == []
     # where the serve command is built, a flag the parser modules in the cache lack too
     frontend = ast.parse("argv += ['--enable-auto-tool-choice']\n")
     assert undeclared_strings(frontend, set(), "pipeline/vllm/server.py") == [

@@ -161,6 +161,9 @@ USES: tuple[Use, ...] = (
         why="the target: its tensors the drafter shares are left alone"),
     # -- read by doctor from the source ------------------------------------------
     Use("SupportsEagle3", ("model_executor.models.interfaces",), ("doctor",)),
+    Use("register_speculator", ("transformers_utils.configs.speculators.algos",), ("doctor",),
+        why="the speculators config types vLLM reads a draft's config.json by "
+            "(compat.speculators_types: 0.34 registers peagle only to raise)"),
     Use("VllmConfig._get_v1_model_runner_unsupported_features", ("config.vllm",), ("doctor",),
         why="the speculative methods Model Runner V1 refuses (DSpark, 0.29+)"),
     Use("VllmConfig._get_v2_model_runner_unsupported_features", ("config.vllm",), ("doctor",),
