@@ -226,6 +226,8 @@ def draft_ask(x: Inputs) -> DraftAsk:
         return DraftAsk([Finding("vllm", OK, "evaluate with the MLA draft: not asked before "
                                  "training (vLLM serves its export, made from the trained "
                                  "weights)")])
+    if x.model.mla and env.cpu_build:
+        return DraftAsk([])   # another layer beside an MLA target: check_cpu_attention blocks it
     version = x.packages.get("speculators") or "?"
     stand_in = draft_stand_in.ask(x.cfg.python(), f"{version} {x.env.get('speculators_dir')}",
                                   x.cfg, x.layer_ids[:-1])
