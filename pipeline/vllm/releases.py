@@ -51,6 +51,17 @@ def index_url() -> str:
     return url.rstrip("/")
 
 
+def index_files(project: str) -> list[dict]:
+    """The files the index lists for `project` (its simple API, PEP 691 JSON)."""
+    req = urllib.request.Request(f"{index_url()}/{project}/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.load(r)["files"]
+    except OSError as e:
+        raise Unreachable(f"the package index cannot be reached ({e})") from None
+
+
 _listing: dict | None = None
 
 
@@ -58,14 +69,7 @@ def listing() -> dict[str, dict]:
     """{version: file entry} of vLLM's sdists on the index."""
     global _listing
     if _listing is None:
-        req = urllib.request.Request(index_url() + "/vllm/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                data = json.load(r)
-        except OSError as e:
-            raise Unreachable(f"the package index cannot be reached ({e})") from None
-        _listing = {f["filename"][len("vllm-"):-len(".tar.gz")]: f for f in data["files"]
+        _listing = {f["filename"][len("vllm-"):-len(".tar.gz")]: f for f in index_files("vllm")
                     if f["filename"].startswith("vllm-") and f["filename"].endswith(".tar.gz")
                     and not f.get("yanked")}
     return _listing
@@ -162,15 +166,8 @@ def from_zip(path: Path, version: str):
 def versions(project: str) -> list[str]:
     """Every version of `project` on the index (any file kind), oldest first."""
     from packaging.utils import parse_sdist_filename, parse_wheel_filename
-    req = urllib.request.Request(f"{index_url()}/{project}/",
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            data = json.load(r)
-    except OSError as e:
-        raise Unreachable(f"the package index cannot be reached ({e})") from None
     out = set()
-    for f in data["files"]:
+    for f in index_files(project):
         name = f["filename"]
         try:
             v = parse_wheel_filename(name)[1] if name.endswith(".whl") else \
