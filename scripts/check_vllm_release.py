@@ -18,7 +18,8 @@ Printed, each read from the release's source (never a version table):
   and whether the release is one the tests read (compat.READ_RELEASES).
 
 Exit codes: 0 nothing blocks the server route; 1 the server route's contract
-breaks (doctor would block every vLLM launch); 2 bad usage; 3 the index
+breaks (doctor would block every vLLM launch); 2 bad usage or a --json file
+that cannot be written; 3 the index
 cannot be reached or has no such release.
 """
 
@@ -113,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     r = report(src)
     print(as_text(r))
     if a.json:
-        a.json.write_text(json.dumps(r, indent=1))
+        try:
+            a.json.write_text(json.dumps(r, indent=1))
+        except OSError as e:
+            print(f"check_vllm_release: --json {a.json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 1 if any(b["route"] == "server" for b in r["contract_breaks"]) else 0
 
 

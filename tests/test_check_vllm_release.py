@@ -46,7 +46,10 @@ def test_vllm_0_32_serves_every_algorithm_and_swaps():
     assert "[ BLOCK ]" not in p.stdout
 
 
-def test_usage_and_an_unknown_release():
+def test_usage_and_an_unknown_release(tmp_path):
     assert run("--bogus").returncode == 2
+    vllm_releases.source("0.32.0")
+    bad = run("--json", str(tmp_path / "no" / "such" / "r.json"), "0.32.0")
+    assert bad.returncode == 2 and "--json" in bad.stderr and "Traceback" not in bad.stderr
     p = run("0.0.0.999")
     assert p.returncode == 3 and "0.0.0.999" in p.stderr, p.stdout + p.stderr
