@@ -40,10 +40,13 @@ class Case:
 
 CASES = {
     "bench_events.py": Case(
-        ["--events", "2000", "--latency-events", "20", "--throughput-events", "5000"],
+        ["--sizes", "1000", "20000", "--latency-events", "20", "--throughput-events", "5000"],
         [rf"^write: {NUM} events/s\s+tail: {NUM} events/s",
          rf"^latency \(\w+, .*\): p50 {NUM} ms\s+p99 {NUM} ms",
-         rf"^status on 2,000 events .*: median {NUM} s\s+max {NUM} s"], timeout=300),
+         rf"^\s+1,000\s+{NUM}\s+{NUM}\s+{NUM} \({NUM}\)\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$",
+         rf"^\s+20,000\s+{NUM}\s+{NUM}\s+{NUM} \({NUM}\)\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$",
+         rf"^largest / smallest \(20,000 / 1,000 events\): status {NUM}x, panel {NUM}x"],
+        timeout=300),
     "bench_capture.py": Case(
         ["--device", "cpu", "--hidden", "64", "--step-tokens", "256", "--req-len", "96",
          "--steps", "4", "--forward-ms", "5"],

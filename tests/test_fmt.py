@@ -75,3 +75,13 @@ def test_a_finished_run_says_where_its_trackers_are_and_how_to_ship_it():
     lines = outcome_lines({"checkpoint": "2", "acceptance_length": 2.5}, {}, {}, "r1")
     assert not any("export" in ln or "trackers" in ln for ln in lines)
     assert outcome_lines(train, {}, {}, "r1")[-1] == "trackers: tensorboard --logdir /r/tb"
+
+
+def test_a_long_runs_counts_fit_the_progress_column_and_never_round_up_to_done():
+    from widgets.bars import count
+    from widgets.stage_table import StageTable
+    assert [count(n) for n in (0, 9999, 10_000, 19_999, 1_234_567, 9_999_999, 10**7)] == \
+        ["0", "9999", "10k", "19k", "1.2M", "9.9M", "10M"]
+    assert count(None) == "None" and count(2.5) == "2.5"
+    cell = StageTable._progress({"done": 9_999_999, "total": 10**7}).plain
+    assert cell.endswith(" 9.9M/10M") and len(cell) <= 18   # the column is 18 cells

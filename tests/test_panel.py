@@ -408,29 +408,6 @@ def test_nvml_source_on_a_real_gpu():
     assert s.power_limit == pytest.approx(limit, abs=1)
 
 
-def test_metric_series_stay_bounded():
-    from pipeline.run.snapshot import Series
-    s = Series(cap=1000)
-    for i in range(100_000):
-        s.add(i, 1.0 / (i + 1))
-    assert 500 <= len(s) <= 1000 and s.added == 100_000
-    xs = list(s.x)
-    assert xs == sorted(xs) and xs[0] == 0 and xs[-1] > 99_000  # whole span, thinned evenly
-
-
-def test_step_less_metrics_count_on_past_the_cap(tmp_path):
-    """A metric event without a step takes the next one, counted over every
-    point offered, not over the points a thinned series kept."""
-    from pipeline.run.rundir import RunDir
-    from pipeline.run.snapshot import RunReader, Series
-    reader = RunReader(RunDir(tmp_path / "run"))
-    reader._metrics[("train", "loss")] = Series(cap=100)
-    for _ in range(1000):
-        reader._apply("train", {"type": "metric", "split": "train", "values": {"loss": 1.0}})
-    xs = list(reader.snapshot().metrics[("train", "loss")].x)
-    assert len(xs) <= 100 and xs[0] == 0 and xs[-1] >= 900 and xs == sorted(set(xs))
-
-
 async def test_doctor_screen_shows_the_report(tmp_path):
     write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 9]},
                                                 "vocab": {"draft_vocab_size": 256}}})

@@ -37,6 +37,21 @@ def sparkline(values, width: int, lo: float = 0.0, hi: float = 100.0) -> Text:
     return Text(" " * (width - len(out)) + "".join(out), style="cyan")
 
 
+def count(n) -> str:
+    """n in at most 4 characters, rounded down (so 19,999 of 20,000 never reads
+    as done): 9999, 20k, 1.2M, 10M. A training of 10M steps otherwise shows
+    `10000000/1` in the 18-cell progress column."""
+    if not isinstance(n, (int, float)) or isinstance(n, bool) or n < 10_000:
+        return str(n)
+    n = int(n)
+    for unit, size in (("k", 10**3), ("M", 10**6), ("G", 10**9)):
+        if n < 10 * size:
+            return f"{n // (size // 10) / 10:.1f}{unit}"
+        if n < 1000 * size:
+            return f"{n // size}{unit}"
+    return f"{n // 10**12}T"
+
+
 def progress_bar(done, total, width: int) -> Text:
     if not total:
         return Text("")

@@ -2,7 +2,11 @@
 
 Each series is reduced to one value per dot column (the mean of the points
 that fall in it) before drawing, so a 100,000-step run costs about what a
-100-step one does. EMA smoothing and a log scale are toggles.
+100-step one does. A column is drawn from its lowest point to its highest
+too (clipped to the means' range), so a one-step loss spike stays a visible
+stroke however long the history: the series keep each bucket's extremes
+(pipeline.run.series), the mean alone would flatten them. EMA smoothing
+(which draws the smoothed means only) and a log scale are toggles.
 """
 
 from __future__ import annotations
@@ -30,15 +34,33 @@ def ema(y: np.ndarray, alpha: float) -> np.ndarray:
     return out
 
 
+def columns(x: np.ndarray, x0: float, x1: float, cols: int) -> np.ndarray:
+    """Each point's dot column."""
+    return np.clip(((x - x0) / max(x1 - x0, 1e-12) * (cols - 1)).round().astype(int),
+                   0, cols - 1)
+
+
 def bucket_means(x: np.ndarray, y: np.ndarray, x0: float, x1: float, cols: int):
     """Mean of y per column of the x range; NaN where a column has no point."""
     if not len(x):
         return np.full(cols, np.nan)
-    idx = np.clip(((x - x0) / max(x1 - x0, 1e-12) * (cols - 1)).round().astype(int), 0, cols - 1)
+    idx = columns(x, x0, x1, cols)
     sums = np.bincount(idx, weights=y, minlength=cols)
     counts = np.bincount(idx, minlength=cols)
     with np.errstate(invalid="ignore", divide="ignore"):
         return sums / counts
+
+
+def bucket_extremes(x: np.ndarray, y: np.ndarray, x0: float, x1: float, cols: int):
+    """(lowest, highest) y per column; NaN where a column has no point."""
+    lo, hi = np.full(cols, np.inf), np.full(cols, -np.inf)
+    if len(x):
+        idx = columns(x, x0, x1, cols)
+        np.minimum.at(lo, idx, y)
+        np.maximum.at(hi, idx, y)
+    lo[np.isinf(lo)] = np.nan
+    hi[np.isinf(hi)] = np.nan
+    return lo, hi
 
 
 TICK_EVERY = 4     # a y label every this many rows (top and bottom always)
@@ -64,9 +86,10 @@ def plot(series: list[tuple], width: int, height: int,
     log = log and not log_refused(series)
     x0 = min(float(x[0]) for _, x, _, _ in series)
     x1 = max(float(x[-1]) for _, x, _, _ in series)
-    reduced = [(name, reduce_series(x, y, x0, x1, cols, log, smooth and kind == "line"), kind)
+    reduced = [(name, *reduce_series(x, y, x0, x1, cols, log, smooth and kind == "line",
+                                     extremes=kind == "line"), kind)
                for name, x, y, kind in series]
-    finite = np.concatenate([m[~np.isnan(m)] for _, m, _ in reduced])
+    finite = np.concatenate([m[~np.isnan(m)] for _, m, _, _ in reduced])
     if not len(finite):
         return [Text("no finite values", style="dim")]
     lo, hi = float(finite.min()), float(finite.max())
@@ -77,24 +100,28 @@ def plot(series: list[tuple], width: int, height: int,
     lines = rendered_rows(grid, color, marks, label_w,
                           lambda i, n: fmt_v(row_value(i, n, lo, hi, rows)))
     legend = Text(f"{'step':>{label_w - 1}} {int(x0)}..{int(x1)}  ", style="dim")
-    for k, (name, _, kind) in enumerate(reduced):
+    for k, (name, _, _, kind) in enumerate(reduced):
         legend.append(f"{POINT if kind == 'points' else '■'} {name} ",
                       style=COLORS[k % len(COLORS)])
     lines.append(legend)
     return lines
 
 
-def reduce_series(x, y, x0: float, x1: float, cols: int, log: bool, smooth: bool) -> np.ndarray:
-    """One value per dot column (log10 when `log`, EMA-smoothed when `smooth`)."""
-    y = np.asarray(y, dtype=float)
+def reduce_series(x, y, x0: float, x1: float, cols: int, log: bool, smooth: bool,
+                  extremes: bool = True):
+    """(one value per dot column, (lowest, highest) per column): log10 when
+    `log`; when `smooth`, the values EMA-smoothed and no extremes (None), as
+    when not `extremes` (marked points)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if log:
         y = np.log10(np.clip(y, 1e-12, None))
-    m = bucket_means(np.asarray(x, dtype=float), y, x0, x1, cols)
-    if smooth:
-        ok = ~np.isnan(m)
-        if ok.any():
-            m[ok] = ema(m[ok], 0.15)
-    return m
+    m = bucket_means(x, y, x0, x1, cols)
+    if not smooth:
+        return m, bucket_extremes(x, y, x0, x1, cols) if extremes else None
+    ok = ~np.isnan(m)
+    if ok.any():
+        m[ok] = ema(m[ok], 0.15)
+    return m, None
 
 
 def draw(reduced: list[tuple], lo: float, hi: float, rows: int, cols: int):
@@ -102,11 +129,14 @@ def draw(reduced: list[tuple], lo: float, hi: float, rows: int, cols: int):
     grid = np.zeros((rows // 4, cols // 2), dtype=np.int32)
     color = np.full(grid.shape, -1)
     marks: dict[tuple[int, int], int] = {}
-    for k, (_, m, kind) in enumerate(reduced):
+
+    def row(v: float) -> int:   # (an extreme past the range: drawn to its edge)
+        return min(rows - 1, max(0, int(round((hi - v) / (hi - lo) * (rows - 1)))))
+
+    for k, (_, m, env, kind) in enumerate(reduced):
         if kind == "points":
             for c in np.flatnonzero(~np.isnan(m)):
-                r = int(round((hi - m[c]) / (hi - lo) * (rows - 1)))
-                marks[(r // 4, int(c) // 2)] = k
+                marks[(row(m[c]) // 4, int(c) // 2)] = k
             continue
         prev = None
         for c in range(cols):
@@ -114,10 +144,13 @@ def draw(reduced: list[tuple], lo: float, hi: float, rows: int, cols: int):
             if math.isnan(v):
                 prev = None
                 continue
-            r = int(round((hi - v) / (hi - lo) * (rows - 1)))
-            # join to the previous column so steep curves stay connected
-            span = range(min(r, prev), max(r, prev) + 1) if prev is not None else (r,)
-            for rr in span:
+            r = row(v)
+            # join to the previous column so steep curves stay connected, and
+            # reach the column's extremes (a spike is a stroke, not lost)
+            ends = [r] if prev is None else [r, prev]
+            if env is not None:
+                ends += [row(env[0][c]), row(env[1][c])]
+            for rr in range(min(ends), max(ends) + 1):
                 grid[rr // 4, c // 2] |= DOT[c % 2][rr % 4]
                 color[rr // 4, c // 2] = k
             prev = r

@@ -20,7 +20,7 @@ from pipeline.run.rundir import Status
 from pipeline.run.snapshot import StageView
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
-from widgets.bars import progress_bar
+from widgets.bars import count, progress_bar
 from widgets.quiet import QuietStatic
 
 STATUS_STYLE = {Status.PENDING: "dim", Status.SKIPPED: "dim", Status.RUNNING: "bold cyan",
@@ -125,7 +125,8 @@ class StageTable(Vertical, can_focus=True):
             return Text("")
         t = progress_bar(ev.get("done", 0), ev.get("total"), 8)
         total = ev.get("total")
-        t.append(f" {ev.get('done')}/{total}" if total else f" {ev.get('done')}")
+        done = count(ev.get("done"))
+        t.append(f" {done}/{count(total)}" if total else f" {done}")
         return t
 
     @staticmethod

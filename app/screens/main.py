@@ -487,8 +487,8 @@ def train_info(view) -> Text:
         elif prog.eta_s is not None and train.running:
             t.append(f"ETA {fmt.duration(prog.eta_s)}  ")
     lr = view.metrics.get(("train", "lr")) or view.metrics.get(("train", "lr_AdamW"))
-    if lr is not None and len(lr):
-        t.append(f"lr {lr.y[-1]:.2e}  ")
+    if lr is not None and lr.added:
+        t.append(f"lr {lr.last_y:.2e}  ")
     acc, measured = view.acceptance_estimate(), view.acceptance_measured()
     if measured is not None:
         t.append(f"acceptance length {measured:.2f} (vLLM)", style="bold green")

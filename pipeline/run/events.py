@@ -44,6 +44,11 @@ class EventType(str, enum.Enum):
         return self.value
 
 
+# A server event's phases that readers count (pipeline.vllm.startup names the rest):
+# here, so the read model below the vLLM code needs nothing from above it.
+SERVER_READY, SERVER_STOPPED = "ready", "stopped"
+
+
 # -- the fields of each event type (optional ones in the *Extra base) --------
 
 class StageStartedEvent(TypedDict):
@@ -187,10 +192,15 @@ FIELDS: dict[EventType, type] = {
 }
 
 
+_REQUIRED = {kind: frozenset(td.__required_keys__) for kind, td in FIELDS.items()}
+
+
 def check_event(type: EventType | str, fields: dict) -> EventType:
     """The event's type, once it is a known one with its required fields."""
     kind = EventType(type)   # ValueError names an unknown type
-    missing = sorted(FIELDS[kind].__required_keys__ - fields.keys())
+    if _REQUIRED[kind] <= fields.keys():
+        return kind
+    missing = sorted(_REQUIRED[kind] - fields.keys())
     if missing:
         raise ValueError(f"a {kind.value} event needs {', '.join(missing)}")
     return kind
@@ -291,6 +301,19 @@ def _clean(value):
     return value
 
 
+# One encoder, built once: json.dumps builds one per call with these options.
+# It refuses NaN and infinities, so only an event that has one (rare: a
+# diverged loss) pays for _clean's walk over every field.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str, allow_nan=False)
+
+
+def _line(event: dict) -> str:
+    try:
+        return _ENCODER.encode(event) + "\n"
+    except (ValueError, TypeError):   # NaN / inf; or a key that is not a string
+        return _ENCODER.encode(_clean(event)) + "\n"
+
+
 class EventWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -301,7 +324,7 @@ class EventWriter:
     def emit(self, type: EventType | str, **fields) -> dict:
         kind = check_event(type, fields)
         event = {"t": time.time(), "type": kind.value, **fields}
-        line = json.dumps(_clean(event), separators=(",", ":"), default=str) + "\n"
+        line = _line(event)
         data = ("\n" + line if self._cut else line).encode()
         try:
             written = os.write(self._fd, data)

@@ -3,8 +3,11 @@ and the panel all show, read from the run directory and nothing else.
 
 `RunReader` reads incrementally, as the panel needs: state.json when it
 changes (through `reconcile.observe`, which never writes), each stage's
-events.jsonl tailed by byte offset; memory stays bounded however long it runs
-(metric series thin themselves out past a cap, warnings keep their newest).
+events.jsonl tailed by byte offset and folded (pipeline.run.stage_fold);
+memory stays bounded however long it runs (metric series keep min/max per
+bucket, warnings keep their newest). A long run is read from its read model's
+checkpoint (pipeline.run.read_checkpoint) and the events after it: what is
+shown costs what is shown, not the history.
 `RunReader.snapshot()` hands out a `RunSnapshot` of frozen values; `read_run`
 is the one-shot reader the commands use (the same reader, polled once over
 every file). Before this module the panel, `status` and `run --wait` each
@@ -20,56 +23,20 @@ from __future__ import annotations
 
 import os
 import time
-from array import array
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
-from pipeline.run.events import EventTail, EventType
+from pipeline.run import read_checkpoint
+from pipeline.run.events import SERVER_STOPPED, EventTail
 from pipeline.run.executor import Executor, driver_alive, for_run
 from pipeline.run.reconcile import observe
 from pipeline.run.rundir import RunDir, RunDirError, Status
+from pipeline.run.series import Series
+from pipeline.run.stage_fold import StageFold
 from pipeline.stage_graph import STAGE_NAMES
 
 _EMPTY: Mapping = MappingProxyType({})
-
-
-class Series:
-    """(step, value) points, thinned to every other point when over `cap`.
-
-    The cap is what a terminal chart can use, not what a run produces: a chart
-    is a few hundred braille dots wide, and 20,000 points still give each of
-    them the mean of dozens. At 200,000 a stage logging 4 metrics 50 times a
-    second grew the panel's RSS for over an hour (56 -> 67 MiB in 30 minutes,
-    bench/bench_panel.py); at 20,000: 61 MiB from the 10th minute to the 30th.
-    The reader appends; a series a snapshot holds is copied before it changes
-    (RunReader), so whoever draws a snapshot reads it on any thread."""
-
-    def __init__(self, cap: int = 20_000):
-        self.x, self.y, self.cap, self.stride, self._skip = array("d"), array("d"), cap, 1, 0
-        self.added = 0   # points offered, kept or not: the next step of a step-less metric
-
-    def add(self, x: float, y: float) -> None:
-        self.added += 1
-        self._skip += 1
-        if self._skip < self.stride:
-            return
-        self._skip = 0
-        self.x.append(x)
-        self.y.append(y)
-        if len(self.x) > self.cap:
-            self.x, self.y = self.x[::2], self.y[::2]
-            self.stride *= 2
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def copy(self) -> Series:
-        twin = Series(self.cap)
-        twin.x, twin.y, twin.stride = array("d", self.x), array("d", self.y), self.stride
-        twin._skip, twin.added = self._skip, self.added
-        return twin
 
 
 # -- the snapshot's values -------------------------------------------------------------
@@ -98,8 +65,7 @@ class ServerView:
 
     @property
     def stopped(self) -> bool:
-        from pipeline.vllm.startup import STOPPED
-        return self.phase == STOPPED
+        return self.phase == SERVER_STOPPED
 
 
 @dataclass(frozen=True)
@@ -237,7 +203,7 @@ class RunSnapshot:
     def acceptance_measured(self) -> float | None:
         """The last acceptance length the evaluate stage measured."""
         s = self.metrics.get(("eval", "acceptance_length"))
-        return s.y[-1] if s is not None and len(s) else None
+        return s.last_y if s is not None and s.added else None
 
     def acceptance_estimate(self) -> float | None:
         """train's estimate: its summary's, else 1 + the latest validation
@@ -245,33 +211,15 @@ class RunSnapshot:
         if self.stages["train"].summary.get("acceptance_length") is not None:
             return self.stages["train"].summary["acceptance_length"]
         own = self.metrics.get(("val", "acceptance_estimate"))   # the algorithm's (train's)
-        if own is not None and len(own):
-            return own.y[-1]
+        if own is not None and own.added:
+            return own.last_y
         accs = sorted(k for sp, k in self.metrics if sp == "val" and k.startswith("full_acc_"))
         if not accs:
             return None
-        return 1.0 + sum(self.metrics[("val", k)].y[-1] for k in accs)
+        return 1.0 + sum(self.metrics[("val", k)].last_y for k in accs)
 
 
 # -- the reader ------------------------------------------------------------------------
-
-@dataclass
-class _Stage:
-    """What the reader keeps of one stage between polls."""
-    attempts: list = field(default_factory=list)     # [number, started_at, status, seconds]
-    progress: dict | None = None
-    last_error: dict | None = None
-    warnings: deque = field(default_factory=lambda: deque(maxlen=20))
-    finished: dict | None = None
-    summary: dict = field(default_factory=dict)
-    servers: dict = field(default_factory=dict)      # name -> its last server event
-    kv: dict = field(default_factory=dict)           # name -> its last kv_cache event
-    kv_usage: dict | None = None
-    online: dict | None = None
-    backend: str | None = None
-    loads: int = 0            # servers that came up, every attempt
-    loading_s: float = 0.0    # and their start times, summed
-
 
 class RunReader:
     """`on_event(stage, event)`, when set, sees each event as it is read (after
@@ -283,12 +231,9 @@ class RunReader:
         self.on_event = None
         self.executor = executor
         self.poll_bytes = poll_bytes
-        self._stages = {s: _Stage() for s in STAGE_NAMES}
+        self._folds = {s: StageFold() for s in STAGE_NAMES}
         self._tails = {s: EventTail(run.events_path(s)) for s in STAGE_NAMES}
-        self._metrics: dict[tuple[str, str], Series] = {}
-        # series a snapshot holds: the reader copies one before it changes it
-        # (copy on write), so a thread drawing a snapshot never sees one change
-        self._shared: set[tuple[str, str]] = set()
+        self._started_from_checkpoints = False
         self._state: dict = {}
         self._state_error: str | None = None
         self._state_exc: RunDirError | None = None   # state.json unreadable: read_run raises it
@@ -301,6 +246,9 @@ class RunReader:
     def poll(self) -> bool:
         """Read what changed; True if anything did."""
         changed = self._read_state()
+        if not self._started_from_checkpoints:
+            self._started_from_checkpoints = True
+            changed |= self._start_from_checkpoints()
         for s, tail in self._tails.items():
             if s in self._unsafe:
                 continue
@@ -323,11 +271,29 @@ class RunReader:
                     break
         self.version += 1
 
+    def _start_from_checkpoints(self) -> bool:
+        """Each stage's saved fold and the offset it covers, where one can be
+        trusted (read_checkpoint.load; a stage whose events file is damaged
+        is not read at all). Only before the first event is read: `on_event`
+        then sees the events after the checkpoint, not the history."""
+        found = False
+        for s in STAGE_NAMES:
+            got = None if s in self._unsafe else read_checkpoint.load(self.run, s)
+            if got is not None:
+                self._folds[s], self._tails[s] = got
+                found = True
+        return found
+
     def _take(self, stage: str, events: list[dict]) -> None:
+        fold = self._folds[stage]
         for ev in events:
-            self._apply(stage, ev)
+            fold.apply(ev)
             if self.on_event is not None:
                 self.on_event(stage, ev)
+
+    def _apply(self, stage: str, ev: dict) -> None:
+        """One event into a stage's fold (tests feed events one by one)."""
+        self._folds[stage].apply(ev)
 
     def _read_state(self) -> bool:
         try:
@@ -363,77 +329,6 @@ class RunReader:
                 self._unsafe.add(s)
                 self._state_error = self._state_error or str(e)
 
-    def _apply(self, stage: str, ev: dict) -> None:
-        info, t = self._stages[stage], ev.get("type")
-        if t == EventType.PROGRESS:
-            info.progress = ev
-        elif t == EventType.METRIC:
-            self._add_metric(ev)
-        elif t == EventType.ERROR:
-            info.last_error = ev
-        elif t == EventType.WARNING:
-            info.warnings.append(ev)
-        elif t == EventType.STAGE_STARTED:
-            self._started(info, ev)
-        elif t == EventType.STAGE_FINISHED:
-            self._finished(info, ev)
-        elif t == EventType.KV_CACHE:
-            name = str(ev.get("server", "engine"))
-            info.kv.pop(name, None)   # the newest last
-            info.kv[name] = ev
-        elif t == EventType.KV_USAGE:
-            info.kv_usage = ev
-        elif t == EventType.ONLINE:
-            info.online = ev
-        elif t == EventType.BACKEND:
-            info.backend = ev.get("backend")
-        elif t == EventType.SERVER:
-            from pipeline.vllm.startup import READY
-            key = str(ev.get("server"))
-            before = info.servers.get(key)
-            if ev.get("phase") == READY and (before is None or before.get("phase") != READY):
-                info.loads += 1   # (a server's ready may be said again while another starts)
-                info.loading_s += float(ev.get("elapsed_s") or 0.0)
-            info.servers[key] = ev
-
-    def _add_metric(self, ev: dict) -> None:
-        split, step = ev.get("split", "train"), ev.get("step")
-        if step is None:
-            loss = self._metrics.get((split, "loss"))
-            step = loss.added if loss is not None else 0
-        for k, v in (ev.get("values") or {}).items():
-            if isinstance(v, (int, float)):
-                key = (split, k)
-                if key in self._shared:
-                    self._shared.discard(key)
-                    self._metrics[key] = self._metrics[key].copy()
-                series = self._metrics.get(key)
-                if series is None:   # (not setdefault: that builds a Series per point)
-                    series = self._metrics[key] = Series()
-                series.add(step, float(v))
-
-    @staticmethod
-    def _started(info: _Stage, ev: dict) -> None:
-        """A new attempt: what the last one showed goes (its time stays). An
-        attempt still open had no stage_finished: it was killed."""
-        if info.attempts and info.attempts[-1][2] == Status.RUNNING:
-            info.attempts[-1][2] = "killed"
-        info.attempts.append([ev.get("attempt") or len(info.attempts) + 1,
-                              ev.get("t") or 0.0, Status.RUNNING, None])
-        del info.attempts[:-50]   # bounded: a stage re-run all day keeps its last 50
-        info.finished = info.last_error = info.progress = info.kv_usage = None
-        info.summary = {}
-        info.servers.clear()
-        info.kv.clear()
-        info.backend = None
-
-    @staticmethod
-    def _finished(info: _Stage, ev: dict) -> None:
-        info.finished = ev
-        info.summary = ev.get("summary") or {}
-        if info.attempts and info.attempts[-1][2] == Status.RUNNING:
-            info.attempts[-1][2:] = [ev.get("status"), ev.get("duration_s")]
-
     # -- the snapshot --------------------------------------------------------------------
     def driver_pid(self) -> int | None:
         """The launcher's pid while it is alive (`run --wait` asks this every
@@ -450,13 +345,18 @@ class RunReader:
 
     def _hand_out_metrics(self) -> Mapping[tuple[str, str], Series]:
         """The series as they are now, for a snapshot: the reader changes none
-        of them again (it copies one first), and the dict is the snapshot's own."""
-        self._shared = set(self._metrics)
-        return MappingProxyType(dict(self._metrics))
+        of them again (a fold copies one first), and the dict is the
+        snapshot's own. A metric two stages log is one curve, in stage order."""
+        out: dict[tuple[str, str], Series] = {}
+        for fold in self._folds.values():
+            fold.shared = set(fold.metrics)
+            for key, series in fold.metrics.items():
+                out[key] = out[key].extended(series) if key in out else series
+        return MappingProxyType(out)
 
     def _stage_view(self, name: str) -> StageView:
         st = (self._state.get("stages") or {}).get(name) or {}
-        info = self._stages[name]
+        info = self._folds[name]
         attempts = tuple(Attempt(n, t0, status, secs) for n, t0, status, secs in info.attempts)
         return StageView(
             name=name, status=st.get("status", Status.PENDING), attempt=st.get("attempt", 0),

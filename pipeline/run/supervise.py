@@ -24,6 +24,7 @@ from pipeline.run.events import EventType, EventWriter, last_event, tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
 from pipeline.run.leftovers import start_ticks, stop_attempt
 from pipeline.run.proctree import SUPERVISOR_VAR, TOKEN_VAR
+from pipeline.run.read_checkpoint import Keeper
 from pipeline.run.rundir import RunDir, Status, proc_start_ticks, signal_name
 
 
@@ -72,6 +73,7 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
         )
     except OSError as e:
         return _could_not_start(rd, stage, argv, events, e)
+    keeper = Keeper(rd, stage).start()   # the read model's checkpoint, while it runs
 
     try:
         # Ourselves too, where the driver started us: its own record of our pid
@@ -104,6 +106,7 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
         reason = f"processes still alive after SIGKILL: {survivors}"
     _say_finished(rd, stage, events, ending, t0)
     events.close()
+    keeper.stop()
     rd.update_stage(stage, status=ending.status, exit_code=ending.exit_code, signal=ending.signal,
                     ended_at=time.time(), reason=reason,
                     max_rss_kb=usage.ru_maxrss if usage is not None else None)

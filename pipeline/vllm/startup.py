@@ -17,11 +17,12 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from pipeline.run.events import SERVER_READY, SERVER_STOPPED
 from pipeline.vllm import contract_strings as vs
 
 STARTING, LOADING, DRAFT, PROFILING, WARMUP, READY = (
     "starting", "loading weights", "loading the draft", "profiling / KV cache", "warm-up",
-    "ready")
+    SERVER_READY)
 # (phase, pattern): the first that matches a line moves the server to that phase
 PHASES = [(DRAFT, re.compile(vs.LOG_PHASE_DRAFT)), (LOADING, re.compile(vs.LOG_PHASE_LOADING)),
           (PROFILING, re.compile(vs.LOG_PHASE_PROFILING)),
@@ -31,7 +32,7 @@ TOOK = re.compile(vs.LOG_TOOK)
 ORDER = [STARTING, LOADING, DRAFT, PROFILING, WARMUP, READY]
 # After its start: the stage stopped it (a view counts the servers that are still up:
 # evaluate's come and go within one stage).
-STOPPED = "stopped"
+STOPPED = SERVER_STOPPED
 
 
 @dataclass
