@@ -12,7 +12,8 @@ neither keeps a one-step spike for sure).
 
 The last point is kept as well, whatever bucket it falls in: `status` and the
 panel show the latest learning rate and acceptance, not the bucket's extremes.
-The raw events stay on disk (export reads them there).
+The raw events stay on disk, and the trackers ([tracking]) log every point
+as training reports it.
 """
 
 from __future__ import annotations
@@ -73,16 +74,15 @@ class Series:
         self._fill = 1
 
     def _halve(self) -> None:
-        """Merge neighbouring buckets in pairs: half as many, twice as wide."""
+        """Merge neighbouring buckets in pairs: half as many, twice as wide.
+        Only `add` calls it, with BUCKETS (an even number of) full buckets."""
         b, out = self._b, array("d")
         for i in range(0, len(b), 8):
             out.extend(b[i:i + 4])
-            if i + 4 < len(b):
-                _widen(out, len(out) - 4, b[i + 4], b[i + 5])
-                _widen(out, len(out) - 4, b[i + 6], b[i + 7])
-        odd = (len(b) // 4) % 2   # an unpaired last bucket stays as it was
+            _widen(out, len(out) - 4, b[i + 4], b[i + 5])
+            _widen(out, len(out) - 4, b[i + 6], b[i + 7])
         self._b, self.per = out, self.per * 2
-        self._fill = self._fill if odd else self.per   # a merged last bucket is full
+        self._fill = self.per   # (the merged last bucket is full too)
 
     def _points(self) -> tuple[array, array]:
         if self._xy is None:

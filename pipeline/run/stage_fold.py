@@ -36,7 +36,6 @@ class StageFold:
         self.last_error: dict | None = None
         self.warnings: deque = deque(maxlen=WARNINGS_KEPT)
         self.finished: dict | None = None
-        self.summary: dict = {}
         self.servers: dict = {}            # name -> its last server event
         self.kv: dict = {}                 # name -> its last kv_cache event
         self.kv_usage: dict | None = None
@@ -46,6 +45,11 @@ class StageFold:
         self.loading_s = 0.0               # and their start times, summed
         self.metrics: dict[tuple[str, str], Series] = {}
         self.shared: set[tuple[str, str]] = set()
+
+    @property
+    def summary(self) -> dict:
+        """The attempt's stage_finished summary ({} until it has one)."""
+        return (self.finished or {}).get("summary") or {}
 
     def apply(self, ev: dict) -> None:
         t = ev.get("type")
@@ -108,14 +112,12 @@ class StageFold:
                               ev.get("t") or 0.0, Status.RUNNING, None])
         del self.attempts[:-ATTEMPTS_KEPT]
         self.finished = self.last_error = self.progress = self.kv_usage = None
-        self.summary = {}
         self.servers.clear()
         self.kv.clear()
         self.backend = None
 
     def _finished(self, ev: dict) -> None:
         self.finished = ev
-        self.summary = ev.get("summary") or {}
         if self.attempts and self.attempts[-1][2] == Status.RUNNING:
             self.attempts[-1][2:] = [ev.get("status"), ev.get("duration_s")]
 
@@ -140,7 +142,6 @@ class StageFold:
         f.servers = {str(k): _event(ev, EventType.SERVER) for k, ev in d["servers"].items()}
         f.kv = {str(k): _event(ev, EventType.KV_CACHE) for k, ev in d["kv"].items()}
         f.attempts = [_attempt(a) for a in d["attempts"][-ATTEMPTS_KEPT:]]
-        f.summary = (f.finished or {}).get("summary") or {}
         f.backend = d["backend"]
         if f.backend is not None and not isinstance(f.backend, str):
             raise ValueError("backend")
