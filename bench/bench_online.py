@@ -3,7 +3,7 @@
     python bench/bench_online.py [--samples 0] [--epochs 2] [--workers 2] [--work DIR]
     python bench/bench_online.py --samples 16 --epochs 1   # the smallest (~3 min on 2 cores)
 
-(CI runs it from tests/test_vllm_online.py, at 64 samples, keeping both runs
+(CI runs it from tests/vllm/test_vllm_online.py, at 64 samples, keeping both runs
 in --work as the test's offline reference.)
 
 offline: extract (backend auto: the vLLM server writes every sample's hidden

@@ -4,7 +4,7 @@ resume, until the run ends; then compare with an uninterrupted run.
     python bench/chaos.py --kills 100 [--seed 1] [--samples 96] [--backend auto]
                           [--work DIR] [--json OUT]
 
-The smallest size (CI, ~1 min on 2 cores; tests/test_chaos.py makes a larger one):
+The smallest size (CI, ~1 min on 2 cores; tests/integration/test_chaos.py makes a larger one):
     python bench/chaos.py --kills 1 --samples 16 --epochs 1 --no-evaluate --backend hf \
         --max-gap 2 --work DIR
 

@@ -13,7 +13,7 @@ on a plain server and on extract's capture server, which generates with every
 decode step through the speculative verify path and the aux hidden states
 copied aside: generation time and tokens/s each way, the server starts, and
 whether the answers are the same token for token. Not run in CI (two server
-starts); tests/test_shared_server.py checks the shared path itself.
+starts); tests/unit/test_shared_server.py checks the shared path itself.
 
 Without --run-dir it first trains one on the built-in target (prepare,
 extract through vLLM, vocab, train: `epochs` checkpoints). Then the
@@ -22,7 +22,7 @@ the server starts and the seconds spent in them (the stage's own `server`
 events), the stage's wall time and the acceptance per checkpoint; and
 whether the two agree request by request (greedy: a swapped-in draft must
 accept exactly what a fresh server with it accepts). CI runs it on
-tests/test_vllm_pipeline.py's trained run (its smallest size there).
+tests/vllm/test_vllm_pipeline.py's trained run (its smallest size there).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def as_text(r: dict) -> str:
     out = [f"vLLM {v}: " + ("read by the tests (compat.READ_RELEASES)" if r["read_by_the_tests"]
                             else f"NOT read by the tests yet (newest read: {r['newest_read']}): "
                                  "add it to compat.READ_RELEASES and run "
-                                 "tests/test_vllm_sources.py")]
+                                 "tests/unit/test_vllm_sources.py")]
     out.append("contract:")
     out += [f"  [ BLOCK ] {b['route']}: {b['line']}" for b in r["contract_breaks"]] or \
         ["  [  ok   ] every declared use holds"]

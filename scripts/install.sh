@@ -57,7 +57,7 @@ pip_in() {
 }
 
 # -- system packages the tests use (--dev) ---------------------------------------
-# The same tests CI runs: without them tests/test_slurm.py and the tmux test skip (saying why).
+# The same tests CI runs: without them tests/cluster/test_slurm.py and the tmux test skip (saying why).
 if [ "$dev" = 1 ]; then
   need=()
   command -v tmux >/dev/null || need+=(tmux)

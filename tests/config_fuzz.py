@@ -12,7 +12,7 @@ Every case must exit 2 (or its documented code) with a message naming the
 file and the key (or line), no traceback, no file created, changed or
 removed, and no process signalled. The cases run in one process
 (`app.cli.main`, a launch replaced by an error: an accepted case shows as
-"would launch"); tests/test_fuzz.py runs them, and a few through the real
+"would launch"); tests/integration/test_fuzz.py runs them, and a few through the real
 CLI where its exit status is the point. `python -m tests.config_fuzz DIR`
 prints the tally by family for a note.
 """
@@ -514,7 +514,7 @@ FILE_DAMAGE = [
     ("state.json a folder", _dir_instead("state.json"), ["status", "resume"], "state.json"),
     ("train/out removed", lambda d, f: shutil.rmtree(d / "train" / "out"), ["status"], "train"),
 ]
-# Known not done yet: label -> why (each shown as xfail by tests/test_fuzz.py)
+# Known not done yet: label -> why (each shown as xfail by tests/integration/test_fuzz.py)
 XFAIL: dict[str, str] = {}
 # Answered with exit 0 on purpose, and what the answer must say: a succeeded
 # stage whose outputs were deleted is listed as such, not as succeeded.

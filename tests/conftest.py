@@ -1,7 +1,11 @@
-"""Test tiers (README "Tests"): every test is `fast` unless its module is
-marked `integration` (real stages, the real panel, real processes) or it
-needs a real vLLM (`vllm`, skipped with the reason when none is installed)
-or a GPU (`gpu`). `pytest -m fast` runs the fast tier. pyproject's addopts
+"""Test tiers are folders (README "Tests", docs/testing.md): `tests/unit` (no
+stage process, no model: the inner loop), `tests/integration` (real stages,
+the real panel, real processes), `tests/vllm` (a real vLLM; skipped with the
+reason when none is installed), `tests/cluster` (Slurm, namespaces) and
+`tests/bench` (every bench/ script at its smallest size). Each test gets its
+folder's marker (`fast` for unit), so `pytest -m fast` and `pytest tests/unit`
+are the same tests; a test that needs a GPU is marked `gpu` and skipped
+without one. pyproject's addopts
 run the files on three pytest-xdist workers (`-n 0` runs them in this process):
 on 2 cores, two workers left the CPU idle while their tests waited on servers
 starting and processes ending; a third fills that (24 min 41 s against 27 min
@@ -14,6 +18,7 @@ import tempfile
 import pytest
 
 from tests.helpers import ROOT, stagekit_config
+from tests.timing import tier_of
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -50,8 +55,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU/driver on this machine"))
-        if not any(m in item.keywords for m in ("integration", "vllm", "gpu")):
-            item.add_marker(pytest.mark.fast)
+        item.add_marker(FOLDER_MARKER[tier_of(item.nodeid)])
     # pytest-xdist hands out whole files (`--dist loadfile`: a module's fixtures, e.g. a
     # whole pipeline run, are made once) in this order (`--no-loadscope-reorder`): the
     # longest first, then the other files with real-vLLM tests, so that short files fill
@@ -70,6 +74,10 @@ def pytest_collection_modifyitems(config, items):
 # Slurm ~260 (~470-560 since it runs on two namespaced nodes, 2026-12-04), the tiny-kimi
 # pipeline ~220, the shared server ~160. Only the order depends on it: a stale list costs
 # time, never a result.
+# The marker each tier's folder gives its tests (`-m fast` is `tests/unit`).
+FOLDER_MARKER = {"unit": pytest.mark.fast, "integration": pytest.mark.integration,
+                 "vllm": pytest.mark.vllm, "cluster": pytest.mark.cluster,
+                 "bench": pytest.mark.bench}
 LONGEST = ["test_bench.py", "test_slurm.py", "test_vllm_online.py", "test_vllm_pipeline.py",
            "test_kimi_pipeline.py", "test_shared_server.py"]
 

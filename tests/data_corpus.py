@@ -4,7 +4,7 @@ null, `tool` turns, a row's `tools`), a conversation the assistant opens,
 ShareGPT with LLaMA-Factory's tool roles, content parts, very long lines,
 NUL characters, invalid UTF-8, broken JSON, and rows nobody can use.
 
-CASES is (label, the line's bytes, accepted?). tests/test_stages.py runs
+CASES is (label, the line's bytes, accepted?). tests/integration/test_stages.py runs
 the real prepare stage on it with the built-in target and checks each
 line's fate and what got supervised.
 """

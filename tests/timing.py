@@ -2,7 +2,7 @@
 keeps it): seconds by tier, summed over the pytest-xdist workers (worker-
 seconds: what a change to the suite saves or costs, compared between runs
 with the same worker count, since workers sharing 2 cores slow each other),
-and the 20 slowest tests (setup included: a module fixture's whole pipeline
+the 10 heaviest files and the 20 slowest tests (setup included: a module fixture's whole pipeline
 lands on its first test). docs/testing.md keeps a copy of a fresh clone's
 table."""
 
@@ -10,22 +10,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-# Files that are a tier of their own, whatever their markers say: the benchmarks at
-# their smallest size, and the two-node Slurm cluster with its shared queue.
-FILE_TIERS = {"test_bench.py": "bench", "test_slurm.py": "cluster",
-              "test_workqueue.py": "cluster"}
-TIERS = ("fast", "integration", "vllm", "cluster", "bench", "gpu")
+TIERS = ("unit", "integration", "vllm", "cluster", "bench")
 
 
-def tier_of(nodeid: str, keywords) -> str:
-    """The tier a test's seconds count towards: its file's, else its marker's."""
-    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    if name in FILE_TIERS:
-        return FILE_TIERS[name]
-    for marker in ("gpu", "vllm", "integration"):
-        if marker in keywords:
-            return marker
-    return "fast"
+def tier_of(nodeid: str) -> str:
+    """A test's tier: its folder under tests/ (tests/vllm/test_x.py -> vllm)."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    tier = parts[-2] if len(parts) >= 3 else ""
+    if tier not in TIERS:
+        raise ValueError(f"{nodeid}: a test file lives in one of tests/{{{','.join(TIERS)}}}/")
+    return tier
 
 
 class Timing:
@@ -38,8 +32,7 @@ class Timing:
 
     def pytest_runtest_logreport(self, report) -> None:
         self.seconds[report.nodeid] += report.duration
-        if report.when == "call" or report.nodeid not in self.tier:
-            self.tier[report.nodeid] = tier_of(report.nodeid, report.keywords)
+        self.tier.setdefault(report.nodeid, tier_of(report.nodeid))
 
     def table(self) -> list[str]:
         """The lines printed: tiers with their tests and seconds, then the slowest."""
@@ -53,10 +46,20 @@ class Timing:
             lines.append(f"  {tier:12} {len(by_tier[tier]):5} tests {s:8.0f} s  "
                          f"{s / total:6.1%}" if total else f"  {tier:12} 0 s")
         lines.append(f"  {'all':12} {len(self.seconds):5} tests {total:8.0f} s")
+        lines += self.files(10)
         lines.append("the 20 slowest tests:")
         slow = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:20]
         lines += [f"  {s:7.1f} s  {self.tier[n]:11} {n}" for n, s in slow]
         return lines
+
+    def files(self, n: int) -> list[str]:
+        """The n files with the most worker-seconds: where a module fixture's
+        whole pipeline shows as one figure, and where sharing runs would pay."""
+        by_file: dict[str, float] = defaultdict(float)
+        for nodeid, s in self.seconds.items():
+            by_file[nodeid.split("::", 1)[0]] += s
+        top = sorted(by_file.items(), key=lambda kv: -kv[1])[:n]
+        return [f"the {len(top)} heaviest files:"] + [f"  {s:7.1f} s  {f}" for f, s in top]
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if self.seconds:

@@ -71,7 +71,7 @@ def planned_servers(cfg: Config, m: ModelInfo, backend: str,
     if cfg.enabled("evaluate"):
         ev = cfg.stages.evaluate
         # evaluate.choose_prompts' rule, at its largest (a stage module is imported by
-        # nothing: tests/test_shape.py), for prompts from a file or the validation split
+        # nothing: tests/unit/test_shape.py), for prompts from a file or the validation split
         max_len = int(m.max_position or 4096) if ev.prompts else seq + ev.max_tokens + 8
         out.append(_planned(cfg, "evaluate", "evaluate (the target alone)", max_len,
                             list(ev.server_args), cfg.stage_devices("evaluate")))

@@ -49,7 +49,7 @@ def dequantizing(config) -> dict:
     `.weight` and its forward fails on the CPU ("'Linear' object has no
     attribute 'weight'", transformers 5.19 with compressed-tensors 0.17: a
     dense INT4 Llama); dequantized, its weights equal compressed-tensors'
-    own dequantization (tests/test_int4_target.py). `dequantize=True` is
+    own dequantization (tests/vllm/test_int4_target.py). `dequantize=True` is
     the option's name from transformers 5 (`run_compressed=False` before)."""
     import inspect
     q = getattr(text_config(config), "quantization_config", None) or \

@@ -15,7 +15,7 @@ tailed the files and indexed state.json themselves, and disagreed: the KV tab
 showed extract's cache whatever stage was selected, `status --json` had no
 outcome, and a stage's time counted its last attempt only.
 
-Reading only: nothing here writes, signals or removes (tests/test_shape.py
+Reading only: nothing here writes, signals or removes (tests/unit/test_shape.py
 keeps it so); liveness comes from the executor's read-only checks.
 """
 

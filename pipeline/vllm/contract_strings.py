@@ -5,7 +5,7 @@ reads and every log line it parses, declared once, each with why
 signatures, fields, environment variables).
 
 The code takes each string from a constant here; the tables (FLAGS,
-ENDPOINTS, METRICS, LOG_PATTERNS) are what tests/test_vllm_contract.py walks
+ENDPOINTS, METRICS, LOG_PATTERNS) are what tests/unit/test_vllm_contract.py walks
 the code against: a vLLM flag, route or metric name spelled out anywhere
 else fails there, and so does one no table has. The tables are also
 compared with each read release's source where the test cache keeps the
@@ -14,7 +14,7 @@ module that declares the string (`missing`): the engine's argument parser
 for metrics. The API server's routes and its frontend flags (--host,
 --port, ...) live in entrypoints/openai, which the cache does not keep:
 declared, not checked. The KV-cache log lines are checked against each
-release's format strings by tests/test_vllm_sources.py.
+release's format strings by tests/unit/test_vllm_sources.py.
 
 Standard library only, no import of the project: pipeline.config reads it.
 """

@@ -2,7 +2,7 @@
 `--gpu-memory-utilization`: the release's own rule, read from its source
 (`CacheConfig` in `config/cache.py`), never one number for every release.
 
-Read on the source releases (tests/test_memory_fraction.py):
+Read on the source releases (tests/unit/test_memory_fraction.py):
 - 0.11 to 0.18: `gpu_memory_utilization: float = 0.9`;
 - 0.22 to 0.33: `Field(default=0.92)`;
 - 0.34: `Field(default=None)`, resolved by `resolved_gpu_memory_utilization`

@@ -108,7 +108,7 @@ def sdist(version: str) -> Path:
     return path
 
 
-# What the zip keeps, under vllm/ (tests/test_vllm_contract.py checks that
+# What the zip keeps, under vllm/ (tests/unit/test_vllm_contract.py checks that
 # every declared module is inside).
 KEEP = ("v1/", "config", "model_executor/models/", "models/", "engine/arg_utils.py", "envs.py",
         "compilation/decorators.py", "distributed/kv_transfer/kv_connector/v1/",

@@ -1,5 +1,5 @@
 """STAND-IN for the Hugging Face Hub, for the tests of `[model] download = true`
-(tests/test_hub_targets.py) on a machine that must not reach the network: an
+(tests/unit/test_hub_targets.py) on a machine that must not reach the network: an
 http.server on 127.0.0.1 that answers the requests huggingface_hub's
 `snapshot_download` and `hf_hub_download` make (read from huggingface_hub
 2.4's code), with HF_ENDPOINT pointed at it. It is not the Hub: it knows

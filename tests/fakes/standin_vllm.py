@@ -5,7 +5,7 @@ command line subset, endpoints and file protocols as vLLM >= 0.17 running
 the `extract_hidden_states` method — with vLLM's stock
 ExampleHiddenStatesConnector (a file per request id) or with eagle-panel's
 connector (pipeline.vllm.connector: hs_{i}.safetensors, tmp + rename) —
-used only by the tests. The real vLLM's tests are tests/test_vllm_real.py.
+used only by the tests. The real vLLM's tests are tests/vllm/test_vllm_real.py.
 
 - /health: 200 once "loaded"; /metrics: vllm:kv_cache_usage_perc etc.
 - /v1/completions with a token-id prompt: computes the hidden states with a

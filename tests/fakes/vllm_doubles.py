@@ -1,6 +1,6 @@
 """TEST DOUBLES of the vLLM APIs the compatibility layer adapts to, one per
 generation, with the exact parameter lists of the named source release
-(tests/test_vllm_sources.py compares each against that release's source).
+(tests/unit/test_vllm_sources.py compares each against that release's source).
 They record how they were called instead of doing vLLM's work."""
 
 from __future__ import annotations

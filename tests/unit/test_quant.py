@@ -1,0 +1,90 @@
+"""A target's quantization_config read into a typed value (pipeline/model/quant.py)
+for the formats the targets users train drafts for are released in, named in
+doctor's model line; an unknown method or an unreadable config is a warning
+naming config.json, never a traceback."""
+
+import json
+
+import pytest
+
+from pipeline import doctor
+from pipeline.config import load as load_config
+from pipeline.model import quant
+from pipeline.model.info import model_info
+from tests.configs import write
+from tests.unit.test_doctor import CONFIGS
+
+INT4_GROUP_32 = {   # Kimi-K2.5's released format: its routed experts in INT4
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                              "strategy": "group", "group_size": 32}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]}
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}   # DeepSeek-V3's and Kimi-K2's
+
+
+@pytest.mark.parametrize("config, says", [
+    (INT4_GROUP_32, "compressed-tensors: int4, group 32 (weight-only) on Linear; unquantized: "
+                    "lm_head, self_attn, shared_experts"),
+    (FP8_BLOCKS, "fp8: fp8 (e4m3), blocks 128x128, activations fp8 dynamic"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+      "exclude_modules": ["lm_head"]}, "modelopt: nvfp4, group 16 (weight-only); unquantized: "
+                                       "lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq: int4, group 128"),
+    ({"quant_method": "awq", "bits": 4, "group_size": -1}, "awq: int4, per channel"),
+    ({"quant_method": "hqq", "nbits": 4}, "hqq (a method eagle-panel does not read)"),
+])
+def test_each_released_format_is_named(config, says):
+    q = quant.read({"quantization_config": config})
+    assert q is not None and q.text().startswith(says), q.text()
+
+
+def test_no_quantization_and_the_wrapped_decoders():
+    assert quant.read({"hidden_size": 8}) is None
+    wrapped = {"text_config": {"quantization_config": FP8_BLOCKS}}
+    assert quant.read(wrapped).method == "fp8"
+
+
+def test_a_damaged_quantization_config_is_said_not_raised():
+    bad = quant.read({"quantization_config": {"quant_method": "compressed-tensors",
+                                              "config_groups": ["not", "a", "table"]}})
+    assert bad.problem.startswith("quantization_config: AttributeError"), bad
+    assert quant.read({"quantization_config": "int4"}).problem == \
+        "quantization_config is not a table"
+
+
+def test_doctor_names_the_quantization_and_warns_on_what_it_cannot_read(tmp_path):
+    raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())
+    raw["text_config"]["quantization_config"] = INT4_GROUP_32
+    write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 2, 3]}}})
+    cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 0)
+    x = doctor.Inputs(cfg, env={}, vllm=None, gpus=None, model=model_info(raw))
+    line = [f for f in doctor.target.check_model(x) if f.area == "model"][0]
+    assert "; quantized: compressed-tensors: int4, group 32" in line.message, line
+    raw["text_config"]["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
+    x.model = model_info(raw)
+    (warn,) = [f for f in doctor.target.check_model(x) if f.level == doctor.WARN]
+    assert "quantization_config (config.json): hqq (a method eagle-panel does not read)" in \
+        warn.message
+
+
+def test_the_hf_route_needs_what_transformers_reads_the_weights_with(tmp_path):
+    """Kimi-K2.5's INT4 experts on extract's hf backend: transformers reads them
+    through compressed-tensors; a stage environment without it is blocked with the
+    pip command (it used to fail in extract: "compressed-tensors>=0.15.0 is
+    required"); with it, or for an unquantized target, nothing is said."""
+    raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())
+    write(tmp_path / "config.toml", {"stages": {"extract": {"backend": "hf",
+                                                            "layer_ids": [1, 2, 3]}}})
+    cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 0)
+    env = {"executable": "/env/bin/python", "modules": {"compressed_tensors": False}}
+    plain = doctor.Inputs(cfg, env=env, vllm=None, gpus=None, model=model_info(raw))
+    assert doctor.environment.check_hf_reads_the_target(plain) == []
+    raw["text_config"]["quantization_config"] = INT4_GROUP_32
+    x = doctor.Inputs(cfg, env=env, vllm=None, gpus=None, model=model_info(raw))
+    (f,) = doctor.environment.check_hf_reads_the_target(x)
+    assert f.level == doctor.BLOCK and "through the compressed-tensors package" in f.message
+    assert f.fix.startswith("/env/bin/python -m pip install compressed-tensors==0.17.0"), f.fix
+    env["modules"]["compressed_tensors"] = True
+    assert doctor.environment.check_hf_reads_the_target(x) == []
