@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from tests.configs import write
-from tests.unit.test_doctor import ROOT
+from tests.helpers import ROOT
 
 
 def test_doctor_cli_on_the_tiny_model(tmp_path):

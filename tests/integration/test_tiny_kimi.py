@@ -6,7 +6,9 @@ chat template whose renders the loss masks' boundary method can use (tool
 calls supervised, tool results not), weights under the names vLLM loads and
 transformers reloads without missing or unexpected keys, a deterministic
 build — and (marked `vllm`) vLLM 0.32 serving it text-only with the same
-greedy tokens as transformers."""
+greedy tokens as transformers.
+
+The parts in other tiers: tests/vllm/test_tiny_kimi.py."""
 
 import json
 import os

@@ -1,7 +1,9 @@
 """The draft algorithms ([stages.train] algorithm; pipeline.train.algorithms):
 each one's acceptance estimate from its own metrics, the config's checks,
 train's flags, and a real speculators training of each on the built-in
-target."""
+target.
+
+The parts in other tiers: tests/vllm/test_algorithms.py."""
 
 import json
 

@@ -1,6 +1,8 @@
 """`eagle-panel doctor` on the tiny model and on the config.json of real
 large models (Llama-3.1-8B, Qwen3-30B-A3B, Kimi-K2.5 with its MLA decoder
-under text_config), with KV-cache and disk figures computed by hand."""
+under text_config), with KV-cache and disk figures computed by hand.
+
+The parts in other tiers: tests/integration/test_doctor.py."""
 
 import json
 import shutil

@@ -2,7 +2,9 @@
 speculators' own layout (hs_connectors 0.9: float8_e4m3fn with a float32
 scale per token), written by our path bit for bit as speculators' quantizer
 writes it, validated on resume, read by the train stage through speculators'
-FP8 loader, and about half of bf16 on disk."""
+FP8 loader, and about half of bf16 on disk.
+
+The parts in other tiers: tests/integration/test_fp8.py."""
 
 
 import torch

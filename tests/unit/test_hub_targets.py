@@ -14,7 +14,8 @@ resolved through huggingface_hub's own cache, offline, with no network:
   (tests/fakes/fake_hub.py): the download runs in the first stage, with
   progress events in bytes and files; without it nothing is ever downloaded;
 - the real vLLM server on a hub id (marked vllm).
-"""
+
+The parts in other tiers: tests/integration/test_hub_targets.py."""
 
 from __future__ import annotations
 

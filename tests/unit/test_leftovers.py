@@ -6,7 +6,9 @@ The unit tests build a real session (a leader like a supervisor, children
 with an erased, a token-carrying and an unrelated environment) and SIGKILL
 its leader; the real-vLLM test SIGKILLs a stage's process group, and then a
 supervisor with its stage, while the stage's real `vllm serve` is up, and
-asserts no VLLM:: process of that attempt is left."""
+asserts no VLLM:: process of that attempt is left.
+
+The parts in other tiers: tests/vllm/test_leftovers.py."""
 
 import json
 import os

@@ -9,7 +9,8 @@ The target is a tiny random DeepSeek-V3 (MLA kv_lora_rank 512 + rope 64: the
 only head size vLLM's CPU MLA backends take; nope/v 64; q_lora 48; 4 layers,
 MoE with noaux_tc / sigmoid routing) with the built-in target's tokenizer, so
 the repository's prepare / extract (hf) / vocab / train stages run on it.
-"""
+
+The parts in other tiers: tests/integration/test_mla_draft.py and tests/vllm/test_mla_draft.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Provenance (pipeline/run/provenance.py): each stage attempt records the
 versions, its command, its vLLM servers' commands and the adaptations that
 fired; `status --json` shows them; doctor warns when the installed versions
-changed since a run's stages ran."""
+changed since a run's stages ran.
+
+The parts in other tiers: tests/integration/test_provenance.py."""
 
 
 

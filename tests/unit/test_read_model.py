@@ -1,6 +1,8 @@
 """The read model of a long run: bounded metric series that keep their spikes,
 and the checkpoint a reader starts from instead of replaying every event
-(pipeline.run.series, stage_fold, read_checkpoint)."""
+(pipeline.run.series, stage_fold, read_checkpoint).
+
+The parts in other tiers: tests/integration/test_read_model.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 phases read from its log as it grows (pipeline.vllm.startup), shard counts,
 a stuck start called stalled. The fast tests feed lines of a real vLLM 0.32
 log; the real one starts `vllm serve` on the built-in target saved in several
-shards, freezes it with SIGSTOP while it starts, and lets it go on."""
+shards, freezes it with SIGSTOP while it starts, and lets it go on.
+
+The parts in other tiers: tests/vllm/test_server_startup.py."""
 
 
 

@@ -2,7 +2,9 @@
 pipeline.extract.shared_server): when the driver starts it, what stops it
 (extract's end, the driver's end however it ends), what the stages send
 it; and through the real vLLM of this machine, the same answers and the same
-hidden states as two servers, with one target load instead of two."""
+hidden states as two servers, with one target load instead of two.
+
+The parts in other tiers: tests/vllm/test_shared_server.py."""
 
 import os
 import subprocess

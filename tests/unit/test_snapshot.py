@@ -1,6 +1,8 @@
 """pipeline.run.snapshot: the one read model under `status`, `status --json`,
 `run --wait` and the panel. Every attempt's time is counted, each server keeps
-its own KV-cache report, and `status --json` has the outcome the text prints."""
+its own KV-cache report, and `status --json` has the outcome the text prints.
+
+The parts in other tiers: tests/integration/test_snapshot.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The training budget (pipeline.train.budget): how much the train stage
 trains from the data it has, and the plateau stop, on speculators' own
-packer, and once on a real short training of the built-in target."""
+packer, and once on a real short training of the built-in target.
+
+The parts in other tiers: tests/integration/test_train_budget.py."""
 
 import json
 import random

@@ -3,7 +3,9 @@ pipeline/doctor/validation.py): the servers a config plans, as the stages
 build theirs; vLLM's words made readable; the cache key; the launch check
 reading doctor's answer; and, through the real vLLM of this machine, a
 server vLLM refuses blocked by doctor and by the launch, in vLLM's words,
-beside the servers it accepts."""
+beside the servers it accepts.
+
+The parts in other tiers: tests/vllm/test_vllm_validation.py."""
 
 import json
 import shutil
