@@ -41,7 +41,7 @@ from app.screens.main import MainScreen, all_done
 from pipeline import control, fmt
 from pipeline.cluster.node_telemetry import NodeWatch
 from pipeline.config import ConfigError
-from pipeline.run import driver
+from pipeline.drive import driver
 from pipeline.run.events import ChangeWaiter
 from pipeline.run.rundir import RunDir, RunDirError, Status, list_runs
 from pipeline.run.snapshot import RunReader

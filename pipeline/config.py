@@ -27,13 +27,12 @@ from pipeline import __version__, builtin
 from pipeline.builtin import conversations_path
 from pipeline.data.prompt_sets import MT_BENCH
 from pipeline.paths import PROJECT_ROOT, VLLM_VENV
+from pipeline.run.executor import SCHEDULERS  # `[cluster] scheduler`: what runs the attempts
 from pipeline.stage_graph import STAGE_INPUTS
 from pipeline.tracking import TRACKERS
 from pipeline.vllm import contract_strings as vs
 
 GPU_STAGES = ("regenerate", "extract", "train", "evaluate")
-# `[cluster] scheduler`: what runs the stage attempts (pipeline.run.executor)
-SCHEDULERS = ("local", "slurm")
 BUILTIN_MODEL = "builtin:tiny-llama"
 BUILTIN_DATA = "builtin:conversations"
 

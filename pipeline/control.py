@@ -2,7 +2,7 @@
 
 Everything here returns what happened (or raises a typed error); printing,
 notifying and exit codes are the caller's. A run is driven by a detached
-driver (pipeline.run.driver, started as `python -m pipeline.control drive`),
+driver (pipeline.drive.driver, started as `python -m pipeline.control drive`),
 so none of these calls keeps a stage alive.
 
 This module sits above run/, cluster/ and extract/: it registers Slurm's
@@ -26,9 +26,10 @@ from pathlib import Path
 from pipeline import config as config_mod
 from pipeline.cluster import slurm
 from pipeline.config import Config, ConfigError
+from pipeline.drive import driver
+from pipeline.drive.driver import CancelResult, Step
 from pipeline.extract import shared_server
-from pipeline.run import driver, executor
-from pipeline.run.driver import CancelResult, Step
+from pipeline.run import executor
 from pipeline.run.reconcile import reconcile
 from pipeline.run.rundir import RunDir, RunDirError, check_run_id, check_runs_dir, list_runs
 from pipeline.stage_graph import STAGE_NAMES

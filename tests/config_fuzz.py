@@ -685,7 +685,7 @@ def _alive(pid: int) -> bool:
 @contextlib.contextmanager
 def in_folder(folder: Path):
     """cwd = folder, and a launch raises WouldLaunch instead of starting a driver."""
-    from pipeline.run import driver
+    from pipeline.drive import driver
     old_cwd, real = Path.cwd(), driver.start_driver
 
     def refuse(*a, **k):

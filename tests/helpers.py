@@ -70,9 +70,9 @@ def stagekit_config(tmp_path: Path, actions: dict[str, str] | None = None,
 def run_body(tmp_path, stage, body, config: str, run="r"):
     """One real stage's body in this process, with the stage protocol
     around it; returns (exit code, run dir, its events)."""
+    from pipeline.drive.stage_context import run_stage
     from pipeline.run.events import read_events
     from pipeline.run.rundir import RunDir
-    from pipeline.run.stage_context import run_stage
     cfg = tmp_path / "config.toml"
     # an empty config file is refused as a mistake: all defaults say so
     cfg.write_text(textwrap.dedent(config) or "# all defaults\n")

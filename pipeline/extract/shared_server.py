@@ -167,7 +167,7 @@ class SharedServer:
 
 
 class Service:
-    """The driver's run-level service (pipeline.run.driver.SERVICES): the
+    """The driver's run-level service (pipeline.drive.driver.SERVICES): the
     shared server while regenerate and extract both run."""
 
     def __init__(self):

@@ -33,6 +33,7 @@ from pipeline.run.exit_reasons import quote_error
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm.kv import kv_cache_event
+from pipeline.vllm.log_shape import VLLM
 
 BLOCK_SIZE = compat.ENGINE_BLOCK_SIZE
 # How long a request vLLM has finished may wait for its file before the
@@ -74,7 +75,7 @@ def worker_failure(job: ExtractJob, e: Exception) -> StageError:
     worker's own exception is in the log its processes share with the stage:
     quote it."""
     lines, _ = tail_lines(Path(job.log_dir) / "stage.log", 300)
-    quoted = quote_error([b.decode(errors="replace") for b in lines])
+    quoted = quote_error([b.decode(errors="replace") for b in lines], shape=VLLM)
     return StageError(f"vLLM's engine did not start ({type(e).__name__}: {e}); from the "
                       f"log:\n{quoted}", hint="fix what the log says (`eagle-panel doctor` "
                                               "checks the vLLM build against the target)")

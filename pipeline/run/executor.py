@@ -21,11 +21,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from pipeline.config import SCHEDULERS
 from pipeline.run.proctree import SUPERVISOR_VAR, TOKEN_VAR, carries
 from pipeline.run.rundir import RunDir, proc_start_ticks
 
 ALIVE, GONE, UNKNOWN = "alive", "gone", "unknown"
+# `[cluster] scheduler`'s choices (pipeline.config checks the config against them).
+SCHEDULERS = ("local", "slurm")
 
 
 class NoExecutor(RuntimeError):

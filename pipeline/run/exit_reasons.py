@@ -1,26 +1,48 @@
 """Saying why a process failed: the log lines that explain it, and a death
 by signal in words. Used wherever a stage reports a process it started (a
-vLLM server, the stage itself from its supervisor). Standard library only
-(and vLLM's two log shapes from pipeline.vllm.contract_strings, which is too).
+vLLM server, the stage itself from its supervisor). Standard library only:
+the shape of a program's log lines (vLLM's prefix and its wrapper errors) is
+handed down as data by whoever knows it (`LogShape`; pipeline.vllm.log_shape
+for vLLM's), so run/ knows nothing of vLLM.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
-
-from pipeline.vllm import contract_strings as vs
+from dataclasses import dataclass
 
 # Lines a dying interpreter prints after the error that matters (triton's
 # nanobind leak report, multiprocessing's resource tracker), never quoted.
 _NOISE = re.compile(r"nanobind|^ - leaked |^ - \.\.\. skipped|resource_tracker|leaked semaphore|"
                     r"^\s*\^+\s*$|^\s*$")
-# vLLM's log prefix: "(EngineCore_DP0 pid=12) ERROR 11-29 10:00:00 [core.py:1] "
-_PREFIX = re.compile(vs.LOG_LINE_PREFIX)
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)|Killed|core dumped|"
                         r"^Aborted")
-# Wrapper errors that only point elsewhere ("see root cause above"), vLLM's among them.
-_POINTER = re.compile(r"root cause|See stack trace|" + vs.LOG_ERROR_POINTER)
+# Wrapper errors that only point elsewhere ("see root cause above"), whatever the program.
+_POINTER = r"root cause|See stack trace"
+
+
+@dataclass(frozen=True)
+class LogShape:
+    """How a program's log lines look: `prefix`, a regex matched at a line's
+    start with a `level` group (what precedes the message: a process, a log
+    level, a time), and `pointer`, its wrapper errors that only point at the
+    cause. Handed down by the package that knows the program."""
+    prefix: str = r"(?P<level>)"
+    pointer: str = ""
+
+    def compiled(self) -> tuple[re.Pattern, re.Pattern]:
+        return _compiled(self.prefix, self.pointer)
+
+
+PLAIN = LogShape()   # a line is its message; only the generic pointers
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(prefix: str, pointer: str) -> tuple[re.Pattern, re.Pattern]:
+    return re.compile(prefix), re.compile(_POINTER + (f"|{pointer}" if pointer else ""))
+
 
 SIGNAL_MEANING = {
     signal.SIGILL: "this build uses CPU instructions this machine lacks (vLLM's CPU build "
@@ -47,10 +69,12 @@ def explain_exit(code: int | None) -> str:
     return f"was killed by {sig.name}" + (f": {meaning}" if meaning else "")
 
 
-def _split(line: str) -> tuple[str, str | None]:
-    """(what the line says, its log level) without a vLLM-style prefix."""
-    m = _PREFIX.match(line)
-    return line[m.end():], m.group("level")
+def _split(line: str, prefix: re.Pattern) -> tuple[str, str | None]:
+    """(what the line says, its log level) without the program's prefix."""
+    m = prefix.match(line)
+    if not m:
+        return line, None
+    return line[m.end():], m.group("level") or None
 
 
 def _explains(content: str, level: str | None) -> bool:
@@ -61,13 +85,15 @@ def _explains(content: str, level: str | None) -> bool:
         (" ", "\t", "Traceback"))
 
 
-def quote_error(lines: list[str], most: int = 8) -> str:
+def quote_error(lines: list[str], most: int = 8, shape: LogShape = PLAIN) -> str:
     """The lines of a log that explain a failure: exception lines and ERROR
     messages (the root cause before the wrappers that point at it), each
     with the indented detail lines under it (pydantic puts the reason
     there), without traceback frames or the noise a dying interpreter
-    prints after them; else the last lines."""
-    rows = [(ln.rstrip(), *_split(ln.rstrip())) for ln in lines]
+    prints after them; else the last lines. `shape`: how the log's lines
+    look (vLLM's: pipeline.vllm.log_shape.VLLM)."""
+    prefix, pointer = shape.compiled()
+    rows = [(ln.rstrip(), *_split(ln.rstrip(), prefix)) for ln in lines]
     rows = [r for r in rows if not _NOISE.search(r[1])]
     hits: list[list[str]] = []
     for i, (line, content, level) in enumerate(rows):
@@ -80,7 +106,7 @@ def quote_error(lines: list[str], most: int = 8) -> str:
                 break
             block.append(more)
         hits.append(block)
-    causes = [b for b in hits if not _POINTER.search(b[0])] or hits
+    causes = [b for b in hits if not pointer.search(b[0])] or hits
     picked: list[str] = []
     for block in causes:
         for ln in block:

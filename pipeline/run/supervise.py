@@ -5,7 +5,12 @@ signal into state.json. It lives in a new session of its own, so closing the
 panel, losing SSH or killing the launcher does not touch it, and the stage's
 end is recorded even when nobody is watching.
 
-    python -m pipeline.run.supervise --run-dir R --stage S -- ARGV...
+    python -m pipeline.run.supervise --run-dir R --stage S \
+        [--log-prefix REGEX --log-pointer REGEX] -- ARGV...
+
+The two regexes are how the stage's log lines look (a stage that runs vLLM
+in its own process logs vLLM's lines): handed down by the driver, which
+knows vLLM (pipeline.vllm.log_shape), so this floor does not.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 
 from pipeline.run.diskspace import EXIT_DISK_FULL, DiskFull
 from pipeline.run.events import EventType, EventWriter, last_event, tail_lines
-from pipeline.run.exit_reasons import explain_exit, quote_error
+from pipeline.run.exit_reasons import PLAIN, LogShape, explain_exit, quote_error
 from pipeline.run.leftovers import start_ticks, stop_attempt
 from pipeline.run.proctree import SUPERVISOR_VAR, TOKEN_VAR
 from pipeline.run.read_checkpoint import Keeper
@@ -51,7 +56,7 @@ class Ending:
     signal: str | None
 
 
-def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
+def supervise(rd: RunDir, stage: str, argv: list[str], shape: LogShape = PLAIN) -> int:
     # The supervisor must outlive a cancel (which signals the stage's group,
     # not ours) and a hang-up of the terminal that started it.
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -104,7 +109,7 @@ def supervise(rd: RunDir, stage: str, argv: list[str]) -> int:
     reason = None
     if survivors:
         reason = f"processes still alive after SIGKILL: {survivors}"
-    _say_finished(rd, stage, events, ending, t0)
+    _say_finished(rd, stage, events, ending, t0, shape)
     events.close()
     keeper.stop()
     rd.update_stage(stage, status=ending.status, exit_code=ending.exit_code, signal=ending.signal,
@@ -153,7 +158,7 @@ def _wait(child: subprocess.Popen):
 
 
 def _say_finished(rd: RunDir, stage: str, events: EventWriter, ending: Ending,
-                  t0: float) -> None:
+                  t0: float, shape: LogShape) -> None:
     """The stage's stage_finished event when it did not write one itself (and
     the error from its log when it failed without saying why)."""
     finished = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.STAGE_FINISHED))
@@ -162,7 +167,7 @@ def _say_finished(rd: RunDir, stage: str, events: EventWriter, ending: Ending,
     own_error = last_event(rd.events_path(stage), (EventType.STAGE_STARTED, EventType.ERROR))
     if ending.status == Status.FAILED and not (own_error and own_error["type"] == EventType.ERROR):
         events.error(f"stage {stage} {explain_exit(ending.code)}; from its log:\n"
-                     f"{quote_error(attempt_log(rd, stage))}",
+                     f"{quote_error(attempt_log(rd, stage), shape=shape)}",
                      hint=f"see {rd.log_path(stage)}; `eagle-panel resume` continues from here")
     events.emit(EventType.STAGE_FINISHED, status=ending.status,
                 duration_s=round(time.time() - t0, 3),
@@ -188,11 +193,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.run.supervise")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--stage", required=True)
+    ap.add_argument("--log-prefix", default=PLAIN.prefix, help="the stage log's line prefix")
+    ap.add_argument("--log-pointer", default=PLAIN.pointer,
+                    help="its wrapper errors that only point at the cause")
     ap.add_argument("argv", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.argv[1:] if a.argv and a.argv[0] == "--" else a.argv
     try:
-        return supervise(RunDir(a.run_dir), a.stage, cmd)
+        return supervise(RunDir(a.run_dir), a.stage, cmd, LogShape(a.log_prefix, a.log_pointer))
     except DiskFull as e:
         # The exit cannot be recorded: state.json keeps "running" with our
         # pid, which `status` and resume read as a stage gone without a word.

@@ -46,10 +46,10 @@ from pathlib import Path
 from pipeline import tracking
 from pipeline.data.prompt_sets import PROMPTS_FILE, Prompt, as_row, from_token_ids, take
 from pipeline.data.prompt_sets import load as load_prompts
+from pipeline.drive.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType, last_event
 from pipeline.run.rundir import atomic_write_bytes
-from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.train import algorithms
 from pipeline.train.checkpoints import complete_checkpoint
 from pipeline.train.mla_draft import (

@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.drive.stage_context import StageContext, StageError, main_for, torch_dtype
 from pipeline.extract.backends import backend_runner
 from pipeline.extract.job import GB, DiskGuard, ExtractJob, RowIds
 from pipeline.model import fp8
 from pipeline.model.hsfile import Counters, hs_path, remove_leftovers, validate_file
 from pipeline.run.diskspace import fmt_bytes
 from pipeline.run.events import EventType
-from pipeline.run.stage_context import StageContext, StageError, main_for, torch_dtype
 from pipeline.vllm import compat
 from pipeline.vllm.environment import choose_backend, probe
 from pipeline.vllm.kv import combine_usage

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, RowError, normalize
 from pipeline.data.rows import count_rows, iter_raw, regenerated_rows
+from pipeline.drive.stage_context import StageContext, StageError, main_for
 from pipeline.model.info import read_model
 from pipeline.run.events import EventType
-from pipeline.run.stage_context import StageContext, StageError, main_for
 
 CHUNK_ROWS = 200
 MAX_LISTED = 50

@@ -32,10 +32,10 @@ from pathlib import Path
 from pipeline.config import RegenerateSection
 from pipeline.data.chat_mask import RowError, normalize, wire_messages
 from pipeline.data.rows import iter_raw, regenerated_rows
+from pipeline.drive.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.extract import shared_server
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
-from pipeline.run.stage_context import Skipped, StageContext, StageError, main_for
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.compat import SKIP_KEY
 from pipeline.vllm.environment import probe

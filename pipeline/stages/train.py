@@ -35,10 +35,10 @@ from pathlib import Path
 
 from pipeline import tracking
 from pipeline.cluster import slurm
+from pipeline.drive.stage_context import Interrupted, StageContext, StageError, main_for
 from pipeline.model import fp8
 from pipeline.run import provenance
 from pipeline.run.events import EventType
-from pipeline.run.stage_context import Interrupted, StageContext, StageError, main_for
 from pipeline.train import algorithms
 from pipeline.train.budget import Budget, PlateauWatch, packed_steps, plan
 from pipeline.train.checkpoints import complete_checkpoint, latest_checkpoint, set_aside_incomplete

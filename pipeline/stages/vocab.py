@@ -12,9 +12,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from pipeline.drive.stage_context import StageContext, StageError, main_for
 from pipeline.run.events import EventType
 from pipeline.run.rundir import atomic_write_bytes
-from pipeline.run.stage_context import StageContext, StageError, main_for
 
 
 def save_npy(path: Path, array) -> None:

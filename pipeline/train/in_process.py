@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from pipeline import tracking
+from pipeline.drive.stage_context import Interrupted, StageContext, StageError
 from pipeline.run.events import EventType
-from pipeline.run.stage_context import Interrupted, StageContext, StageError
 from pipeline.train.budget import PlateauWatch
 from pipeline.train.mla_draft import draft_config_path
 from pipeline.train.val_metrics import estimate

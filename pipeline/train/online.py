@@ -34,11 +34,11 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.drive.stage_context import StageContext, StageError
 from pipeline.extract.job import gpu_groups
 from pipeline.extract.server_flags import extraction_flags
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
-from pipeline.run.stage_context import StageContext, StageError
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import probe
 from pipeline.vllm.metrics import samples

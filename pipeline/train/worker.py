@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from pipeline.run.stage_context import Interrupted, load_context
+from pipeline.drive.stage_context import Interrupted, load_context
 from pipeline.train.in_process import run_in_process
 
 

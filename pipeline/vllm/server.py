@@ -34,6 +34,7 @@ from pipeline.vllm import compat, start_history
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
 from pipeline.vllm.kv import KvLogReader, cache_config, parse_metrics
+from pipeline.vllm.log_shape import VLLM
 from pipeline.vllm.startup import STOPPED, StartupWatch
 from pipeline.vllm.target_flags import target_flags
 
@@ -219,7 +220,7 @@ class VllmServer:
 
     def failure(self, what: str, hint: str) -> StageError:
         lines, _ = tail_lines(self.log_path, 300)
-        quoted = quote_error([b.decode(errors="replace") for b in lines])
+        quoted = quote_error([b.decode(errors="replace") for b in lines], shape=VLLM)
         return StageError(f"{self.name} {what}; from its log ({self.log_path}):\n{quoted}",
                           hint=hint)
 

@@ -19,6 +19,13 @@ import time
 from pipeline.run.events import EventWriter
 from pipeline.run.rundir import RunDir
 
+# What a stage running vLLM's engine in its own process leaves in its log when vLLM
+# fails: the cause behind vLLM's prefix, a wrapper that only points at it, the end.
+VLLM_CRASH = ["(EngineCore_DP0 pid=12) INFO 11-29 10:00:00 [core.py:1] loading",
+              "(EngineCore_DP0 pid=12) ERROR 11-29 10:00:01 [core.py:2] KV cache too small",
+              "(APIServer pid=3) ERROR 11-29 10:00:02 [api.py:3] EngineDeadError: see above",
+              "shutting down"]
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -59,6 +66,10 @@ def main() -> int:
             return 1
     elif action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "vllm_crash":   # dies as a stage running vLLM in its process: vLLM's log
+        for line in VLLM_CRASH:    # lines, and no error event of its own
+            print(line, flush=True)
+        return 1
     elif action == "ignore_term":
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -54,8 +54,8 @@ def test_the_pipeline_runs_on_a_hub_id_from_the_cache_offline(hub_run):
 
 def test_a_resume_after_main_moved_keeps_the_commit_the_run_started_with(hub_run, in_cache):  # noqa: F811 - the fixture imported above
     from pipeline import control
-    from pipeline.run import driver
-    from pipeline.run.stage_context import load_context
+    from pipeline.drive import driver
+    from pipeline.drive.stage_context import load_context
     assert hub_run["run"].returncode == 0
     tmp, cache, rd = hub_run["tmp"], hub_run["cache"], hub_run["rd"]
     files = target_files()

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pipeline.run.events import read_events
 from pipeline.run.proctree import stage_processes
 from pipeline.run.rundir import RunDir, pid_running
 from pipeline.stage_graph import STAGE_NAMES
@@ -102,6 +103,18 @@ def test_stage_killed_by_sigkill_is_failed_with_signal(tmp_path, stagekit):
     assert st["status"] == "failed" and st["signal"] == "SIGKILL" and st["exit_code"] is None
     assert "killed by SIGKILL" in p.stdout
     assert "SIGKILL" in cli("status", cwd=tmp_path, check=0).stdout
+
+
+def test_a_stage_dying_in_vllms_words_is_quoted_in_them(tmp_path, stagekit):
+    """A stage that runs vLLM in its own process and dies without an error of
+    its own: its supervisor quotes the cause from the log, behind vLLM's
+    prefix, with the shape the driver handed down (run/ knows no vLLM)."""
+    stagekit({"prepare": "vllm_crash"})
+    cli("run", "--wait", cwd=tmp_path, check=1)
+    rd = RunDir(tmp_path / "runs" / "t")
+    err = [e for e in read_events(rd.events_path("prepare")) if e["type"] == "error"][-1]
+    assert err["message"].endswith("from its log:\n(EngineCore_DP0 pid=12) ERROR 11-29 "
+                                   "10:00:01 [core.py:2] KV cache too small"), err["message"]
 
 
 def test_launcher_killed_stage_still_records_exit(tmp_path, stagekit):
@@ -207,7 +220,7 @@ def test_a_cancel_during_a_launch_stops_what_the_launch_starts(tmp_path, stageki
     whichever comes first, nothing goes on running."""
     import threading
 
-    from pipeline.run import driver
+    from pipeline.drive import driver
     stagekit({"prepare": "sleep:60"})
     cli("run", "--stage", "regenerate", "--wait", cwd=tmp_path, check=0)   # the run exists
     rd = RunDir(tmp_path / "runs" / "t")
@@ -252,7 +265,7 @@ def test_a_cancel_before_the_stage_pid_is_recorded_still_stops_it(tmp_path, stag
                     cancel_requested=True, started_at=time.time())
     argv = [cfg.python(), "-m", cfg.stage_entry("prepare"), "--run-dir", str(rd.path),
             "--config", str(rd.config_path)]
-    from pipeline.run.driver import _stage_env
+    from pipeline.drive.driver import _stage_env
     sup = subprocess.run([sys.executable, "-m", "pipeline.run.supervise", "--run-dir",
                           str(rd.path), "--stage", "prepare", "--", *argv], cwd=rd.path,
                          env={**_stage_env(cfg, "prepare", 1), SUPERVISOR_VAR: token},

@@ -24,7 +24,7 @@ import pytest
 
 from app import cli as cli_mod
 from pipeline import config as config_mod
-from pipeline.run import driver
+from pipeline.drive import driver
 from pipeline.run.events import EventWriter
 from pipeline.run.proctree import SUPERVISOR_VAR, environ
 from pipeline.run.reconcile import reconcile

@@ -191,7 +191,7 @@ def test_every_module_named_in_a_string_resolves():
      ["pipeline.stages.train"]),
     ("python -m pipeline.extract.nodes --rank 0", ["pipeline.extract.nodes"]),
     ('argv = ["-m", f"pipeline.stages.{name}"]', []),
-    ("see pipeline.run.driver.", []),
+    ("see pipeline.drive.driver.", []),
 ])
 def test_dash_m_pattern(text, found):
     assert [m.group(1) for m in DASH_M.finditer(text)] == found

@@ -92,11 +92,20 @@ RULES = (
     ("widgets", "app", "widgets take values, never the app they are shown in"),
     ("", "pipeline.stages", "stage modules are entry points only (python -m "
      "pipeline.stages.NAME): what others need of them lives below them"),
-    ("pipeline.run", "pipeline.cluster", "run/ is below cluster/: it asks a scheduler "
-     "only through pipeline.run.executor, which cluster/ implements"),
+    # The floors: run/ (the run directory, state, events, processes, supervision) knows
+    # nothing of configs, vLLM, models or stages; what drives stages from a config is
+    # drive/, above config; a program's log shape reaches run/ as data (exit_reasons).
+    *(("pipeline.run", upper, "run/ is the floor: it imports nothing above it (configs, "
+       "vLLM, models, the driver): what it needs is handed down as data") for upper in
+      ("pipeline.config", "pipeline.vllm", "pipeline.model", "pipeline.doctor",
+       "pipeline.drive", "pipeline.control", "pipeline.train", "pipeline.extract",
+       "pipeline.data", "pipeline.builtin", "pipeline.export", "pipeline.compare")),
+    *((lower, "pipeline.cluster", "run/ and drive/ are below cluster/: they ask a "
+       "scheduler only through pipeline.run.executor, which cluster/ implements")
+      for lower in ("pipeline.run", "pipeline.drive")),
     *(("pipeline.run.snapshot", acting, "the read model reads: launching, stopping and "
        "removing live elsewhere") for acting in
-      ("pipeline.run.driver", "pipeline.run.supervise", "pipeline.run.proctree",
+      ("pipeline.drive.driver", "pipeline.run.supervise", "pipeline.run.proctree",
        "pipeline.run.leftovers", "pipeline.control")),
     ("app", "pipeline.run.reconcile", "the app reads a run through pipeline.run.snapshot"),
     ("widgets", "pipeline.run.reconcile", "widgets take the snapshot's values"),
@@ -140,7 +149,8 @@ def test_import_directions():
     """pipeline never imports app or widgets; widgets never import app;
     nothing imports pipeline.stages (tests/ and bench/ may: they are not
     walked; a stage module's name as a `python -m` string is no import);
-    pipeline/run never imports pipeline/cluster."""
+    pipeline/run, the floor, imports nothing above it; run/ and drive/ never
+    import pipeline/cluster."""
     broken = [line for m, p in sorted(modules().items())
               for line in broken_rules(m, p.read_text())]
     assert broken == [], "imports against the layering:\n" + "\n".join(broken)
@@ -151,7 +161,7 @@ def test_import_directions():
     ("pipeline.run.events", "def f():\n    import app.panel", "never imports the app"),
     ("pipeline.control", "from widgets import stage_table", "never imports widgets"),
     ("widgets.stage_table", "from app.panel import PanelApp", "never the app"),
-    ("pipeline.run.snapshot", "from pipeline.run.driver import cancel_stage", "the read model reads"),
+    ("pipeline.run.snapshot", "from pipeline.run.proctree import kill_tree", "the read model reads"),
     ("app.cli", "from pipeline.run.reconcile import observe", "through pipeline.run.snapshot"),
     ("pipeline.train.worker", "from pipeline.stages.train import run_in_process",
      "entry points only"),
@@ -159,10 +169,13 @@ def test_import_directions():
     ("widgets.loss_chart", "import pipeline.stages.evaluate", "entry points only"),
     ("pipeline.stages.evaluate", "from pipeline.stages.train import acceptance_length",
      "entry points only"),
-    ("pipeline.run.driver", "from pipeline.cluster import slurm", "run/ is below cluster/"),
+    ("pipeline.drive.driver", "from pipeline.cluster import slurm", "are below cluster/"),
     ("pipeline.run.reconcile", "def f():\n    from pipeline.cluster.slurm import job_state",
-     "run/ is below cluster/"),
-    ("pipeline.run.driver", "from ..cluster import slurm", "run/ is below cluster/"),
+     "are below cluster/"),
+    ("pipeline.drive.driver", "from ..cluster import slurm", "are below cluster/"),
+    ("pipeline.run.exit_reasons", "from pipeline.vllm import contract_strings", "the floor"),
+    ("pipeline.run.executor", "from pipeline.config import SCHEDULERS", "the floor"),
+    ("pipeline.run.supervise", "def f():\n    from pipeline.drive import driver", "the floor"),
 ])
 def test_each_direction_rule_can_fail(module, source, rule):
     broken = broken_rules(module, source)
@@ -171,10 +184,12 @@ def test_each_direction_rule_can_fail(module, source, rule):
 
 @pytest.mark.parametrize("module, source", [
     ("app.cli", "from pipeline.run.snapshot import read_run\nfrom widgets import gpu_table"),
-    ("pipeline.run.driver", "from pipeline.run.snapshot import read_run"),
+    ("pipeline.drive.driver", "from pipeline.run.snapshot import read_run"),
     ("pipeline.cluster.slurm", "from pipeline.run.executor import Scheduler"),
-    ("pipeline.control", "from pipeline.cluster import slurm\nfrom pipeline.run import driver"),
-    ("pipeline.run.driver", 'argv = ["-m", "pipeline.stages.train"]'),
+    ("pipeline.control", "from pipeline.cluster import slurm\nfrom pipeline.drive import driver"),
+    ("pipeline.drive.driver", 'argv = ["-m", "pipeline.stages.train"]'),
+    ("pipeline.drive.driver", "from pipeline.config import Config\nfrom pipeline.vllm import x"),
+    ("pipeline.run.rundir", "from pipeline.stage_graph import STAGE_NAMES"),
     ("widgets.loss_chart", "from pipeline import fmt"),
 ])
 def test_the_allowed_directions_pass(module, source):

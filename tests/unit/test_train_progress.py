@@ -8,7 +8,7 @@ def test_train_progress_rate_counts_steps_since_this_attempts_first(monkeypatch)
     """A resumed train stage starts at step 300 after a minute of loading: its
     rate and ETA come from the steps it has taken since its first, not from
     the stage's start (which read as an ETA of a quarter of an hour)."""
-    from pipeline.run.stage_context import StageContext
+    from pipeline.drive.stage_context import StageContext
     from pipeline.train import in_process
 
     emitted = []

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from speculators.train.graceful_shutdown import GracefulShutdownHandler, TrainingInterruptedError
 
-from pipeline.run.stage_context import EXIT_INTERRUPTED, Interrupted, StageError
+from pipeline.drive.stage_context import EXIT_INTERRUPTED, Interrupted, StageError
 from tests.configs import render
 
 CFG = render({"data": {"max_samples": 24},

@@ -67,6 +67,7 @@ from pipeline.run.rundir import (
 )
 from pipeline.run.snapshot import read_run
 from pipeline.stage_graph import STAGE_INPUTS, STAGE_NAMES
+from pipeline.vllm.log_shape import VLLM  # the stage log's lines, handed to its supervisor
 
 POLL_S = 0.2
 
@@ -198,7 +199,8 @@ def launch(rd: RunDir, cfg: Config, stage: str, fingerprint: str, force: bool = 
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
     log.flush()
     supervise = [sys.executable, "-m", "pipeline.run.supervise", "--run-dir", str(rd.path),
-                 "--stage", stage, "--", *argv]
+                 "--stage", stage, "--log-prefix", VLLM.prefix, "--log-pointer", VLLM.pointer,
+                 "--", *argv]
     if isinstance(ex, Scheduler):
         log.close()
         return _submit(rd, cfg, stage, attempt, supervise, ex)
