@@ -50,6 +50,12 @@ def stagekit(tmp_path):
     return make
 
 
+# The marker each tier's folder gives its tests (`-m fast` is `tests/unit`).
+FOLDER_MARKER = {"unit": pytest.mark.fast, "integration": pytest.mark.integration,
+                 "vllm": pytest.mark.vllm, "cluster": pytest.mark.cluster,
+                 "bench": pytest.mark.bench}
+
+
 def pytest_collection_modifyitems(config, items):
     gpu = _has_gpu()
     for item in items:
@@ -74,10 +80,6 @@ def pytest_collection_modifyitems(config, items):
 # Slurm ~260 (~470-560 since it runs on two namespaced nodes, 2026-12-04), the tiny-kimi
 # pipeline ~220, the shared server ~160. Only the order depends on it: a stale list costs
 # time, never a result.
-# The marker each tier's folder gives its tests (`-m fast` is `tests/unit`).
-FOLDER_MARKER = {"unit": pytest.mark.fast, "integration": pytest.mark.integration,
-                 "vllm": pytest.mark.vllm, "cluster": pytest.mark.cluster,
-                 "bench": pytest.mark.bench}
 LONGEST = ["test_bench.py", "test_slurm.py", "test_vllm_online.py", "test_vllm_pipeline.py",
            "test_kimi_pipeline.py", "test_shared_server.py"]
 

@@ -2,9 +2,9 @@
 keeps it): seconds by tier, summed over the pytest-xdist workers (worker-
 seconds: what a change to the suite saves or costs, compared between runs
 with the same worker count, since workers sharing 2 cores slow each other),
-the 10 heaviest files and the 20 slowest tests (setup included: a module fixture's whole pipeline
-lands on its first test). docs/testing.md keeps a copy of a fresh clone's
-table."""
+the 10 heaviest files and the 20 slowest tests (setup included: a module
+fixture's whole pipeline lands on its first test). docs/testing.md keeps a
+copy of a fresh clone's table."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ The vllm tier's part of tests/integration/test_tiny_kimi.py."""
 
 import os
 
-import pytest
 import torch
 
 from pipeline.paths import VLLM_VENV
@@ -22,7 +21,7 @@ PY = VLLM_VENV / "bin" / "python"
 
 
 def test_vllm_serves_it_text_only_greedy_as_transformers_and_renders_as_prepare(
-        folder, tok, model, tmp_path):  # noqa: F811 - the fixtures imported above
+        folder, tok, model, vllm_env, tmp_path):  # noqa: F811 - the fixtures imported above
     """vLLM 0.32 (the CPU build in .venv-vllm) serves the folder the way the
     stages start servers (pipeline.vllm.server: --language-model-only and the
     CPU_MLA backend come from the target's config), float32 like
@@ -31,16 +30,10 @@ def test_vllm_serves_it_text_only_greedy_as_transformers_and_renders_as_prepare(
     calls, tool results) through its render endpoint (--enable-scale-out):
     the same token ids and loss masks as prepare's local renderer with
     Kimi's template, the tool-call section supervised."""
-    if not PY.exists():
-        pytest.skip(f"no real vLLM: {VLLM_VENV} is missing (scripts/install.sh makes it)")
     from pipeline.data.chat_mask import EndpointRenderer, LocalRenderer, normalize
-    from pipeline.vllm.environment import probe
     from pipeline.vllm.server import make_server, serving
     from tests.data_corpus import AGENTIC, AGENTIC_STRING_ARGS
-    env = probe(str(PY))
-    why = env.unusable([])
-    if why:
-        pytest.skip(f"the installed vLLM cannot run here: {why}")
+    env = vllm_env
     # vLLM's interpreter (its own transformers) loads the tokenizer only with the remote code
     import subprocess
     code = ("import sys; from transformers import AutoTokenizer\n"

@@ -17,14 +17,13 @@ import torch
 from pipeline.vllm import contract_strings as vs
 from tests.configs import render
 from tests.helpers import finished, hs_files, prepared_once, run_body
-from tests.vllm.test_vllm_real import vllm_env  # noqa: F401 - the module fixture: skip without vLLM
 
 N = 8
 LAYERS = [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def hybrid(vllm_env, tmp_path_factory):  # noqa: F811 - the fixture imported above
+def hybrid(vllm_env, tmp_path_factory):   # vllm_env: tests/vllm/conftest.py
     from pipeline.stages import extract
     from tests.fakes.tiny_qwen3_next import build
     target = build(tmp_path_factory.mktemp("qwen3_next") / "model")

@@ -26,7 +26,6 @@ from pipeline.paths import VLLM_VENV
 from pipeline.run.proctree import environ, live_pids
 from pipeline.run.rundir import RunDir
 from pipeline.vllm import contract_strings as vs
-from pipeline.vllm.environment import probe
 from pipeline.vllm.server import SERVER_TOKEN_VAR
 from tests.configs import merged, render, write
 from tests.helpers import (
@@ -41,17 +40,6 @@ from tests.helpers import (
 
 N = 24
 PY = VLLM_VENV / "bin" / "python"
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    if not PY.exists():
-        pytest.skip(f"no real vLLM: {VLLM_VENV} is missing (scripts/install.sh makes it)")
-    env = probe(str(PY))
-    why = env.unusable([])
-    if why:
-        pytest.skip(f"the installed vLLM cannot run here: {why}")
-    return env
 
 
 CONFIG = {"data": {"max_samples": N},
