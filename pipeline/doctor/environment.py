@@ -68,7 +68,7 @@ def check_speculators(x: Inputs) -> list[Finding]:
         return []
     from pipeline.train import speculators_contract
     try:   # (this interpreter may be older than the stages': their syntax may be newer)
-        speculators_contract.missing(speculators_contract.source(where, version))
+        adapted = speculators_contract.adaptations(speculators_contract.source(where, version))
     except (SyntaxError, ValueError) as e:
         return [Finding("speculators", WARN, f"speculators {version}'s source cannot be read by "
                         f"doctor's Python ({type(e).__name__}: {e}): what the train stage patches "
@@ -79,7 +79,8 @@ def check_speculators(x: Inputs) -> list[Finding]:
                         "scripts/install.sh installs) in [runtime] python's environment")]
     return [Finding("speculators", OK, f"speculators {version} has all "
                     f"{len(speculators_contract.USES)} names the train stage patches or imports "
-                    "(pipeline/train/speculators_contract.py)")]
+                    "(pipeline/train/speculators_contract.py)"
+                    + "".join(f"; adapted: {a}" for a in adapted))]
 
 
 @check(20)

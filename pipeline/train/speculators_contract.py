@@ -47,6 +47,8 @@ class Use:
     how: str         # imported | replaced | subclassed | overridden | read | called
     why: str = ""
     cpu_only: bool = False   # patched only for training on the CPU (cpu_patches)
+    params: tuple[str, ...] = ()   # keyword parameters we pass it (a method or function)
+    adapted: str = ""        # where a release lacks `params`: what the code does instead
 
 
 def _all(module: str, how: str, *names: str, why: str = "", cpu_only: bool = False
@@ -57,9 +59,13 @@ def _all(module: str, how: str, *names: str, why: str = "", cpu_only: bool = Fal
 USES: tuple[Use, ...] = (
     # -- the Trainer, subclassed for progress, stops and the plateau (trainer.PanelHooks)
     Use(TR, "Trainer", "subclassed", "PanelHooks: progress, stop between steps, plateau stop"),
-    *_all(TR, "overridden", "Trainer.__init__", "Trainer.train_epoch", "Trainer.run_training",
+    *_all(TR, "overridden", "Trainer.__init__", "Trainer.run_training",
           "Trainer.val_epoch", "Trainer.maybe_update_best", "Trainer.maybe_save_checkpoint",
           why="PanelHooks overrides them and calls speculators' own"),
+    # (0.8.1's takes no step_callback: its name is there, its parameter is not)
+    Use(TR, "Trainer.train_epoch", "overridden", "PanelHooks: a stop honoured after each step",
+        params=("step_callback",), adapted="the stop is checked as each next batch is drawn "
+        "(trainer.CheckedLoader)"),
     *_all(TR, "read", "Trainer.checkpointer", "Trainer.train_loader", "Trainer.config",
           "Trainer.current_epoch", "Trainer.global_step", "Trainer._resume_local_step",
           why="the step count and the epoch a resume starts in"),
@@ -160,9 +166,22 @@ def origin(src, module: str, name: str, depth: int = 0) -> str:
     return module
 
 
+def lacked_params(src, use: Use) -> list[str]:
+    """The keyword parameters of `use.params` its function in `src` does not
+    take (none where it takes **kwargs or is not defined: `missing` says that)."""
+    if not use.params:
+        return []
+    sig = src.signature(origin(src, use.module, use.name.split(".")[0]), use.name)
+    if sig is None or sig["var_kw"]:
+        return []
+    names = {name for name, _ in sig["params"]}
+    return [p for p in use.params if p not in names]
+
+
 def missing(src, cpu: bool = True) -> list[str]:
     """Each declared use the speculators in `src` lacks, as a line naming it
-    and what eagle-panel does with it (`cpu`: the CPU patches' too)."""
+    and what eagle-panel does with it (`cpu`: the CPU patches' too); a
+    parameter the code adapts to the lack of is `adaptations`', not here."""
     out = []
     for use in USES:
         if use.cpu_only and not cpu:
@@ -172,7 +191,17 @@ def missing(src, cpu: bool = True) -> list[str]:
         elif not defined(src, use.module, use.name):
             out.append(f"speculators.{use.module}.{use.name} is gone ({use.how}"
                        + (f": {use.why}" if use.why else "") + ")")
+        elif (lacks := lacked_params(src, use)) and not use.adapted:
+            out.append(f"speculators.{use.module}.{use.name} takes no "
+                       f"{', '.join(lacks)} ({use.why})")
     return out
+
+
+def adaptations(src) -> list[str]:
+    """What the train stage does differently for the speculators in `src`:
+    each declared parameter it lacks that the code adapts to, in a line."""
+    return [f"{use.name} takes no {', '.join(lacks)}: {use.adapted}"
+            for use in USES if use.adapted and (lacks := lacked_params(src, use))]
 
 
 def source(package_dir: str | Path, version: str = "?"):

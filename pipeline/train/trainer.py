@@ -83,8 +83,16 @@ class PanelHooks:
         later = self._per_epoch[epoch + 1:] if len(self._per_epoch) > epoch else []
         total = capped(self._epoch_origin + per_epoch + sum(later), self.config.max_steps)
         self._hooks.on_total_steps(total, per_epoch)
-        kwargs["step_callback"] = stop_between_steps(self._hooks, kwargs.get("step_callback"))
-        return super().train_epoch(epoch, **kwargs)
+        check = stop_between_steps(self._hooks, kwargs.pop("step_callback", None))
+        if takes_step_callback(super().train_epoch):
+            return super().train_epoch(epoch, step_callback=check, **kwargs)
+        # speculators 0.8: no step callback; the check runs as the next batch is drawn
+        loader = self.train_loader
+        self.train_loader = CheckedLoader(loader, check)
+        try:
+            return super().train_epoch(epoch, **kwargs)
+        finally:
+            self.train_loader = loader
 
     def run_training(self):
         if self._hooks.should_stop():
@@ -126,6 +134,39 @@ class PanelHooks:
             return super().maybe_save_checkpoint(self._epoch, 0 if local >= steps else local)
         finally:
             self.config = saved
+
+
+def takes_step_callback(train_epoch) -> bool:
+    """Whether speculators' `Trainer.train_epoch` calls a `step_callback`
+    after each step (0.9; 0.8.1 has none: read from what is installed)."""
+    import inspect
+    return "step_callback" in inspect.signature(train_epoch).parameters
+
+
+class CheckedLoader:
+    """The train loader, calling `check` as each batch after the first is
+    drawn and once after the last: after every finished step, where
+    speculators' `train_epoch` takes no step callback (0.8). Everything else
+    (its length, its batch sampler) is the loader's own."""
+
+    def __init__(self, loader, check):
+        self._loader, self._check = loader, check
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def __iter__(self):
+        drawn = False
+        for batch in self._loader:
+            if drawn:
+                self._check()
+            drawn = True
+            yield batch
+        if drawn:
+            self._check()
 
 
 def stop_between_steps(hooks, then=None):

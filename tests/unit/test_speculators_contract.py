@@ -151,8 +151,47 @@ def wheel_source(version: str):
 
 @pytest.mark.parametrize("version", WHEELS)
 def test_each_release_has_every_declared_name(version):
-    """0.8.1 and 0.9.0 from their wheels: what the train stage patches is in both."""
-    assert sc.missing(wheel_source(version)) == []
+    """0.8.1 and 0.9.0 from their wheels: what the train stage patches is in
+    both; 0.8.1's Trainer.train_epoch takes no step_callback, which the code
+    adapts to (tests/integration/test_speculators_releases.py trains with it)."""
+    src = wheel_source(version)
+    assert sc.missing(src) == []
+    assert sc.adaptations(src) == ([] if version == "0.9.0" else [
+        "Trainer.train_epoch takes no step_callback: the stop is checked as each next batch "
+        "is drawn (trainer.CheckedLoader)"])
+
+
+def test_a_parameter_gone_blocks_unless_the_code_adapts(monkeypatch):
+    """A declared keyword parameter a release lacks is a missing name unless
+    the use says what the code does instead; one taken through **kwargs counts."""
+    src = wheel_source("0.8.1")
+    use = sc.Use(sc.TR, "Trainer.train_epoch", "overridden", "the stop", params=("step_callback",))
+    monkeypatch.setattr(sc, "USES", (use,))
+    assert sc.missing(src) == ["speculators.train.trainer.Trainer.train_epoch takes no "
+                               "step_callback (the stop)"]
+    assert sc.adaptations(src) == []
+    kw = sc.Use(sc.TR, "Trainer.__init__", "called", "", params=("no_such",))
+    assert sc.lacked_params(src, kw) == ([] if src.signature(sc.TR, "Trainer.__init__")["var_kw"]
+                                         else ["no_such"])
+
+
+def test_the_stop_is_checked_after_each_step_without_a_step_callback():
+    """CheckedLoader (speculators 0.8): the check after every batch's step,
+    the last included, and the loader's own length and attributes."""
+    from pipeline.train.trainer import CheckedLoader, takes_step_callback
+
+    class Loader(list):
+        batch_sampler = "the sampler"
+    seen = []
+    loader = CheckedLoader(Loader(["a", "b", "c"]), lambda: seen.append("check"))
+    for batch in loader:
+        seen.append(batch)
+    assert seen == ["a", "check", "b", "check", "c", "check"]
+    assert len(loader) == 3 and loader.batch_sampler == "the sampler"
+    assert list(CheckedLoader(Loader(), lambda: seen.append("never"))) == [] and \
+        "never" not in seen
+    assert takes_step_callback(lambda epoch, *, step_callback=None: None)
+    assert not takes_step_callback(lambda epoch: None)
 
 
 def renamed(tmp_path: Path) -> Path:
