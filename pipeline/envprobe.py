@@ -26,7 +26,7 @@ from pipeline.tracking import TRACKERS  # (standard library only, like this modu
 # what the trackers need: looked up, not imported
 TRACKER_MODULES = sorted({m for modules, _ in TRACKERS.values() for m in modules})
 # what transformers needs to read a quantized target (the hf route), by method
-QUANT_MODULES = ("compressed_tensors",)
+QUANT_MODULES = ("compressed_tensors", "accelerate")
 PACKAGES = ("torch", "transformers", "speculators", "hs-connectors", "vllm", "datasets",
             "safetensors", "nvidia-ml-py", "triton", "nvidia-mtbench-evaluator")
 

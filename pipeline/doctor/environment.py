@@ -163,7 +163,8 @@ def check_backends(x: Inputs) -> list[Finding]:
 
 
 # The package transformers reads a quantization method's checkpoints through
-READS_QUANT = {"compressed-tensors": ("compressed_tensors", "compressed-tensors==0.17.0")}
+READS_QUANT = {"compressed-tensors": ("compressed_tensors", "compressed-tensors==0.17.0"),
+               "fp8": ("accelerate", "accelerate==1.16.0")}
 
 
 @check(42)
@@ -181,6 +182,30 @@ def check_hf_reads_the_target(x: Inputs) -> list[Finding]:
                     f"environment ({x.env.get('executable')}) lacks",
                     f"{x.env.get('executable')} -m pip install {need[1]} (scripts/install.sh "
                     "installs it)")]
+
+
+@check(43, launch=35)
+def check_hf_dequantizes_the_blocks(x: Inputs) -> list[Finding]:
+    """An FP8 target on extract's hf backend on the CPU, where transformers
+    dequantizes each weight block by block: its Fp8Dequantize (5.19) refuses
+    a weight whose sides are not whole blocks ("Weight shape (576, 128) not
+    divisible by scale grid (5, 1)"), and DeepSeek-V3's and Kimi-K2's
+    kv_a_proj_with_mqa is 576 rows of 128-row blocks. A rule read from the
+    weights' headers, held against the real transformers by
+    tests/vllm/test_fp8_target.py. At launch (no environment probed) only
+    an explicit backend = "hf" is known to be hf."""
+    m = x.model
+    hf = x.backend == "hf" if x.env else x.cfg.stages.extract.backend == "hf"
+    if m is None or not m.partial_blocks or not hf or x.cfg.online or \
+            x.cfg.stage_devices("extract"):
+        return []
+    more = f" (and {len(m.partial_blocks) - 1} more)" if len(m.partial_blocks) > 1 else ""
+    return [Finding("backends", BLOCK, "extract's hf backend on the CPU: transformers "
+                    "dequantizes FP8 weights block by block and refuses one that is not whole "
+                    "blocks (its Fp8Dequantize: \"not divisible by scale grid\"); this target's "
+                    f"{m.partial_blocks[0]}{more}",
+                    'backend = "vllm-server" (or "auto"): vLLM\'s FP8 kernels take a partial '
+                    "last block; or extract on a GPU")]
 
 
 def engine_backend_findings(x: Inputs, v: VllmEnv) -> list[Finding]:

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.model.quant import Quantization
+from pipeline.model.quant import Quantization, partial_blocks
 from pipeline.model.quant import read as read_quantization
 
 
@@ -39,6 +39,8 @@ class ModelInfo:
     index_head_dim: int | None = None  # DSA's indexer keys
     sliding_window: int | None = None
     quant: Quantization | None = None  # quantization_config, read (pipeline.model.quant)
+    # FP8 weights in a partial last block (quant.partial_blocks; read_model reads them)
+    partial_blocks: tuple[str, ...] = ()
 
     @property
     def mla(self) -> bool:
@@ -66,7 +68,13 @@ def read_model(folder: Path) -> ModelInfo:
     if weights is None:
         files = list(folder.glob("*.safetensors"))
         weights = sum(f.stat().st_size for f in files) if files else None
-    return model_info(raw, tokenizer_remote_code=tok_auto, weights_bytes=weights)
+    info = model_info(raw, tokenizer_remote_code=tok_auto, weights_bytes=weights)
+    if info.quant is not None and info.quant.method == "fp8":
+        try:
+            info.partial_blocks = partial_blocks(tensor_specs(folder))
+        except (OSError, ValueError):
+            pass   # unreadable weights: the stage that loads them says so
+    return info
 
 
 def weight_names(folder: Path) -> list[str]:

@@ -114,3 +114,20 @@ def _gptq_awq(q: dict) -> Quantization:
 
 READERS = {"compressed-tensors": _compressed_tensors, "fp8": _fp8, "modelopt": _modelopt,
            "modelopt_fp4": _modelopt, "gptq": _gptq_awq, "awq": _gptq_awq}
+
+
+def partial_blocks(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[str, ...]:
+    """The block-quantized weights (each with its `weight_scale_inv`, as FP8
+    DeepSeek-V3 and Kimi-K2 ship) whose sides are not whole multiples of
+    their scale grid, as "name RxC in SRxSC blocks", from the tensors'
+    (dtype, shape) (info.tensor_specs: the safetensors headers). DeepSeek-V3's
+    own kv_a_proj_with_mqa is one: 576 rows, 5 blocks of 128."""
+    out = []
+    for name, (_, grid) in specs.items():
+        if not name.endswith(".weight_scale_inv") or len(grid) != 2:
+            continue
+        shape = specs.get(name[: -len("_scale_inv")], (None, ()))[1]
+        if len(shape) == 2 and (shape[0] % grid[0] or shape[1] % grid[1]):
+            out.append(f"{name[: -len('_scale_inv')]} {shape[0]}x{shape[1]} in "
+                       f"{grid[0]}x{grid[1]} blocks")
+    return tuple(out)

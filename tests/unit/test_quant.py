@@ -88,3 +88,53 @@ def test_the_hf_route_needs_what_transformers_reads_the_weights_with(tmp_path):
     assert f.fix.startswith("/env/bin/python -m pip install compressed-tensors==0.17.0"), f.fix
     env["modules"]["compressed_tensors"] = True
     assert doctor.environment.check_hf_reads_the_target(x) == []
+
+
+# DeepSeek-V3's own shapes of one layer's MLA projections, FP8 in 128x128 blocks: the
+# scale grids its checkpoint ships (kv_a_proj_with_mqa: 576 rows, 4.5 blocks -> 5)
+DSV3_LAYER = {
+    "model.layers.0.self_attn.q_a_proj.weight": ("F8_E4M3", (1536, 7168)),
+    "model.layers.0.self_attn.q_a_proj.weight_scale_inv": ("F32", (12, 56)),
+    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": ("F8_E4M3", (576, 7168)),
+    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv": ("F32", (5, 56)),
+    "model.layers.0.input_layernorm.weight": ("BF16", (7168,)),
+}
+
+
+def test_fp8_blocks_that_are_not_whole_are_read_from_the_headers():
+    assert quant.partial_blocks(DSV3_LAYER) == (
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight 576x7168 in 5x56 blocks",)
+    assert quant.partial_blocks({k: v for k, v in DSV3_LAYER.items() if "kv_a" not in k}) == ()
+
+
+def test_the_hf_route_on_the_cpu_is_refused_an_fp8_target_in_partial_blocks(tmp_path):
+    """transformers dequantizes FP8 on the CPU in whole blocks only
+    (tests/vllm/test_fp8_target.py holds this against it): extract's hf
+    backend on the CPU is blocked, naming the weight, and the FP8 route needs
+    accelerate; on a GPU, or on vLLM's route, nothing is said."""
+    raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())["text_config"]
+    raw["quantization_config"] = FP8_BLOCKS
+    m = model_info(raw)
+    m.partial_blocks = quant.partial_blocks(DSV3_LAYER)
+
+    def findings(backend, devices=(), env=None):
+        write(tmp_path / "config.toml", {"gpus": {"devices": list(devices)}, "stages": {
+            "extract": {"backend": backend, "layer_ids": [1, 2, 3]}}})
+        cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 8)
+        x = doctor.Inputs(cfg, env=env or {}, vllm=None, gpus=None, model=m,
+                          backend="hf" if backend in ("hf", "auto") else backend)
+        return doctor.environment.check_hf_dequantizes_the_blocks(x)
+    (f,) = findings("hf")   # at launch (no environment): the config says hf
+    assert f.level == doctor.BLOCK and "kv_a_proj_with_mqa.weight 576x7168 in 5x56 blocks" \
+        in f.message and f.fix.startswith('backend = "vllm-server" (or "auto")'), f
+    assert findings("auto") == []                 # at launch "auto" is not known to be hf
+    assert len(findings("auto", env={"executable": "py"})) == 1   # doctor: auto -> hf
+    assert findings("vllm-server", env={"executable": "py"}) == []
+    assert findings("hf", devices=[0]) == []      # on a GPU transformers may not dequantize
+    write(tmp_path / "config.toml", {"stages": {"extract": {"backend": "hf"}}})
+    env = {"executable": "/env/bin/python", "modules": {"accelerate": False}}
+    x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env=env,
+                      vllm=None, gpus=None, model=m)
+    (need,) = doctor.environment.check_hf_reads_the_target(x)
+    assert "through the accelerate package" in need.message and \
+        need.fix.startswith("/env/bin/python -m pip install accelerate==1.16.0"), need

@@ -1,0 +1,103 @@
+"""DeepSeek-V3's and Kimi-K2's released format end to end (issue 51): a tiny
+DeepseekV3ForCausalLM (MLA + MoE, random weights, tiny-kimi's tokenizer)
+block-quantized to FP8 by transformers' own op, 128x128 blocks with a partial
+last one where the release has it (tests/fakes/fp8_target.py).
+
+vLLM's CPU build serves it: its W8A16 FP8 block kernel and FP8 MoE take the
+target, so the whole pipeline runs through vLLM, evaluate included — a
+quantized MoE target served here. The hf route cannot: transformers
+dequantizes FP8 on the CPU only in whole blocks, and DeepSeek-V3's
+kv_a_proj_with_mqa is 576 rows; doctor and the launch say so from the
+weights' headers, and this file holds that rule against the real
+transformers."""
+
+import pytest
+import torch
+
+from pipeline.model.info import read_model
+from pipeline.run.rundir import RunDir
+from tests.configs import tiny_pipeline, write
+from tests.fakes import fp8_target
+from tests.helpers import cli, stage_summary
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from pipeline import builtin
+    tmp = tmp_path_factory.mktemp("fp8")
+    kimi = builtin.target("builtin:tiny-kimi").ensure_built()
+    bf16 = fp8_target.bf16_target(kimi, tmp / "ds3-bf16")
+    return bf16, fp8_target.make(bf16, tmp / "ds3-fp8")
+
+
+def config(folder, **stages) -> dict:
+    return tiny_pipeline("f", 24, model={"target": str(folder), "trust_remote_code": True,
+                                         "dtype": "bfloat16"},
+                         stages={"train": {"epochs": 1}, "vocab": {"draft_vocab_size": 200},
+                                 **stages})
+
+
+def test_the_hf_route_is_refused_before_transformers_refuses_it(target, tmp_path):
+    """The partial blocks read from the headers; transformers itself refusing
+    to load the folder on the CPU (the rule's ground: when a release of it
+    loads the folder, this fails and the rule goes); `run` with backend
+    "hf" refused at launch, naming the weight, with nothing created."""
+    from transformers import AutoModelForCausalLM
+    _, fp8 = target
+    m = read_model(fp8)
+    assert m.quant.text().startswith("fp8: fp8 (e4m3), blocks 128x128"), m.quant.text()
+    assert m.partial_blocks == tuple(
+        f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight 576x128 in 5x1 blocks"
+        for i in range(4)), m.partial_blocks
+    if not torch.cuda.is_available():   # (on a GPU transformers may keep FP8 undequantized)
+        with pytest.raises(RuntimeError, match="conversion of the weights"):
+            AutoModelForCausalLM.from_pretrained(str(fp8), dtype=torch.float32)
+    write(tmp_path / "config.toml", config(fp8, extract={"backend": "hf"}))
+    p = cli("run", cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "kv_a_proj_with_mqa.weight 576x128 in 5x1 blocks (and 3 more)" in p.stderr, p.stderr
+    assert 'backend = "vllm-server" (or "auto")' in p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_fp8_deepseek_v3_runs_the_whole_pipeline_through_vllm(target, vllm_env, tmp_path):
+    """doctor: auto -> vllm-server, nothing skipped; the run: extract through
+    `vllm serve`, the MLA draft trained and measured by vLLM beside the FP8
+    target. Its hidden states against the same weights unquantized (hf,
+    float32: bf16 arithmetic apart) and against the bf16 weights before
+    quantization (FP8's own error, larger), per layer slot."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    from pipeline.extract.hf import HFBackend
+    bf16, fp8 = target
+    write(tmp_path / "config.toml", config(fp8, evaluate={
+        "max_prompts": 4, "max_tokens": 24, "baseline": False}))
+    doc = cli("doctor", cwd=tmp_path, timeout=600)
+    assert doc.returncode == 0 and "[ BLOCK ]" not in doc.stdout, doc.stdout + doc.stderr
+    assert '"auto" -> vllm-server' in doc.stdout and "evaluate will be skipped" not in doc.stdout
+    assert "quantized: fp8: fp8 (e4m3), blocks 128x128" in doc.stdout, doc.stdout
+    p = cli("run", "--wait", cwd=tmp_path, timeout=1500)
+    rd = RunDir(tmp_path / "runs" / "f")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert stage_summary(rd, "extract")["backend"] == "vllm-server"
+    ev = stage_summary(rd, "evaluate")
+    assert ev["acceptance_length"] >= 1.0, ev
+    ds = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)
+    same = HFBackend.load(fp8_target.dequantized_folder(fp8, bf16, tmp_path / "deq"),
+                          [1, 2, 3, 4], "cpu", torch.float32, True)
+    before = HFBackend.load(bf16, [1, 2, 3, 4], "cpu", torch.float32, True)
+    err = {"same": [0.0] * 4, "before": [0.0] * 4}
+    for i in range(4):
+        hs = load_file(rd.out_dir("extract") / "hidden_states" / f"hs_{i}.safetensors")
+        hs = hs["hidden_states"].float()
+        for key, backend in (("same", same), ("before", before)):
+            ref = backend.forward([ds[i]["input_ids"]])[0]
+            for s in range(4):
+                err[key][s] = max(err[key][s], ((hs[:, s] - ref[:, s]).norm()
+                                                / ref[:, s].norm()).item())
+    print(f"FP8 DeepSeek-V3 through vLLM, relative error per slot (layers 1, 2, 3, last): vs "
+          f"the same weights {[f'{e:.2%}' for e in err['same']]}, vs the bf16 weights before "
+          f"quantization {[f'{e:.2%}' for e in err['before']]}; acceptance "
+          f"{ev['acceptance_length']:.2f}")
+    assert max(err["same"]) < 0.05 and max(err["same"]) < max(err["before"]), err
