@@ -183,7 +183,8 @@ READ_MODULES = ("model_executor.models.registry", "engine.arg_utils", "envs", "c
                 "v1.worker.worker_base", "v1.core.kv_cache_manager", "v1.core.sched.output",
                 "v1.worker.gpu_worker", "v1.attention.backends.mla.cpu_mla",
                 "v1.attention.backends.cpu_attn",
-                "model_executor.layers.mamba.ops.cpu.gdn_attention")   # the CPU build's GDN path
+                "model_executor.layers.mamba.ops.cpu.gdn_attention",   # the CPU build's GDN path
+                "model_executor.layers.rotary_embedding.base")   # the rope custom op's name
 # The name vLLM's runner choice reads for Triton (vllm.triton_utils), looked for
 # in VllmConfig's runner functions above (compat.reads_has_triton).
 HAS_TRITON = "HAS_TRITON"

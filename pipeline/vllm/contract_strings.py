@@ -75,7 +75,8 @@ FLAG_TRUST_REMOTE_CODE = _flag("--trust-remote-code", "serve_argv: [model] trust
 FLAG_ENFORCE_EAGER = _flag("--enforce-eager", "serve_argv: the CPU build, unless server_args "
                            "set a compilation of their own")
 FLAG_COMPILATION_CONFIG = _flag("--compilation-config", "serve_argv: a user's compilation in "
-                                "server_args keeps --enforce-eager out")
+                                "server_args keeps --enforce-eager out; target_flags: the "
+                                "rotary custom op off for an MLA target on the CPU build")
 FLAG_OPT_LEVEL = _flag("-O", "serve_argv: -O<level> in server_args, the same; from 0.12 the "
                        "parser outside engine.arg_utils handles it", declared_in=())
 FLAG_SERVED_MODEL_NAME = _flag("--served-model-name", "served_model_name: the name requests "

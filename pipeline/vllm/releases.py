@@ -116,7 +116,8 @@ KEEP = ("v1/", "config", "model_executor/models/", "models/", "engine/arg_utils.
         "model_executor/layers/mamba/ops/cpu/", "model_executor/model_loader/reload/",
         "entrypoints/serve/dev/", "entrypoints/openai/api_server.py",
         "distributed/parallel_state.py", "model_executor/model_loader/utils.py",
-        "utils/torch_utils.py", "transformers_utils/configs/speculators/")
+        "utils/torch_utils.py", "transformers_utils/configs/speculators/",
+        "model_executor/layers/rotary_embedding/base.py")
 
 
 def kept(version: str) -> Path:

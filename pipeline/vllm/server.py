@@ -48,9 +48,11 @@ def free_port() -> int:
 
 def serve_argv(python: str, serve_command: str, target: Path, port: int,
                tp: int, dtype: str, max_model_len: int, trust: bool, extra: list[str],
-               eager: bool = False) -> list[str]:
-    """`vllm serve` for one server; `extra` holds the stage's own flags
-    (speculative / KV-transfer configs) and then the user's server_args.
+               eager: bool = False, target_flags: list[str] = ()) -> list[str]:
+    """`vllm serve` for one server: the target's flags (target_flags), then
+    `extra`, the stage's own flags (speculative / KV-transfer configs) and
+    then the user's server_args. --enforce-eager (`eager`) unless `extra`
+    sets a compilation of its own (the target's rope setting is not one).
     The API key is not here: a command line is readable by every user of
     the machine (`ps`), so VllmServer hands it over as VLLM_API_KEY."""
     base = shlex.split(serve_command) if serve_command else [
@@ -63,7 +65,7 @@ def serve_argv(python: str, serve_command: str, target: Path, port: int,
     own_compile = (vs.FLAG_ENFORCE_EAGER, vs.FLAG_OPT_LEVEL, vs.FLAG_COMPILATION_CONFIG)
     if eager and not any(a.startswith(own_compile) for a in extra):
         argv.append(vs.FLAG_ENFORCE_EAGER)
-    return argv + list(extra)
+    return argv + list(target_flags) + list(extra)
 
 
 def served_model_name(target: Path, server_args: list[str]) -> str:
@@ -344,8 +346,8 @@ def serve_args(env: VllmEnv, target: Path, devices: list[int], dtype: str, max_m
         for t in needs:
             compat.fired(t.key, t.detail)
     argv = serve_argv(env.python, serve_command, target, port, max(1, len(devices)), dtype,
-                      max_model_len, trust, [f for t in needs for f in t.flags] + list(flags),
-                      eager=env.cpu_build)
+                      max_model_len, trust, list(flags), eager=env.cpu_build,
+                      target_flags=[f for t in needs for f in t.flags])
     return argv, argv.index(str(target))
 
 

@@ -10,7 +10,13 @@ doctor reports the same decisions before a launch.
   spared.
 - An MLA target on vLLM's CPU build runs on the reference `CPU_MLA` backend:
   on a host with AMX tiles vLLM would pick AMX_MLA, which takes bf16 only,
-  and the CPU stages run float32 (docs/FACTS.md).
+  and the CPU stages run float32 (docs/FACTS.md). Its rope runs as plain
+  torch (`--compilation-config '{"custom_ops": ["-rotary_embedding"]}'`):
+  the CPU build's rotary kernel mis-rotates the query MLA hands it (a
+  strided [tokens, heads, rope] view of q), so an MLA target without rope
+  scaling (whose rope is that op; DeepSeek's yarn has its own, in torch)
+  had hidden states ~1% off the hf backend's from position 1 on, up to 19%
+  (docs/FACTS.md; tests/vllm/test_kimi_pipeline.py holds it at float32's).
 - A DeepSeek-V3-style MoE whose checkpoint holds the router's
   `e_score_correction_bias` while its config does not say `topk_method =
   "noaux_tc"` (transformers' DeepseekV3Config writes none): vLLM creates
@@ -29,10 +35,13 @@ from pathlib import Path
 from pipeline.model.info import weight_names
 from pipeline.vllm.contract_strings import (
     FLAG_ATTENTION_BACKEND,
+    FLAG_COMPILATION_CONFIG,
     FLAG_HF_OVERRIDES,
     FLAG_LANGUAGE_MODEL_ONLY,
 )
 
+# vLLM's rope custom op (model_executor/layers/rotary_embedding/base.py registers it)
+ROTARY_OP = "rotary_embedding"
 # DeepSeek-V3's decoder under the names vLLM and transformers give it
 DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
 ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
@@ -60,6 +69,15 @@ def has_cpu_mla(vllm_source) -> bool:
     return vllm_source is None or vllm_source.has_module("v1.attention.backends.mla.cpu_mla")
 
 
+def has_custom_op(vllm_source, name: str) -> bool:
+    """Whether the installed vLLM registers a custom op of that name (what
+    CompilationConfig.custom_ops switches by name); True when unknown."""
+    if vllm_source is None:
+        return True
+    text = vllm_source.text("model_executor.layers.rotary_embedding.base")
+    return text is None or f'CustomOp.register("{name}")' in text
+
+
 def target_flags(target: Path, cpu_build: bool, vllm_source=None) -> list[TargetFlag]:
     """The flags `vllm serve` needs for this target, each with why."""
     try:
@@ -78,6 +96,11 @@ def target_flags(target: Path, cpu_build: bool, vllm_source=None) -> list[Target
         out.append(TargetFlag("cpu_mla_backend", [FLAG_ATTENTION_BACKEND, "CPU_MLA"],
                               "MLA target on vLLM's CPU build: the reference CPU_MLA backend "
                               "(AMX_MLA, vLLM's pick on AMX hosts, takes bf16 only)"))
+    if cpu_build and text.get("kv_lora_rank") and has_custom_op(vllm_source, ROTARY_OP):
+        out.append(TargetFlag("cpu_rope_native", [FLAG_COMPILATION_CONFIG, json.dumps(
+            {"custom_ops": [f"-{ROTARY_OP}"]})], "MLA target on vLLM's CPU build: its rope in "
+            "torch (the CPU rotary kernel mis-rotates MLA's strided query; "
+            "--compilation-config custom_ops -rotary_embedding)"))
     routing = routing_overrides(Path(target), text)
     if routing:
         body = {"text_config": routing} if "text_config" in raw else routing

@@ -66,13 +66,18 @@ def quantize(quant, name: str, w) -> dict:
 SHAPE = {"q_lora_rank": 128, "moe_intermediate_size": 128}
 
 
-def bf16_target(kimi: Path, dest: Path, seed: int = 0) -> Path:
+def bf16_target(kimi: Path, dest: Path, seed: int = 0, yarn: bool = True) -> Path:
     """A DeepseekV3ForCausalLM of tiny-kimi's text shape (SHAPE laid over it)
     with random weights, in bfloat16 as the release's unquantized tensors are,
-    and tiny-kimi's tokenizer: the weights the FP8 folder quantizes."""
+    and tiny-kimi's tokenizer: the weights the FP8 folder quantizes. `yarn`:
+    tiny-kimi's rope scaling (Kimi's and DeepSeek-V3's); False: none (plain
+    rope, as DeepSeek-V2-Lite-style targets have)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     text = json.loads((Path(kimi) / "config.json").read_text())["text_config"]
+    if not yarn:
+        theta = text["rope_parameters"]["rope_theta"]
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     skip = ("architectures", "model_type", "dtype")
     config = DeepseekV3Config(**{k: v for k, v in {**text, **SHAPE}.items() if k not in skip})
     torch.manual_seed(seed)
