@@ -142,6 +142,21 @@ def target_of(rd: RunDir) -> tuple[str, str, dict | None]:
             pin if isinstance(pin, dict) and pin.get("repo_id") and pin.get("commit") else None)
 
 
+def target_quantization(target: str, pin: dict | None) -> str | None:
+    """The target's quantization as doctor names it (from its config.json:
+    a local folder, or the hub snapshot the run froze), None when it has
+    none or its folder is not here any more."""
+    from pipeline.model.info import read_model
+    for folder in (Path(pin["path"]) if pin and pin.get("path") else None, Path(target)):
+        if folder is not None and (folder / "config.json").is_file():
+            try:
+                q = read_model(folder).quant
+            except (OSError, ValueError, KeyError):
+                return None
+            return q.text() if q is not None else None
+    return None
+
+
 def versions(prov: dict) -> dict:
     """What trained and what served it: train's packages, evaluate's vLLM."""
     train = (prov.get("train") or {})
@@ -178,7 +193,9 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
     at = f" at revision `{revision}`" if revision else ""
     if pin:
         at += f" (commit `{pin['commit']}`)"
+    quantized = target_quantization(target, pin)
     lines += ["## How it was trained", "", f"- target: `{target}`{at}",
+              *([f"- the target's quantization: {quantized}"] if quantized else []),
               *trained_lines(snap, name, m), "",
               "## Versions", "", "```", json.dumps(vers, indent=1), "```", "",
               "## Publish", "", "```", f"hf upload <user>/<repo> {to}", "```", ""]

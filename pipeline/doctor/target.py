@@ -82,6 +82,25 @@ def check_model(x: Inputs) -> list[Finding]:
     return out
 
 
+@check(65, launch=36)
+def check_heads(x: Inputs) -> list[Finding]:
+    """The target's embed_tokens and lm_head, which train copies into the
+    draft (speculators' load_verifier_weights), unquantized in its files: a
+    quantized one would reach the draft as packed or unscaled values, or the
+    embedding would stand in for a missing lm_head.weight, silently. Read
+    from the safetensors headers (quant.quantized_heads)."""
+    m = x.model
+    if m is None or not m.quantized_heads:
+        return []
+    return [Finding("model", BLOCK, "train copies the target's embed_tokens and lm_head into "
+                    "the draft, and this target holds them quantized: "
+                    f"{'; '.join(m.quantized_heads)} (speculators would take the stored values "
+                    "as weights, or the embedding for a missing lm_head.weight)",
+                    "use a checkpoint whose embed_tokens and lm_head are unquantized (as "
+                    "Kimi-K2.5, DeepSeek-V3 and Kimi-K2 ship them: their quantization "
+                    "config ignores lm_head)")]
+
+
 @check(70, launch=40)
 def check_layers(x: Inputs) -> list[Finding]:
     if x.model is None:

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.model.quant import Quantization, partial_blocks
+from pipeline.model.quant import Quantization, partial_blocks, quantized_heads
 from pipeline.model.quant import read as read_quantization
 
 
@@ -39,8 +39,10 @@ class ModelInfo:
     index_head_dim: int | None = None  # DSA's indexer keys
     sliding_window: int | None = None
     quant: Quantization | None = None  # quantization_config, read (pipeline.model.quant)
-    # FP8 weights in a partial last block (quant.partial_blocks; read_model reads them)
+    # FP8 weights in a partial last block (quant.partial_blocks), and the embedding or
+    # output head quantized (quant.quantized_heads): read_model reads them from the headers
     partial_blocks: tuple[str, ...] = ()
+    quantized_heads: tuple[str, ...] = ()
 
     @property
     def mla(self) -> bool:
@@ -69,11 +71,13 @@ def read_model(folder: Path) -> ModelInfo:
         files = list(folder.glob("*.safetensors"))
         weights = sum(f.stat().st_size for f in files) if files else None
     info = model_info(raw, tokenizer_remote_code=tok_auto, weights_bytes=weights)
-    if info.quant is not None and info.quant.method == "fp8":
+    if info.quant is not None:   # (an unquantized target's headers are not read)
         try:
-            info.partial_blocks = partial_blocks(tensor_specs(folder))
+            specs = tensor_specs(folder)
         except (OSError, ValueError):
-            pass   # unreadable weights: the stage that loads them says so
+            return info   # unreadable weights: the stage that loads them says so
+        info.partial_blocks = partial_blocks(specs) if info.quant.method == "fp8" else ()
+        info.quantized_heads = quantized_heads(specs)
     return info
 
 

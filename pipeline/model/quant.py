@@ -131,3 +131,29 @@ def partial_blocks(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[str, 
             out.append(f"{name[: -len('_scale_inv')]} {shape[0]}x{shape[1]} in "
                        f"{grid[0]}x{grid[1]} blocks")
     return tuple(out)
+
+
+# What the draft copies from the target (speculators' load_verifier_weights,
+# by name suffix): the embedding and the output head
+HEADS = ("embed_tokens", "lm_head")
+QUANTIZED_DTYPES = ("F8_", "I8", "U8", "I32", "I4", "U4", "F4")
+
+
+def quantized_heads(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[str, ...]:
+    """The target's embed_tokens and lm_head where its files hold them
+    quantized, as "name (how)": a float8/int dtype (an FP8 head is a scale
+    away from its values), or only packed parts (`weight_packed`, `weight`
+    absent). speculators reads `<head>.weight` and casts it to the draft's
+    dtype, and takes the embedding where no `lm_head.weight` is found: either
+    way a draft silently gets wrong heads."""
+    out = []
+    for head in HEADS:
+        names = [n for n in specs if f"{head}." in n and
+                 (n.endswith(f"{head}.weight") or f"{head}.weight_" in n)]
+        plain = [n for n in names if n.endswith(f"{head}.weight")]
+        for n in plain:
+            if specs[n][0].startswith(QUANTIZED_DTYPES):
+                out.append(f"{n} ({specs[n][0]})")
+        if not plain and names:
+            out.append(f"{sorted(names)[0]} (packed: no {head}.weight)")
+    return tuple(out)

@@ -447,7 +447,7 @@ def test_every_check_is_registered_once_at_its_own_position():
     assert doctor.checks()[0] is doctor.check_environment
     assert [c.__name__ for c in doctor.launch_checks()] == [
         "check_interpreters", "check_data", "check_gpus", "check_model",
-            "check_hf_dequantizes_the_blocks", "check_layers",
+            "check_hf_dequantizes_the_blocks", "check_heads", "check_layers",
         "check_shapes",
         "check_server_overrides", "check_vllm_accepted"]
 

@@ -138,3 +138,34 @@ def test_the_hf_route_on_the_cpu_is_refused_an_fp8_target_in_partial_blocks(tmp_
     (need,) = doctor.environment.check_hf_reads_the_target(x)
     assert "through the accelerate package" in need.message and \
         need.fix.startswith("/env/bin/python -m pip install accelerate==1.16.0"), need
+
+
+def test_a_quantized_embedding_or_head_is_named_and_blocks_train(tmp_path):
+    """train copies the target's embed_tokens and lm_head into the draft:
+    held unquantized (Kimi-K2.5's INT4, DeepSeek-V3's FP8: their configs
+    leave lm_head out) nothing is said; an FP8 lm_head (values a scale away
+    from the weights) or a packed INT4 one (no lm_head.weight: speculators
+    would take the embedding instead) blocks, naming the tensor."""
+    kept = {"model.embed_tokens.weight": ("BF16", (1024, 128)),
+            "lm_head.weight": ("BF16", (1024, 128)), **DSV3_LAYER}
+    assert quant.quantized_heads(kept) == ()
+    fp8_head = {**kept, "lm_head.weight": ("F8_E4M3", (1024, 128)),
+                "lm_head.weight_scale_inv": ("F32", (8, 1))}
+    assert quant.quantized_heads(fp8_head) == ("lm_head.weight (F8_E4M3)",)
+    packed = {k: v for k, v in kept.items() if k != "lm_head.weight"}
+    packed.update({"language_model.lm_head.weight_packed": ("I32", (1024, 16)),
+                   "language_model.lm_head.weight_scale": ("BF16", (1024, 4))})
+    assert quant.quantized_heads(packed) == (
+        "language_model.lm_head.weight_packed (packed: no lm_head.weight)",)
+    raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())
+    raw["text_config"]["quantization_config"] = INT4_GROUP_32
+    m = model_info(raw)
+    m.quantized_heads = quant.quantized_heads(packed)
+    write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 2, 3]}}})
+    x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env={},
+                      vllm=None, gpus=None, model=m)
+    (f,) = doctor.target.check_heads(x)
+    assert f.level == doctor.BLOCK and "language_model.lm_head.weight_packed (packed" in \
+        f.message, f
+    m.quantized_heads = ()
+    assert doctor.target.check_heads(x) == []

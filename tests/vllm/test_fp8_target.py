@@ -83,6 +83,9 @@ def test_an_fp8_deepseek_v3_runs_the_whole_pipeline_through_vllm(target, vllm_en
     assert stage_summary(rd, "extract")["backend"] == "vllm-server"
     ev = stage_summary(rd, "evaluate")
     assert ev["acceptance_length"] >= 1.0, ev
+    cli("export", cwd=tmp_path, check=0)   # the card names what the draft was trained beside
+    (card,) = (rd.path / "export").glob("*/README.md")
+    assert "- the target's quantization: fp8: fp8 (e4m3), blocks 128x128" in card.read_text()
     ds = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)
     same = HFBackend.load(fp8_target.dequantized_folder(fp8, bf16, tmp_path / "deq"),
                           [1, 2, 3, 4], "cpu", torch.float32, True)
