@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pipeline.config import Config
 from pipeline.doctor.findings import BLOCK, GIB, OK, WARN, Finding, check
-from pipeline.doctor.inputs import Inputs, serves_target, serves_vllm
+from pipeline.doctor.inputs import Inputs, model_refused, serves_target, serves_vllm
 from pipeline.model.info import ModelInfo
 from pipeline.run.rundir import RunDir
 from pipeline.vllm import compat, contract, contract_strings
@@ -145,6 +145,27 @@ def check_cpu_attention(x: Inputs) -> list[Finding]:
             out.append(Finding("attention", OK, f"CPU kernels: the target's {what}; a "
                                f"{layer}-layer draft shares its KV block size"))
     return out
+
+
+@check(145)
+def check_cpu_int4_dtype(x: Inputs) -> list[Finding]:
+    """An INT4 target's Linear layers on vLLM's CPU build run through its
+    `cpu_gemm_wna16`, which has no float32 kernel: in float32 the server
+    starts and fails at its first forward ("cpu_gemm_wna16" not implemented
+    for 'Float'), which vLLM's validation on the meta device cannot see. A
+    rule from what a float32 server did here (docs/FACTS.md, 2026-12-06);
+    tests/vllm/test_int4_target.py runs the bfloat16 route it asks for."""
+    v, m = x.vllm, x.model
+    if v is None or not v.cpu_build or m is None or not m.packed_linears or \
+            not serves_vllm(x) or x.cfg.dtype_name(False) != "float32" or \
+            model_refused(x.cfg, v, m):
+        return []
+    more = f" and {len(m.packed_linears) - 1} more" if len(m.packed_linears) > 1 else ""
+    return [Finding("vllm", BLOCK, f"vLLM {v.version}'s CPU build runs this target's INT4 "
+                    f"Linear layers ({m.packed_linears[0]}{more}) through its cpu_gemm_wna16 "
+                    "kernel, which has no float32 kernel: its servers would start and fail at "
+                    "the first forward (\"cpu_gemm_wna16\" not implemented for 'Float')",
+                    '[model] dtype = "bfloat16"')]
 
 
 def measured_starts(cfg: Config) -> list[dict]:

@@ -9,7 +9,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.model.quant import Quantization, partial_blocks, quantized_heads
+from pipeline.model.quant import (
+    Quantization,
+    packed_linears,
+    partial_blocks,
+    quantized_heads,
+)
 from pipeline.model.quant import read as read_quantization
 
 
@@ -43,6 +48,7 @@ class ModelInfo:
     # output head quantized (quant.quantized_heads): read_model reads them from the headers
     partial_blocks: tuple[str, ...] = ()
     quantized_heads: tuple[str, ...] = ()
+    packed_linears: tuple[str, ...] = ()   # INT4 Linear layers outside experts (quant.py)
 
     @property
     def mla(self) -> bool:
@@ -78,6 +84,7 @@ def read_model(folder: Path) -> ModelInfo:
             return info   # unreadable weights: the stage that loads them says so
         info.partial_blocks = partial_blocks(specs) if info.quant.method == "fp8" else ()
         info.quantized_heads = quantized_heads(specs)
+        info.packed_linears = packed_linears(specs)
     return info
 
 

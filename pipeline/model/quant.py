@@ -157,3 +157,11 @@ def quantized_heads(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[str,
         if not plain and names:
             out.append(f"{sorted(names)[0]} (packed: no {head}.weight)")
     return tuple(out)
+
+
+def packed_linears(specs: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[str, ...]:
+    """The packed-integer weights (compressed-tensors `weight_packed`) outside
+    the routed experts: Linear layers vLLM's CPU build runs through its INT4
+    GEMM (`cpu_gemm_wna16`), which has no float32 kernel."""
+    return tuple(sorted(n for n in specs if n.endswith(".weight_packed")
+                        and ".mlp.experts." not in n))

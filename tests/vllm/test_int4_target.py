@@ -127,13 +127,17 @@ def test_a_dense_int4_llama_runs_the_whole_pipeline_through_vllm(tmp_path):
                               tmp_path / "llama-int4", int4_target.is_decoder_linear,
                               int4_target.DENSE_IGNORE)
     # bfloat16: the CPU build's INT4 GEMM has no float32 kernel ("cpu_gemm_wna16" not
-    # implemented for 'Float', at its first call: the meta-device build cannot see it)
-    write(tmp_path / "config.toml", tiny_pipeline("d", 16, model={"target": str(folder),
-                                                                  "dtype": "bfloat16"},
-                                                  stages={"train": {"epochs": 1},
-                                                          "evaluate": {"max_prompts": 4,
-                                                                       "max_tokens": 24,
-                                                                       "baseline": False}}))
+    # implemented for 'Float', at its first call: the meta-device build cannot see it);
+    # doctor says so in float32 (the CPU stages' "auto"), from a rule
+    def config(dtype):
+        write(tmp_path / "config.toml", tiny_pipeline("d", 16, model={
+            "target": str(folder), "dtype": dtype}, stages={"train": {"epochs": 1}, "evaluate": {
+                "max_prompts": 4, "max_tokens": 24, "baseline": False}}))
+    config("auto")
+    doc = cli("doctor", cwd=tmp_path, timeout=600)
+    assert doc.returncode == 1 and "cpu_gemm_wna16 kernel, which has no float32 kernel" in \
+        doc.stdout and '[model] dtype = "bfloat16"' in doc.stdout, doc.stdout
+    config("bfloat16")
     doc = cli("doctor", cwd=tmp_path, timeout=600)
     assert doc.returncode == 0 and "[ BLOCK ]" not in doc.stdout, doc.stdout + doc.stderr
     assert '"auto" -> vllm-server' in doc.stdout and "evaluate will be skipped" not in doc.stdout
