@@ -26,6 +26,10 @@ from tests.helpers import ROOT, cli, finished, run_body, stage_summary, wait_for
 from tests.vllm.test_vllm_real import server_pids
 
 PY = VLLM_VENV / "bin" / "python"
+# the module's run (regenerate killed and resumed, then evaluate killed and resumed, each
+# through real servers) is set up inside its first test: 601 s on a loaded fresh clone
+# (2026-12-07), past pytest's default 600
+pytestmark = pytest.mark.timeout(1800)
 
 CONFIG = tiny_pipeline("p", 48, stages={
     "regenerate": {"enabled": True, "max_tokens": 64, "share_server": True, "chunk_size": 8},
