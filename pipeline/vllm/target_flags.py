@@ -15,8 +15,8 @@ doctor reports the same decisions before a launch.
   the CPU build's rotary kernel mis-rotates the query MLA hands it (a
   strided [tokens, heads, rope] view of q), so an MLA target without rope
   scaling (whose rope is that op; DeepSeek's yarn has its own, in torch)
-  had hidden states ~1% off the hf backend's from position 1 on, up to 19%
-  (docs/FACTS.md; tests/vllm/test_kimi_pipeline.py holds it at float32's).
+  had hidden states ~1% off the hf backend's from position 1 on, up to 25%
+  (docs/FACTS.md; tests/vllm/test_fp8_target.py holds it at float32's noise).
 - A DeepSeek-V3-style MoE whose checkpoint holds the router's
   `e_score_correction_bias` while its config does not say `topk_method =
   "noaux_tc"` (transformers' DeepseekV3Config writes none): vLLM creates
@@ -70,8 +70,9 @@ def has_cpu_mla(vllm_source) -> bool:
 
 
 def has_custom_op(vllm_source, name: str) -> bool:
-    """Whether the installed vLLM registers a custom op of that name (what
-    CompilationConfig.custom_ops switches by name); True when unknown."""
+    """Whether the installed vLLM's rope module registers a custom op of that
+    name (what CompilationConfig.custom_ops switches by name); True when
+    unknown."""
     if vllm_source is None:
         return True
     text = vllm_source.text("model_executor.layers.rotary_embedding.base")

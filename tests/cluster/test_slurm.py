@@ -105,7 +105,10 @@ def test_stages_run_as_slurm_jobs(cluster, tmp_path, time_limited):
     assert all(jobs.values()), jobs
     assert len(set(jobs.values())) == len(jobs)   # one job per stage
     for s, job in jobs.items():
-        assert slurm.job_state(job, fresh=True).state == "COMPLETED"
+        # the run ends when its stages have recorded their end; Slurm may still be
+        # finishing the last job (COMPLETING: its epilog) for a moment after that
+        wait_for(lambda job=job: slurm.job_state(job, fresh=True).state == "COMPLETED",
+                 timeout=120, what=f"{s}'s job {job} COMPLETED in Slurm")
         assert state["stages"][s]["status"] == "succeeded" and state["stages"][s]["pid"]
         assert f"stagekit {s}: ok" in rd.log_path(s).read_text()   # the job's output: the log
         assert "pipeline.run.supervise" in (rd.stage_dir(s) / "slurm-1.sh").read_text()
