@@ -117,6 +117,24 @@ def assert_forward_matches(got, want) -> None:
     torch.testing.assert_close(got, want, atol=step, rtol=step)
 
 
+def slot_errors(rd, backend, n: int) -> list[float]:
+    """Per hidden-state slot, the worst relative error (norm over the
+    sequence) of the first `n` samples extract wrote against `backend`'s
+    forward of the same tokens (an HFBackend: the reference)."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+    ds = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)
+    worst: list[float] = []
+    for i in range(n):
+        hs = load_file(rd.out_dir("extract") / "hidden_states" / f"hs_{i}.safetensors")
+        hs = hs["hidden_states"].float()
+        ref = backend.forward([ds[i]["input_ids"]])[0]
+        errs = [((hs[:, s] - ref[:, s]).norm() / ref[:, s].norm()).item()
+                for s in range(hs.shape[1])]
+        worst = [max(a, b) for a, b in zip(worst, errs, strict=True)] if worst else errs
+    return worst
+
+
 def hs_files(rd):
     """The extract stage's hidden-state files, in name order."""
     return sorted((rd.out_dir("extract") / "hidden_states").glob("hs_*.safetensors"))

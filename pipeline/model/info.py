@@ -6,15 +6,12 @@ only: doctor and the stages share it."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
-from pipeline.model.quant import (
-    Quantization,
-    packed_linears,
-    partial_blocks,
-    quantized_heads,
-)
+from pipeline.model import quant as quant_rules
+from pipeline.model.quant import Quantization
 from pipeline.model.quant import read as read_quantization
 
 
@@ -44,11 +41,34 @@ class ModelInfo:
     index_head_dim: int | None = None  # DSA's indexer keys
     sliding_window: int | None = None
     quant: Quantization | None = None  # quantization_config, read (pipeline.model.quant)
-    # FP8 weights in a partial last block (quant.partial_blocks), and the embedding or
-    # output head quantized (quant.quantized_heads): read_model reads them from the headers
-    partial_blocks: tuple[str, ...] = ()
-    quantized_heads: tuple[str, ...] = ()
-    packed_linears: tuple[str, ...] = ()   # INT4 Linear layers outside experts (quant.py)
+    # read_model's folder: a quantized target's weight headers are read from it when
+    # doctor asks (the properties below), not at every stage start
+    folder: Path | None = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def _weight_specs(self) -> dict:
+        if self.quant is None or self.folder is None:
+            return {}
+        try:
+            return tensor_specs(self.folder)
+        except (OSError, ValueError):
+            return {}   # unreadable weights: the stage that loads them says so
+
+    @cached_property
+    def partial_blocks(self) -> tuple[str, ...]:
+        """FP8 weights in a partial last block (quant.partial_blocks)."""
+        fp8 = self.quant is not None and self.quant.method == "fp8"
+        return quant_rules.partial_blocks(self._weight_specs) if fp8 else ()
+
+    @cached_property
+    def quantized_heads(self) -> tuple[str, ...]:
+        """The embedding or output head held quantized (quant.quantized_heads)."""
+        return quant_rules.quantized_heads(self._weight_specs)
+
+    @cached_property
+    def packed_linears(self) -> tuple[str, ...]:
+        """INT4 Linear layers outside the experts (quant.packed_linears)."""
+        return quant_rules.packed_linears(self._weight_specs)
 
     @property
     def mla(self) -> bool:
@@ -77,14 +97,7 @@ def read_model(folder: Path) -> ModelInfo:
         files = list(folder.glob("*.safetensors"))
         weights = sum(f.stat().st_size for f in files) if files else None
     info = model_info(raw, tokenizer_remote_code=tok_auto, weights_bytes=weights)
-    if info.quant is not None:   # (an unquantized target's headers are not read)
-        try:
-            specs = tensor_specs(folder)
-        except (OSError, ValueError):
-            return info   # unreadable weights: the stage that loads them says so
-        info.partial_blocks = partial_blocks(specs) if info.quant.method == "fp8" else ()
-        info.quantized_heads = quantized_heads(specs)
-        info.packed_linears = packed_linears(specs)
+    info.folder = Path(folder)
     return info
 
 

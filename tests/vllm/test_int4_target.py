@@ -18,7 +18,7 @@ import torch
 from pipeline.run.rundir import RunDir
 from tests.configs import tiny_pipeline, write
 from tests.fakes import int4_target
-from tests.helpers import cli, stage_summary
+from tests.helpers import cli, slot_errors, stage_summary
 
 WNA16 = "No WNA16 MoE backend supports the deployment configuration"
 
@@ -94,14 +94,12 @@ def test_the_int4_target_runs_around_what_vllm_cannot(target, tmp_path):
     ds = load_from_disk(str(rd.out_dir("prepare") / "data")).with_format(None)
     same = HFBackend.load(folder, [1, 2, 3, 4], "cpu", torch.float32, True)
     full = HFBackend.load(src, [1, 2, 3, 4], "cpu", torch.float32, True)
-    err, noise = [0.0] * 4, 0.0
+    noise = 0.0
     for i in range(4):
         got = load_file(rd.out_dir("extract") / "hidden_states" / f"hs_{i}.safetensors")
         hs = got["hidden_states"].float()
         noise = max(noise, (hs - same.forward([ds[i]["input_ids"]])[0]).abs().max().item())
-        ref = full.forward([ds[i]["input_ids"]])[0]
-        for s in range(4):
-            err[s] = max(err[s], ((hs[:, s] - ref[:, s]).norm() / ref[:, s].norm()).item())
+    err = slot_errors(rd, full, 4)
     print(f"INT4 experts vs the unquantized target, relative error per slot (layers 1, 2, 3, "
           f"last): {[f'{e:.2%}' for e in err]}; vs the same weights: {noise:.1e}")
     assert noise < 1e-4 and 0 < err[-1] < 0.5
