@@ -184,6 +184,21 @@ def check_hf_reads_the_target(x: Inputs) -> list[Finding]:
                     "installs it)")]
 
 
+def extract_on_hf(x: Inputs) -> bool:
+    """Whether extract runs on the hf backend: doctor's resolved backend; at
+    launch (no environment probed) an explicit backend = "hf", or "auto"
+    where doctor recorded that vLLM cannot build the target here, the answer
+    the extract stage itself decides "auto" by (choose_backend's `refused`).
+    A launch reads that record (one small file), never vLLM."""
+    if x.env:
+        return x.backend == "hf"
+    backend = x.cfg.stages.extract.backend
+    if backend != "auto" or x.model is None:
+        return backend == "hf"
+    from pipeline.vllm.validation import model_refused
+    return model_refused(x.cfg.vllm_python(), x.cfg.target_path()) is not None
+
+
 @check(43, launch=35)
 def check_hf_dequantizes_the_blocks(x: Inputs) -> list[Finding]:
     """An FP8 target on extract's hf backend on the CPU, where transformers
@@ -192,20 +207,30 @@ def check_hf_dequantizes_the_blocks(x: Inputs) -> list[Finding]:
     divisible by scale grid (5, 1)"), and DeepSeek-V3's and Kimi-K2's
     kv_a_proj_with_mqa is 576 rows of 128-row blocks. A rule read from the
     weights' headers, held against the real transformers by
-    tests/vllm/test_fp8_target.py. At launch (no environment probed) only
-    an explicit backend = "hf" is known to be hf."""
+    tests/vllm/test_fp8_target.py."""
     m = x.model
-    hf = x.backend == "hf" if x.env else x.cfg.stages.extract.backend == "hf"
-    if m is None or not m.partial_blocks or not hf or x.cfg.online or \
+    if m is None or not m.partial_blocks or not extract_on_hf(x) or x.cfg.online or \
             x.cfg.stage_devices("extract"):
         return []
     more = f" (and {len(m.partial_blocks) - 1} more)" if len(m.partial_blocks) > 1 else ""
-    return [Finding("backends", BLOCK, "extract's hf backend on the CPU: transformers "
-                    "dequantizes FP8 weights block by block and refuses one that is not whole "
-                    "blocks (its Fp8Dequantize: \"not divisible by scale grid\"); this target's "
-                    f"{m.partial_blocks[0]}{more}",
-                    'backend = "vllm-server" (or "auto"): vLLM\'s FP8 kernels take a partial '
-                    "last block; or extract on a GPU")]
+    said = ("extract's hf backend on the CPU: transformers dequantizes FP8 weights block by "
+            "block and refuses one that is not whole blocks (its Fp8Dequantize: \"not "
+            f"divisible by scale grid\"); this target's {m.partial_blocks[0]}{more}")
+    if x.cfg.stages.extract.backend == "auto":   # hf because vLLM cannot build it here
+        return [Finding("backends", BLOCK, f'backend = "auto" has no route for this target '
+                        f"on this machine: vLLM cannot build it here (doctor's answer, above or "
+                        f"recorded), and {said}", "extract on a GPU ([gpus] devices), or with a "
+                        "vLLM that has the target's kernels ([runtime] vllm_python)")]
+    return [Finding("backends", BLOCK, said, 'backend = "vllm-server" (or "auto"): vLLM\'s '
+                    "FP8 kernels take a partial last block; or extract on a GPU")]
+
+
+def hf_route_findings(x: Inputs) -> list[Finding]:
+    """The hf route's own checks, for doctor's "auto" resolved to hf only
+    once vLLM was asked (pipeline/doctor/validation.planned_around): they ran
+    before, while "auto" still meant vLLM's route. A target neither route
+    can run here then blocks, as it does at the next launch."""
+    return check_hf_reads_the_target(x) + check_hf_dequantizes_the_blocks(x)
 
 
 def engine_backend_findings(x: Inputs, v: VllmEnv) -> list[Finding]:

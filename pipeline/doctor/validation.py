@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.doctor.environment import hf_route_findings
 from pipeline.doctor.findings import BLOCK, OK, WARN, Finding, check
 from pipeline.doctor.inputs import Inputs, serves_target
 from pipeline.model.info import ModelInfo
@@ -268,10 +269,13 @@ def planned_around(x: Inputs, v: validation.Validation, version: str) -> list[Fi
     for r in v.results:
         cannot = not r.ok and r.step == "model"
         if cannot and auto and r.name == "extract":
+            resolved = x.backend == "hf"
             x.backend, x.backend_why = "hf", f"vLLM {version} cannot build the target here"
             out.append(Finding("backends", OK, f'backend = "auto" -> hf: vLLM {version} '
                                f"cannot build the target here ({r.error}): the hf backend "
                                "extracts instead (recorded: the stages decide the same way)"))
+            if x.env and not resolved:   # doctor's hf checks ran before vLLM was asked
+                out += hf_route_findings(x)
         elif cannot and r.name.startswith("evaluate"):
             out.append(Finding("evaluate", WARN, f"evaluate will be skipped: vLLM {version} "
                                f"cannot build the target here ({r.error}); the run ends at "

@@ -140,6 +140,39 @@ def test_the_hf_route_on_the_cpu_is_refused_an_fp8_target_in_partial_blocks(tmp_
         need.fix.startswith("/env/bin/python -m pip install accelerate==1.16.0"), need
 
 
+def test_auto_with_no_route_that_runs_the_target_blocks_in_doctor_and_at_launch(
+        tmp_path, monkeypatch):
+    """backend = "auto" on an FP8 target in partial blocks that vLLM cannot
+    build here: doctor, which resolves "auto" to hf only once vLLM has
+    answered (after the hf checks ran), blocks with both reasons; the launch
+    reads doctor's recorded refusal (no vLLM asked) and blocks the same way.
+    Without the record the launch cannot know, and says nothing."""
+    from pipeline.doctor.validation import planned_around
+    from pipeline.vllm import validation
+    raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())["text_config"]
+    raw["quantization_config"] = FP8_BLOCKS
+    m = model_info(raw)
+    m.partial_blocks = quant.partial_blocks(DSV3_LAYER)
+    write(tmp_path / "config.toml", {"stages": {"extract": {"backend": "auto",
+                                                            "layer_ids": [1, 2, 3]}}})
+    cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 0)
+    said = "NotImplementedError: no FP8 MoE kernel here"
+    x = doctor.Inputs(cfg, env={"executable": "py"}, vllm=None, gpus=None, model=m,
+                      backend="vllm-server")
+    lines = planned_around(x, validation.Validation([validation.Result("extract", False, said)]),
+                           "0.32.0")
+    assert x.backend == "hf" and [f.level for f in lines] == [doctor.OK, doctor.BLOCK], lines
+    assert lines[1].message.startswith('backend = "auto" has no route for this target') and \
+        "kv_a_proj_with_mqa.weight 576x7168 in 5x56 blocks" in lines[1].message and \
+        lines[1].fix.startswith("extract on a GPU"), lines[1]
+    at_launch = doctor.Inputs(cfg, env={}, vllm=None, gpus=None, model=m)
+    monkeypatch.setattr(validation, "model_refused", lambda *a, **k: None)
+    assert doctor.environment.check_hf_dequantizes_the_blocks(at_launch) == []
+    monkeypatch.setattr(validation, "model_refused", lambda *a, **k: said)
+    (f,) = doctor.environment.check_hf_dequantizes_the_blocks(at_launch)
+    assert f.level == doctor.BLOCK and f.message == lines[1].message
+
+
 def test_a_quantized_embedding_or_head_is_named_and_blocks_train(tmp_path):
     """train copies the target's embed_tokens and lm_head into the draft:
     held unquantized (Kimi-K2.5's INT4, DeepSeek-V3's FP8: their configs

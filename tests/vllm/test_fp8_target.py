@@ -60,6 +60,31 @@ def test_the_hf_route_is_refused_before_transformers_refuses_it(target, tmp_path
     assert not (tmp_path / "runs").exists()
 
 
+def test_auto_with_neither_route_is_refused_at_launch(target, vllm_env, tmp_path):
+    """Where doctor found that vLLM cannot build the target here (recorded:
+    an FP8 build a CPU lacks the kernels for, stood in by a recorded answer on
+    a copy of the folder, since this vLLM builds it), `backend = "auto"`
+    would extract on hf, which refuses the partial blocks: the launch, which
+    asks no vLLM, reads the record and refuses both routes at once, exit 2,
+    nothing created."""
+    import json
+    import shutil
+
+    from pipeline.vllm import validation
+    _, fp8 = target
+    copy = shutil.copytree(fp8, tmp_path / "ds3-fp8")
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "_test": str(tmp_path)}))
+    validation.record_model(vllm_env.python, copy, "NotImplementedError: (recorded by this test)",
+                            vllm_env.vllm_dir)
+    write(tmp_path / "config.toml", config(copy, extract={"backend": "auto"}))
+    p = cli("run", cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert 'backend = "auto" has no route for this target on this machine' in p.stderr and \
+        "kv_a_proj_with_mqa.weight 576x128 in 5x1 blocks" in p.stderr, p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_fp8_deepseek_v3_runs_the_whole_pipeline_through_vllm(target, vllm_env, tmp_path):
     """doctor: auto -> vllm-server, nothing skipped; the run: extract through
     `vllm serve`, the MLA draft trained and measured by vLLM beside the FP8
