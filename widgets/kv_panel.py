@@ -42,7 +42,8 @@ class KVCachePanel(Static):
         gap = "  "
         # the stage's servers first (what a person looks for at 80x24), then
         # the figures of the one shown
-        for k, v in server_rows(report) + figure_rows(report.kv, report.usage):
+        for k, v in server_rows(report) + figure_rows(report.kv, report.usage,
+                                                      len(report.servers) > 1):
             t.add_row(k + gap, v)
         self.update(t)
 
@@ -81,18 +82,29 @@ def server_rows(report: KVReport) -> list[tuple[str, object]]:
     return rows
 
 
-def figure_rows(kv: Mapping, usage: Mapping | None) -> list[tuple[str, object]]:
-    """The live use, then the figures of the report shown and its groups."""
+def figure_rows(kv: Mapping, usage: Mapping | None,
+                several: bool = False) -> list[tuple[str, object]]:
+    """The live use, then the figures of the report shown and its groups:
+    with `several` servers, headed by whose they are; the blocks with the
+    token slots they make, so that vLLM's own capacity, which may count
+    fewer, is read beside them rather than against them."""
     rows: list[tuple[str, object]] = []
+    if several and "server" in kv:
+        rows.append(("figures of", Text(f"server {kv['server']} (GPUs "
+                                        f"{list(kv.get('devices') or []) or '- (CPU)'})",
+                                        style="bold")))
     if usage:
         rows.append(("live use", f"{usage.get('usage_perc', 0) * 100:.1f}%  running "
                                  f"{usage.get('running')}  waiting {usage.get('waiting')}"))
+    blocks, size, cap = kv.get("num_blocks"), kv.get("block_size"), kv.get("tokens_capacity")
+    slots = blocks * size if blocks and size else None
     rows += [
-        ("blocks", f"{kv.get('num_blocks'):,}" if kv.get("num_blocks") else "-"),
-        ("block size", f"{kv.get('block_size')} tokens" if kv.get("block_size") else "-"),
+        ("blocks", (f"{blocks:,}" + (f" x {size} tokens = {slots:,} token slots" if slots
+                                     else "")) if blocks else "-"),
         ("bytes per block", fmt.nbytes(kv.get("bytes_per_block"))),
         ("total", fmt.nbytes(kv.get("total_bytes"))),
-        ("token capacity", f"{kv.get('tokens_capacity'):,}" if kv.get("tokens_capacity") else "-"),
+        ("token capacity", "-" if not cap else f"{cap:,}" if not slots or cap == slots
+         else f"{cap:,} (vLLM's own count: {cap / slots:.0%} of the slots)"),
         ("max concurrency", f"{kv.get('max_concurrency'):.2f}x at {kv.get('max_model_len')} tokens"
          if kv.get("max_concurrency") else "-"),
         ("bytes per token", fmt.nbytes(kv["total_bytes"] / kv["tokens_capacity"])

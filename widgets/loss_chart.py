@@ -3,10 +3,18 @@
 Each series is reduced to one value per dot column (the mean of the points
 that fall in it) before drawing, so a 100,000-step run costs about what a
 100-step one does. A column is drawn from its lowest point to its highest
-too (clipped to the means' range), so a one-step loss spike stays a visible
-stroke however long the history: the series keep each bucket's extremes
-(pipeline.run.series), the mean alone would flatten them. EMA smoothing
-(which draws the smoothed means only) and a log scale are toggles.
+too, so a one-step loss spike stays a visible stroke however long the
+history: the series keep each bucket's extremes (pipeline.run.series), the
+mean alone would flatten them.
+
+What a person reads first is the trend: EMA smoothing is on by default, drawn
+over the raw means in faint dots (`e` turns it off: the means and each
+column's extremes, full strength); the loss is
+the total alone until `p` adds each draft position's; and the y range is the
+bulk of the curve, not its first steps: Tukey's far-out fences (quartiles
++- 3 IQR) over the column means, every series' last value kept inside, and a
+column past the range marked at the edge it is drawn to (CLIPPED_UP/DOWN).
+A log scale is a toggle.
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ def bucket_extremes(x: np.ndarray, y: np.ndarray, x0: float, x1: float, cols: in
 
 TICK_EVERY = 4     # a y label every this many rows (top and bottom always)
 POINT = "●"        # a marked point (validation: one value per epoch, not a curve)
+CLIPPED_UP, CLIPPED_DOWN = "▴", "▾"   # a column whose mean lies past the y range
+FENCE_IQR = 3.0    # Tukey's "far out": what lies past the quartiles by 3 IQR is clipped
+FENCE_MIN_COLUMNS = 8   # fewer columns than this: the whole range (nothing to call bulk)
 
 
 def log_refused(series) -> bool:
@@ -74,10 +85,12 @@ def log_refused(series) -> bool:
 
 
 def plot(series: list[tuple], width: int, height: int,
-         smooth: bool = False, log: bool = False) -> list[Text]:
+         smooth: bool = False, log: bool = False, fence: bool = False) -> list[Text]:
     """Render series [(label, x, y)] or [(label, x, y, "points")] into
     `height` lines of `width` cells: curves in braille dots, "points"
-    series as one marked cell per value, y labelled every TICK_EVERY rows."""
+    series as one marked cell per value, y labelled every TICK_EVERY rows.
+    `smooth`: each curve EMA-smoothed over its raw self in faint dots;
+    `fence`: the y range is the curves' bulk (y_range), the rest marked."""
     label_w = 8
     cols, rows = max(1, (width - label_w)) * 2, max(1, height - 1) * 4
     series = [(s[0], s[1], s[2], s[3] if len(s) > 3 else "line") for s in series if len(s[1])]
@@ -86,25 +99,66 @@ def plot(series: list[tuple], width: int, height: int,
     log = log and not log_refused(series)
     x0 = min(float(x[0]) for _, x, _, _ in series)
     x1 = max(float(x[-1]) for _, x, _, _ in series)
-    reduced = [(name, *reduce_series(x, y, x0, x1, cols, log, smooth and kind == "line",
-                                     extremes=kind == "line"), kind)
-               for name, x, y, kind in series]
-    finite = np.concatenate([m[~np.isnan(m)] for _, m, _, _ in reduced])
-    if not len(finite):
+    reduced = []   # (name, values per column, extremes, kind, color index, faint)
+    for k, (name, x, y, kind) in enumerate(series):
+        line = kind == "line"
+        if smooth and line:   # the raw means first, faint: the smoothed curve drawn over them
+            reduced.append((name, *reduce_series(x, y, x0, x1, cols, log, False, False), kind,
+                            k, True))
+        reduced.append((name, *reduce_series(x, y, x0, x1, cols, log, smooth and line,
+                                             extremes=line), kind, k, False))
+    if not any((~np.isnan(r[1])).any() for r in reduced):
         return [Text("no finite values", style="dim")]
-    lo, hi = float(finite.min()), float(finite.max())
-    if hi - lo < 1e-12:
-        hi = lo + 1.0
+    lo, hi, clipped = y_range(reduced, fence)
     grid, color, marks = draw(reduced, lo, hi, rows, cols)
+    if clipped:
+        mark_clipped(reduced, lo, hi, grid.shape, marks)
     fmt_v = (lambda v: f"{10 ** v:.3g}") if log else (lambda v: f"{v:.3g}")
     lines = rendered_rows(grid, color, marks, label_w,
-                          lambda i, n: fmt_v(row_value(i, n, lo, hi, rows)))
+                          lambda i, n: fmt_v(row_value(i, n, lo, hi, rows)), reduced)
     legend = Text(f"{'step':>{label_w - 1}} {int(x0)}..{int(x1)}  ", style="dim")
-    for k, (name, _, _, kind) in enumerate(reduced):
-        legend.append(f"{POINT if kind == 'points' else '■'} {name} ",
-                      style=COLORS[k % len(COLORS)])
+    for name, _, _, kind, k, faint in reduced:
+        if not faint:
+            legend.append(f"{POINT if kind == 'points' else '■'} {name} ",
+                          style=COLORS[k % len(COLORS)])
+    if clipped:
+        legend.append(f"{CLIPPED_UP}{CLIPPED_DOWN} clipped", style="dim")
     lines.append(legend)
     return lines
+
+
+def y_range(reduced: list[tuple], fence: bool) -> tuple[float, float, bool]:
+    """(lo, hi, whether some column lies past them): every value's range, or
+    with `fence` the curves' bulk — Tukey's far-out fences over the column
+    means of the curves, widened to each curve's last value (where it is now
+    is never clipped) and never past the values themselves."""
+    every = np.concatenate([r[1][~np.isnan(r[1])] for r in reduced])
+    lo, hi = float(every.min()), float(every.max())
+    means = np.concatenate([r[1][~np.isnan(r[1])] for r in reduced
+                            if r[3] == "line" and not r[5]] or [np.empty(0)])
+    if fence and len(means) >= FENCE_MIN_COLUMNS:
+        q1, q3 = np.percentile(means, [25, 75])
+        spread = FENCE_IQR * max(q3 - q1, 1e-12)
+        last = [float(r[1][~np.isnan(r[1])][-1]) for r in reduced
+                if r[3] == "line" and not r[5] and (~np.isnan(r[1])).any()]
+        lo = max(lo, min([q1 - spread, *last]))
+        hi = min(hi, max([q3 + spread, *last]))
+    clipped = lo > float(every.min()) or hi < float(every.max())
+    if hi - lo < 1e-12:
+        hi = lo + 1.0
+    return lo, hi, clipped
+
+
+def mark_clipped(reduced: list[tuple], lo: float, hi: float, shape, marks: dict) -> None:
+    """At the top (bottom) row, a CLIPPED_UP (DOWN) mark over each column
+    whose mean lies above (below) the range, in its series' color."""
+    for _, m, _, _, k, faint in reduced:
+        if faint:
+            continue
+        for c in np.flatnonzero(~np.isnan(m)):
+            if m[c] > hi or m[c] < lo:
+                cell = (0 if m[c] > hi else shape[0] - 1, int(c) // 2)
+                marks[cell] = (k, CLIPPED_UP if m[c] > hi else CLIPPED_DOWN)
 
 
 def reduce_series(x, y, x0: float, x1: float, cols: int, log: bool, smooth: bool,
@@ -125,18 +179,20 @@ def reduce_series(x, y, x0: float, x1: float, cols: int, log: bool, smooth: bool
 
 
 def draw(reduced: list[tuple], lo: float, hi: float, rows: int, cols: int):
-    """The braille dot grid, each cell's series, and the marked points' cells."""
+    """The braille dot grid, each cell's entry of `reduced` (the last drawn
+    there: a smoothed curve over its faint raw self), and the marked cells
+    ((color index, the mark))."""
     grid = np.zeros((rows // 4, cols // 2), dtype=np.int32)
     color = np.full(grid.shape, -1)
-    marks: dict[tuple[int, int], int] = {}
+    marks: dict[tuple[int, int], tuple[int, str]] = {}
 
-    def row(v: float) -> int:   # (an extreme past the range: drawn to its edge)
+    def row(v: float) -> int:   # (a value past the range: drawn to its edge)
         return min(rows - 1, max(0, int(round((hi - v) / (hi - lo) * (rows - 1)))))
 
-    for k, (_, m, env, kind) in enumerate(reduced):
+    for k, (_, m, env, kind, ci, _) in enumerate(reduced):
         if kind == "points":
             for c in np.flatnonzero(~np.isnan(m)):
-                marks[(row(m[c]) // 4, int(c) // 2)] = k
+                marks[(row(m[c]) // 4, int(c) // 2)] = (ci, POINT)
             continue
         prev = None
         for c in range(cols):
@@ -164,8 +220,10 @@ def row_value(i: int, n_rows: int, lo: float, hi: float, rows: int) -> float:
     return lo if i == n_rows - 1 else hi - (i * 4 + 1.5) / max(rows - 1, 1) * (hi - lo)
 
 
-def rendered_rows(grid, color, marks: dict, label_w: int, label) -> list[Text]:
-    """The grid as lines of text, a y label (`label(i, n_rows)`) every TICK_EVERY rows."""
+def rendered_rows(grid, color, marks: dict, label_w: int, label,
+                  reduced: list[tuple]) -> list[Text]:
+    """The grid as lines of text, a y label (`label(i, n_rows)`) every
+    TICK_EVERY rows; a faint entry's dots dim."""
     n_rows = grid.shape[0]
     lines = []
     for i in range(n_rows):
@@ -173,11 +231,16 @@ def rendered_rows(grid, color, marks: dict, label_w: int, label) -> list[Text]:
         line = Text(f"{label(i, n_rows) if tick else '':>{label_w - 1}} ", style="dim")
         for j in range(grid.shape[1]):
             if (i, j) in marks:
-                line.append(POINT, style="bold " + COLORS[marks[(i, j)] % len(COLORS)])
+                ci, mark = marks[(i, j)]
+                line.append(mark, style="bold " + COLORS[ci % len(COLORS)])
                 continue
             bits = grid[i, j]
-            line.append(chr(BRAILLE + bits) if bits else " ",
-                        style=COLORS[color[i, j] % len(COLORS)] if bits else "")
+            if not bits:
+                line.append(" ")
+                continue
+            _, _, _, _, ci, faint = reduced[color[i, j]]
+            line.append(chr(BRAILLE + bits),
+                        style=("dim " if faint else "") + COLORS[ci % len(COLORS)])
         lines.append(line)
     return lines
 
@@ -196,7 +259,8 @@ class LossChart(Widget):
     family is drawn under the selected one."""
 
     DEFAULT_CSS = "LossChart { height: 1fr; min-height: 6; }"
-    smooth = reactive(False)
+    smooth = reactive(True)       # the trend first; `e`: the raw means alone
+    positions = reactive(False)   # the loss per draft position too (`p`)
     log = reactive(False)
     metric = reactive("loss")   # "loss" | "full_acc" | "acceptance"
     METRICS = ("loss", "full_acc", "acceptance")
@@ -248,8 +312,8 @@ class LossChart(Widget):
             keys = sorted((k for sp, k in m if sp == self.split and k.startswith("position_")
                            and k.endswith("_acc") and k[9:-4].isdigit()),
                           key=lambda k: int(k[9:-4]))
-        if family == "loss" and (self.split, "loss") in m:
-            keys = ["loss", *keys]
+        if family == "loss" and (self.split, "loss") in m:   # the total, positions on demand
+            keys = ["loss", *keys] if self.positions else ["loss"]
         out = [(k, *arrays((self.split, k))) for k in keys]
         # over the train curves, validation's figure of the family (once an epoch)
         val = next((k for k in keys if ("val", k) in m), None) if self.split == "train" else None
@@ -266,9 +330,9 @@ class LossChart(Widget):
         if family == "acceptance" and not series:
             return [Text("no acceptance measured yet: evaluate measures each checkpoint "
                          "through vLLM (train's estimate comes with it)", style="dim")]
-        per_step = family in ("loss", "full_acc")   # EMA and log: for the training curves
+        per_step = family in ("loss", "full_acc")   # EMA, log, fences: the training curves
         return plot(series, width, max(2, height), self.smooth and per_step,
-                    self.log and per_step)
+                    self.log and per_step, fence=per_step)
 
     def render(self):
         w, h = self.size.width, self.size.height
@@ -276,13 +340,13 @@ class LossChart(Widget):
         title = self.title(self.metric)
         refused = self.log and log_refused(series)
         log_state = "off (values reach 0)" if refused else "on" if self.log else "off"
-        hints = (f"   [e] EMA {'on' if self.smooth else 'off'}  [o] log {log_state}"
+        ema, pos = "on" if self.smooth else "off", "on" if self.positions else "off"
+        hints = (f"   [e] EMA {ema}  [o] log {log_state}  [p] per position {pos}"
                  "  [a] loss/acc/acceptance  [v] train/val")
         if self.metric == "acceptance":   # points per checkpoint: no EMA, log or split
             hints = "   [a] loss/acc/acceptance"
         elif title.cell_len + len(hints) > w:   # one line at 80 columns: the keys only
-            hints = (f"  e:EMA {'on' if self.smooth else 'off'} o:log {log_state} "
-                     "a:metric v:split")
+            hints = f"  e:EMA {ema} o:log {log_state} p:pos {pos} a:metric v:split"
         title.append(hints, style="dim")
         title.truncate(max(1, w), overflow="ellipsis")
         companion = COMPANION.get(self.metric)

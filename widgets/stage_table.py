@@ -84,10 +84,18 @@ class StageTable(Vertical, can_focus=True):
         return self.cells[stage][col]
 
     def _row_text(self, cells: dict, header: bool = False) -> Text:
-        t = Text(" ")
-        for col, width in COLUMNS:
+        """The cells in their columns; a cell too long for its column runs on
+        into the next one when that is empty (a finished stage's end)."""
+        t, spill = Text(" "), 0
+        for i, (col, width) in enumerate(COLUMNS):
+            if spill:   # taken by the cell before
+                spill -= 1
+                continue
             v = cells.get(col, "")
             piece = v if isinstance(v, Text) else Text(str(v))
+            if piece.cell_len > width and i + 1 < len(COLUMNS) and \
+                    not str(cells.get(COLUMNS[i + 1][0], "")):
+                width, spill = width + 1 + COLUMNS[i + 1][1], 1
             piece.truncate(width, pad=True)
             t.append_text(piece)
             t.append(" ")
@@ -110,7 +118,7 @@ class StageTable(Vertical, can_focus=True):
                 "Att": str(row.attempt or ""),
                 "Time": fmt.duration(seconds) if seconds is not None else "",
                 "Progress": self._servers(starting, len(live)) if starting
-                else self._progress(prog),
+                else self._progress(prog, status, row.summary),
                 "Rate / ETA": self._server_state(starting, now) if starting
                 else self._rate(prog, status),
                 "Exit": Text(fmt.exit_text(row.state) if status in ENDED
@@ -120,9 +128,18 @@ class StageTable(Vertical, can_focus=True):
             self.query_one(f"#row-{s}", QuietStatic).set(self._row_text(styled))
 
     @staticmethod
-    def _progress(ev) -> Text:
+    def _progress(ev, status: str = Status.RUNNING, summary: Mapping | None = None) -> Text:
+        """A bar with done/total while the stage runs (or stopped part-way);
+        a stage that succeeded says what it did, no bar (one that stopped
+        early on a plateau is not 62% of anything), and why it did less than
+        planned: "1620 steps, plateau at epoch 5"."""
         if not ev:
             return Text("")
+        if status == Status.SUCCEEDED:
+            did = f"{count(ev.get('done'))} {ev.get('unit', '')}".rstrip()
+            short = ev.get("total") and ev.get("done", 0) < ev["total"]
+            why = str((summary or {}).get("stopped") or "stopped early").split(":")[0]
+            return Text(f"{did}, {why}" if short else did)
         t = progress_bar(ev.get("done", 0), ev.get("total"), 8)
         total = ev.get("total")
         done = count(ev.get("done"))

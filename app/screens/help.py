@@ -25,7 +25,8 @@ HELP = """\
   /        search the log            n  next match
   w        long log lines: elided in the middle <-> whole (scrolled sideways)
   l        the selected stage's log -> its vLLM servers' logs, one by one
-  e        training: EMA smoothing   o  log scale
+  e        training: EMA smoothing, the raw curve faint under it (on at start)
+  o        training: log scale       p  the loss per draft position too
   a        loss -> accuracy -> acceptance (vLLM)   v  train / validation
   d        doctor: environment, GPUs, model, vLLM, KV and disk checks
   C        compare the runs in this runs folder: algorithm, size, loss, acceptance

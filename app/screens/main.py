@@ -79,6 +79,7 @@ class MainScreen(Screen):
         Binding("n", "next_match", "Next", show=False),
         Binding("e", "chart('smooth')", "EMA", show=False),
         Binding("o", "chart('log')", "Log scale", show=False),
+        Binding("p", "chart('positions')", "Per position", show=False),
         Binding("a", "chart('metric')", "Loss/acc", show=False),
         Binding("v", "chart('split')", "Train/val", show=False),
         Binding("g", "node", "Node", show=False),
@@ -112,6 +113,7 @@ class MainScreen(Screen):
         with TabbedContent(initial="logs", id="tabs"):
             with TabPane("1 Logs", id="logs"):
                 yield LogView(id="log")
+                yield QuietStatic(id="log-step")
                 yield Input(placeholder="search the log (Enter: find, Esc: close)", id="search")
             with TabPane("2 GPUs", id="gpus"):
                 yield GpuTable(id="gpu")
@@ -227,7 +229,9 @@ class MainScreen(Screen):
     def draw_active_tab(self, switched: bool = False) -> None:
         """Hidden tabs are not drawn; switching to one draws it."""
         tab = self.query_one(TabbedContent).active
-        if tab == "training" and self.view is not None:
+        if tab == "logs":
+            self.draw_log_step()
+        elif tab == "training" and self.view is not None:
             self.draw_training(force=switched)
         elif tab == "kv" and self.view is not None:
             self.draw_kv()
@@ -345,6 +349,17 @@ class MainScreen(Screen):
         else:
             bars.display = False   # evaluate's figures: in evaluate's view
 
+    def draw_log_step(self) -> None:
+        """Under a running train's own log, its per-step figures as one line,
+        rewritten as they come (speculators' per-step dicts are kept out of
+        the log: pipeline/train/in_process.per_step_quiet)."""
+        line = self.query_one("#log-step", QuietStatic)
+        train = self.view.stages["train"] if self.view is not None else None
+        line.display = bool(train and train.running and train.progress) and \
+            self._log_stage == "train" and self._log_server is None
+        if line.display:
+            line.set(step_line(self.view))
+
     def show_log(self, stage: str) -> None:
         """The stage's own log (selecting a stage always comes back to it)."""
         if self.rundir is None or stage == self._log_stage:
@@ -365,6 +380,7 @@ class MainScreen(Screen):
         server = f" · vLLM {self._log_server}" if self._log_server is not None else ""
         self.query_one(TabbedContent).get_tab("logs").label = \
             f"1 Logs: {self._log_stage}{server}"
+        self.draw_log_step()   # (train's step line: under its own log only)
 
     def action_next_log(self) -> None:
         """l: the selected stage's log -> its vLLM server 0's -> server 1's ... -> back."""
@@ -460,6 +476,8 @@ class MainScreen(Screen):
             chart.smooth = not chart.smooth
         elif what == "log":
             chart.log = not chart.log
+        elif what == "positions":
+            chart.positions = not chart.positions
         elif what == "metric":
             chart.metric = chart.METRICS[(chart.METRICS.index(chart.metric) + 1)
                                          % len(chart.METRICS)]
@@ -501,6 +519,27 @@ def train_info(view) -> Text:
     if train.online:
         t.append("\n")
         t.append_text(online_text(train.online))
+    return t
+
+
+def step_line(view) -> Text:
+    """A running train's last step: `step 261/2592 · loss 3.21 · acc 0.97
+    0.88 0.74 · 17.4 steps/s · ETA 2m14s` (the accuracies per draft
+    position)."""
+    prog, m = view.stages["train"].progress, view.metrics
+    t = Text(f"step {prog.done}/{prog.total or '?'}", style="bold")
+    loss = m.get(("train", "loss"))
+    if loss is not None and loss.added:
+        t.append(f" · loss {loss.last_y:.3g}")
+    accs = sorted((k for sp, k in m if sp == "train" and k.startswith("full_acc_")
+                   and k[9:].isdigit()), key=lambda k: int(k[9:]))
+    if accs:
+        t.append(" · acc " + " ".join(f"{m[('train', k)].last_y:.2f}" for k in accs
+                                      if m[("train", k)].added))
+    if prog.event.get("rate"):
+        t.append(f" · {fmt.rate_text(prog.event['rate'], prog.unit)}")
+    if prog.eta_s is not None:
+        t.append(f" · ETA {fmt.duration(prog.eta_s)}")
     return t
 
 

@@ -29,6 +29,16 @@ def plateau_watch(ctx: StageContext) -> PlateauWatch:
                         sec.min_delta, writer=int(os.environ.get("RANK", "0")) == 0)
 
 
+def per_step_quiet(record: logging.LogRecord) -> bool:
+    """A console filter: speculators' per-step metric dict is not printed.
+    Its figures are events (the chart; the Logs tab's step line), and
+    printed they drowned the stage's own lines: 16 wrapped lines a step,
+    41,885 lines for the demo's 2,592 steps. Validation's dict (once an
+    epoch) and every other record still print."""
+    return not (record.name == "speculators.metrics" and isinstance(record.msg, dict)
+                and "train" in record.msg)
+
+
 class MetricEvents(logging.Handler):
     """speculators.metrics records -> `metric` and `progress` events."""
 
@@ -198,9 +208,12 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
     real_setup = cli_mod.setup_metric_logger
 
     def setup_metric_logger(*a, **kw):
-        # speculators' setup replaces the metric logger's handlers: add ours after it.
+        # speculators' setup replaces the metric logger's handlers: add ours after it,
+        # and keep its per-step dicts off the console (the stage log) it set up before
         real_setup(*a, **kw)
         logging.getLogger("speculators.metrics").addHandler(metrics)
+        for handler in logging.getLogger().handlers:   # first: its next filter makes the
+            handler.filters.insert(0, per_step_quiet)    # dict a string (FormatDictFilter)
 
     cli_mod.setup_metric_logger = setup_metric_logger
     try:

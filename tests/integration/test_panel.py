@@ -149,8 +149,10 @@ async def test_tabs_gpus_kv_and_training(tmp_path, stagekit):
         chart = app.query_one(LossChart)
         rendered = str(chart.render())
         assert "train loss" in rendered and any(0x2800 < ord(ch) <= 0x28FF for ch in rendered)
-        await pilot.press("e", "o", "a", "v")
-        assert chart.smooth and chart.log and chart.metric == "full_acc" and chart.split == "val"
+        assert chart.smooth and not chart.positions   # the trend and the total loss first
+        await pilot.press("e", "o", "p", "a", "v")
+        assert not chart.smooth and chart.log and chart.positions and \
+            chart.metric == "full_acc" and chart.split == "val"
         assert "acceptance length (est.) 1.50" in str(app.query_one("#train-info").render())
 
 
@@ -565,6 +567,42 @@ async def test_dialogs_can_stay_open_while_the_panel_updates(tmp_path, stagekit)
                     what="the run, followed under the help screen, to finish")
         assert app.screen.__class__.__name__ == "HelpScreen"
         assert rd.read_state()["stages"]["extract"]["status"] == "succeeded"
+
+
+async def test_a_running_trains_log_has_its_steps_as_one_rewritten_line(tmp_path, stagekit):
+    """Train at work (a gate the test opens, its events written by the test
+    as the trainer's handler writes them): under its log, one line with the
+    last step's figures, rewritten as steps come, not a line per step; not
+    under another stage's log, nor once train has ended."""
+    stagekit({"train": "gate"})
+    cli("run", cwd=tmp_path)
+    rd = RunDir(tmp_path / "runs/t")
+    wait_for(lambda: rd.read_state()["stages"]["train"]["status"] == "running", timeout=120,
+             what="train at its gate")
+    app = make_app(rd, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        step = app.query_one("#log-step")
+
+        async def at(n: int, loss: float) -> None:
+            with EventWriter(rd.events_path("train")) as w:
+                w.emit("metric", step=n, epoch=0, values={
+                    "loss": loss, "full_acc_0": 0.9, "full_acc_1": 0.6, "full_acc_2": 0.3})
+                w.emit("progress", done=n, total=400, unit="steps", rate=17.4, eta_s=60.0)
+            await until(pilot, lambda: f"step {n}/400" in str(step.render()),
+                        what=f"step {n} on the step line")
+        await select_stage(app, pilot, "train")
+        await at(10, 3.25)
+        assert str(step.render()) == ("step 10/400 · loss 3.25 · acc 0.90 0.60 0.30 · "
+                                      "17.4 steps/s · ETA 1m00s"), str(step.render())
+        await at(11, 3.125)   # the same line, rewritten
+        assert "loss 3.12" in str(step.render()) and step.display
+        assert "step 10/400" not in screen_text(app)
+        await select_stage(app, pilot, "vocab")
+        await until(pilot, lambda: not step.display, what="the step line gone with train's log")
+        await select_stage(app, pilot, "train")
+        await until(pilot, lambda: step.display, what="the step line back under train's log")
+        (rd.stage_dir("train") / "gate").write_text("open")
+        await until(pilot, lambda: not step.display, what="the step line gone once train ended")
 
 
 async def test_gpus_of_cluster_nodes_grouped_stale_marked_and_drilled(tmp_path, stagekit):
