@@ -411,6 +411,20 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    """A serving vLLM's speculative decoding (pipeline/watch/report.py)."""
+    from pipeline.watch import measured, report, scrape
+    try:
+        target = scrape.target(args.url, args.api_key_env)
+        m = measured.from_run(resolve_run(args, args.run)) if args.run else \
+            measured.from_export(Path(args.draft)) if args.draft else None
+    except (scrape.WatchInputError, measured.MeasuredError) as e:
+        print(f"eagle-panel watch: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return report.run(target, args.watch_interval, m, args.once, args.json, sys.stdout,
+                      sys.stderr)
+
+
 def cmd_ui(args) -> int:
     try:
         from app.panel import run_panel
@@ -555,6 +569,22 @@ def _reading_commands(command) -> None:
     p.add_argument("--checkpoint", metavar="N", help="a measured checkpoint (default: the one "
                                                      "evaluate chose)")
     p.add_argument("--to", metavar="DIR", help="where (default: <run>/export/<checkpoint>)")
+
+    p = command("watch", cmd_watch, "a serving vLLM's speculative decoding from its /metrics: "
+                                    "acceptance per draft position, tokens/s, requests, KV "
+                                    "cache, beside what evaluate measured; read-only")
+    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--run", help="the run whose measured draft the server serves")
+    which.add_argument("--draft", metavar="PATH", help="an `eagle-panel export` folder the "
+                                                       "server serves")
+    p.add_argument("--api-key-env", metavar="VAR", help="the environment variable holding the "
+                                                        "server's API key (never the key itself)")
+    p.add_argument("--interval", dest="watch_interval", default=5.0, metavar="S",
+                   type=_in_range(float, 0.5, 3600, "interval (0.5 to 3600 s)"),
+                   help="seconds between reads (default 5)")
+    p.add_argument("--once", action="store_true", help="one interval, then exit")
+    p.add_argument("--json", action="store_true", help="JSON (one object per interval)")
 
     p = command("compare", cmd_compare, "runs side by side: algorithm, draft size, train time, "
                                         "disk, validation loss, vLLM's acceptance, decode speed")

@@ -53,6 +53,7 @@ def measured_checkpoint(results: dict, name: str | None, chosen: str | None) -> 
     return pick, ckpts[pick]
 
 
+MEASURED_FILE = "measured.json"   # the card's figures as JSON (pipeline/watch/measured.py)
 # training state a resume needs and a served draft does not
 NOT_SHIPPED = ("optimizer_state_dict.pt", "scheduler_state_dict.pt", "training_state.json")
 OWN_FLAGS = {vs.FLAG_HOST: None, vs.FLAG_PORT: None}   # the panel's address: the user picks
@@ -126,6 +127,11 @@ def write_folder(rd: RunDir, snap, results: dict, name: str, m: dict, served: Pa
     if prompts.is_file():
         shutil.copy2(prompts, tmp / PROMPTS_FILE)
     (tmp / "README.md").write_text(model_card(rd, snap, results, name, m, to, prompts.is_file()))
+    # the card's figures for programs (`eagle-panel watch --draft` sets live ones beside them)
+    (tmp / MEASURED_FILE).write_text(json.dumps({
+        "acceptance_length": m["acceptance_length"], "per_position": m.get("per_position"),
+        "num_speculative_tokens": results.get("num_speculative_tokens"),
+        "estimate": m.get("estimate"), "checkpoint": name, "run": rd.id}, indent=1) + "\n")
 
 
 def target_of(rd: RunDir) -> tuple[str, str, dict | None]:

@@ -121,6 +121,8 @@ ROUTE_HEALTH = _declare(ENDPOINTS, "/health", "server.healthy: up; online train 
                         "before each request")
 ROUTE_METRICS = _declare(ENDPOINTS, "/metrics", "server.metrics_text: KV use, spec-decode "
                          "counters, online train's throughput")
+ROUTE_MODELS = _declare(ENDPOINTS, "/v1/models", "watch: the model a serving vLLM names "
+                        "(the target; the draft is named by --run or --draft)")
 ROUTE_COMPLETIONS = _declare(ENDPOINTS, "/v1/completions", "token ids in: extract's "
                              "vllm-server backend (one token out), evaluate's text prompts")
 ROUTE_CHAT = _declare(ENDPOINTS, "/v1/chat/completions", "regenerate's answers, evaluate's "

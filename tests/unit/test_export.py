@@ -64,10 +64,17 @@ def test_the_chosen_draft_ships_with_its_card(run):
     out = rd.path / "export" / "1"
     assert f"exported to {out}" in p.stdout
     assert sorted(f.name for f in out.iterdir()) == [
-        "README.md", "config.json", "d2t-64.npy", "model.safetensors", "prompts.jsonl",
-        "t2d-64.npy"]
+        "README.md", "config.json", "d2t-64.npy", "measured.json", "model.safetensors",
+        "prompts.jsonl", "t2d-64.npy"]
     card = (out / "README.md").read_text()
     assert "acceptance length **2.750** at `num_speculative_tokens` 3, over 8 prompts" in card
+    # the card's figures, as `watch --draft` reads them
+    from pipeline.watch import measured
+    m, r = measured.from_export(out), measured.from_run(rd)
+    assert (m.acceptance_length, m.num_speculative_tokens) == (2.75, 3), m
+    assert (r.acceptance_length, r.per_position, r.num_speculative_tokens) == \
+        (m.acceptance_length, m.per_position, m.num_speculative_tokens), (r, m)
+    assert r.source == "run t, checkpoint 1" and m.source == f"export {out}"
     assert "(speedup 1.25x)" in card and "seed 0" in card
     serve = card.split("## Serve it")[1].split("```")[1].strip()
     assert serve.startswith("vllm serve /cache/snapshots/abc --dtype float32 ")

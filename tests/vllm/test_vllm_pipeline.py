@@ -220,6 +220,31 @@ def test_trackers_hold_train_and_measured_and_export_ships_the_draft(run):
     assert (again["drafts"], again["accepted_tokens"]) == (m["drafts"], m["accepted_tokens"])
     assert again["acceptance_length"] == pytest.approx(m["acceptance_length"])
     assert not server_pids()
+    check_watch(again, m, out)
+
+
+def check_watch(again: dict, m: dict, out) -> None:
+    """`watch --once` after the export's load: since the server started, the
+    counters as read by hand (this server served nothing else); nothing in
+    its interval; the export's measurement beside it. And the watch's
+    arithmetic on the real /metrics texts around the load is evaluate's."""
+    from pipeline.vllm.metrics import spec_counters
+    from pipeline.watch.figures import between, read
+    w, (before, after) = again["watch"], again["texts"]
+    by_hand = spec_counters(after)
+    since = w["since_start"]
+    print("watch --once --json:", json.dumps({k: w[k] for k in ("since_start", "window")}))
+    assert (since["drafts"], since["accepted_tokens"]) == (by_hand["drafts"], by_hand["accepted"])
+    assert since["acceptance_length"] == pytest.approx(1 + by_hand["accepted"] / by_hand["drafts"])
+    assert since["per_position"] == pytest.approx(
+        [by_hand["per_position"][k] / by_hand["drafts"] for k in sorted(by_hand["per_position"])])
+    assert w["window"]["drafts"] == 0 and w["window"]["acceptance_length"] is None
+    assert w["model"] and w["spec_decode"] and w["running"] == 0
+    assert w["measured"]["acceptance_length"] == pytest.approx(m["acceptance_length"])
+    assert w["measured"]["source"] == f"export {out}"
+    interval = between(read(before, 0.0), read(after, 1.0))
+    assert (interval.drafts, interval.accepted_tokens) == (again["drafts"], again["accepted_tokens"])
+    assert interval.per_position == pytest.approx(again["per_position"])
 
 
 def measure_export(card: str, out, results: dict) -> dict:
@@ -248,10 +273,18 @@ def measure_export(card: str, out, results: dict) -> dict:
                           seed=0, concurrency=results["concurrency"], request_timeout_s=300)
     per_request = "response" if vs.FLAG_PER_REQUEST_SPEC_METRICS in argv else "metrics"
     with serving(server, 600, lambda: False):
-        before = spec_counters(server.metrics_text() or "")
+        before_text = server.metrics_text() or ""
         generate(server, served_model_name(argv[4], argv), from_jsonl(out / PROMPTS_FILE), sec,
                  lambda: False, per_request, results["num_speculative_tokens"])
-        return acceptance(before, spec_counters(server.metrics_text() or ""))
+        after_text = server.metrics_text() or ""
+        measured = acceptance(spec_counters(before_text), spec_counters(after_text))
+        # `eagle-panel watch` on the same server, the load over: what it says since the
+        # server started is the counters read by hand (issue 54)
+        watched = cli("watch", server.url, "--once", "--json", "--interval", "0.5", "--draft",
+                      out, "--api-key-env", "SERVED_KEY", cwd=out.parent, check=0,
+                      env=dict(os.environ, SERVED_KEY=server.api_key))
+        return {**measured, "watch": json.loads(watched.stdout), "texts": (before_text,
+                                                                           after_text)}
 
 
 def test_mt_bench_per_category_the_gate_and_provenance(run):
