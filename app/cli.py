@@ -421,8 +421,12 @@ def cmd_watch(args) -> int:
     except (scrape.WatchInputError, measured.MeasuredError) as e:
         print(f"eagle-panel watch: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return report.run(target, args.watch_interval, m, args.once, args.json, sys.stdout,
-                      sys.stderr)
+    log = Path(args.log) if args.log else None
+    if args.once or args.lines or args.json:
+        return report.run(target, args.watch_interval, m, args.once, args.json, sys.stdout,
+                          sys.stderr, log=log)
+    from app.watch_app import run_watch
+    return run_watch(target, args.watch_interval, m, log)
 
 
 def cmd_ui(args) -> int:
@@ -570,9 +574,10 @@ def _reading_commands(command) -> None:
                                                      "evaluate chose)")
     p.add_argument("--to", metavar="DIR", help="where (default: <run>/export/<checkpoint>)")
 
-    p = command("watch", cmd_watch, "a serving vLLM's speculative decoding from its /metrics: "
-                                    "acceptance per draft position, tokens/s, requests, KV "
-                                    "cache, beside what evaluate measured; read-only")
+    p = command("watch", cmd_watch, "a panel on a serving vLLM's speculative decoding, from "
+                                    "its /metrics: acceptance per draft position over the last "
+                                    "minute, 10 minutes and hour, tokens/s, requests, KV cache, "
+                                    "beside what evaluate measured, and a drift rule; read-only")
     p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--run", help="the run whose measured draft the server serves")
@@ -583,8 +588,13 @@ def _reading_commands(command) -> None:
     p.add_argument("--interval", dest="watch_interval", default=5.0, metavar="S",
                    type=_in_range(float, 0.5, 3600, "interval (0.5 to 3600 s)"),
                    help="seconds between reads (default 5)")
-    p.add_argument("--once", action="store_true", help="one interval, then exit")
-    p.add_argument("--json", action="store_true", help="JSON (one object per interval)")
+    p.add_argument("--once", action="store_true", help="print one interval, then exit")
+    p.add_argument("--lines", action="store_true", help="print each interval until Ctrl-C "
+                                                       "(no panel)")
+    p.add_argument("--json", action="store_true", help="print JSON, an object per interval "
+                                                      "(no panel)")
+    p.add_argument("--log", metavar="FILE", help="append the drift rule's events to FILE "
+                                                 "(JSON lines); nothing else is written")
 
     p = command("compare", cmd_compare, "runs side by side: algorithm, draft size, train time, "
                                         "disk, validation loss, vLLM's acceptance, decode speed")

@@ -75,3 +75,16 @@ class TelemetryRead(Message):
     def __init__(self, sample):
         super().__init__()
         self.sample = sample
+
+
+# -- the watch app -> its screen ---------------------------------------------------------
+
+
+class WatchRead(Message):
+    """What `eagle-panel watch` knows after a read of the server (the
+    windows, the gauges, the drift line): a pipeline.watch.state.WatchState."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+

@@ -1,6 +1,6 @@
 """`eagle-panel watch URL` without the panel: `--once` reads /metrics twice,
 `--interval` apart, and prints the interval's figures and those since the
-server started; without `--once`, a line per interval until Ctrl-C (`--json`:
+server started; `--lines`, the same each interval until Ctrl-C (`--json`:
 a JSON object, one per line). Beside each figure, what evaluate measured for
 the draft when one is named (`--run`, `--draft`), only for the positions the
 server reports.
@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from pipeline.watch.figures import Figures, NotVllm, Reading, between, read
 from pipeline.watch.measured import Measured
 from pipeline.watch.scrape import NoAnswer, Target
+from pipeline.watch.state import Watcher
 
 EXIT_OK, EXIT_NO_ANSWER, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -105,9 +107,11 @@ def scrape(target: Target, timeout: float) -> Reading:
 
 
 def run(target: Target, interval: float, measured: Measured | None, once: bool,
-        as_json: bool, out: TextIO, err: TextIO, stop=lambda: False) -> int:
+        as_json: bool, out: TextIO, err: TextIO, stop=lambda: False,
+        log: Path | None = None) -> int:
     """Read the server every `interval` seconds, one request at a time,
-    print each interval; `--once`: one interval. `stop`: a test's way to end
+    print each interval; `--once`: one interval. The drift rule runs on every
+    read (its line printed, its events in `log`). `stop`: a test's way to end
     the loop (a user's is Ctrl-C)."""
     timeout = max(1.0, min(interval, 10.0))
     try:
@@ -120,6 +124,8 @@ def run(target: Target, interval: float, measured: Measured | None, once: bool,
         return EXIT_BAD_INPUT
     model = target.served_model(timeout)
     last, silent_since = first, None
+    watcher = Watcher(target.url, interval, measured, log)
+    watcher.answered(first)
     try:
         while True:
             time.sleep(interval)
@@ -133,12 +139,16 @@ def run(target: Target, interval: float, measured: Measured | None, once: bool,
                     return EXIT_NO_ANSWER
                 continue
             silent_since = None
+            watcher.answered(now)
+            drift = watcher.state().drift
             report = Report(target.url, model, between(last, now), between(None, now), now,
                             measured)
             if as_json:
-                print(json.dumps(report.to_json()), file=out, flush=True)
+                print(json.dumps({**report.to_json(), "drift": drift or None}), file=out,
+                      flush=True)
             else:
-                print("\n".join(report.lines()) + ("" if once else "\n"), file=out, flush=True)
+                print("\n".join(report.lines() + ([drift] if drift else []))
+                      + ("" if once else "\n"), file=out, flush=True)
             if once or stop():
                 return EXIT_OK
             last = now

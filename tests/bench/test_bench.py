@@ -72,6 +72,11 @@ CASES = {
          rf"{NUM} tokens/s: {NUM}x .*end to end \(cold\): {NUM} tokens/s",
          rf"^train: stage {NUM} s vs speculators directly {NUM} s \(trainer alone {NUM} s\): "
          rf"{NUM}x"], timeout=900),
+    "bench_watch.py": Case(   # ~15 s: the watch panel in a pty for 5 s, a read a second
+        ["--duration", "5", "--interval", "1"],
+        [rf"^watch at 80x24, a read every 1 s, {NUM} s \({NUM} reads of a stand-in /metrics\)",
+         rf"^  CPU {NUM}% of one core", rf"^  RSS first {NUM} MiB, last {NUM} MiB",
+         rf"^  terminal output {NUM} B/s", r"^  figures on screen: yes"]),
     "bench_panel.py": Case(   # one machine, then 2 nodes' samplers (cluster mode): ~55 s
         ["--duration", "5", "--nodes", "0", "2", "--gpus-per-node", "4"],
         [r"^panel at 80x24 showing train-log, 8 simulated GPUs, ",

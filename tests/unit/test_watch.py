@@ -5,6 +5,8 @@ gauges summed over engines, the measured draft beside the live figures
 decoding said, not raised. The same counters against a real server:
 tests/vllm/test_vllm_pipeline.py."""
 
+import json
+
 import pytest
 
 from pipeline.vllm import contract_strings as vs
@@ -87,3 +89,45 @@ def test_the_measured_draft_beside_the_live_figures_on_the_positions_served():
     j = r.to_json()
     assert j["window"]["drafts"] == 50 and j["measured"]["acceptance_length"] == 3.2
     assert Report("u", None, between(b, b), between(None, b), b, m).difference() is None
+
+
+def test_windows_over_the_hour_and_a_restart_clears_what_came_before():
+    from pipeline.watch.history import History
+    h = History(interval=30.0)
+    for i in range(200):   # 100 minutes, a read each 30 s: 10 drafts, 20 accepted each
+        h.add(read(metrics_text(10 * i, 20 * i, [8 * i, 7 * i, 5 * i], 30 * i), 30.0 * i))
+    assert len(h.readings) <= 3600 / 30 + 2   # bounded: an hour
+    w = h.windows()
+    assert w["1 min"].seconds == 60 and w["1 min"].drafts == 20
+    assert w["10 min"].drafts == 200 and w["1 h"].seconds == 3600
+    assert w["1 h"].acceptance_length == pytest.approx(3.0)
+    assert h.add(read(metrics_text(10, 20, [8, 7, 5], 30), 6000.0))   # counters went back
+    w = h.windows()
+    assert h.restarts == 1 and w["1 h"].drafts == 10 and w["1 min"].seconds == 30.0
+
+
+def test_the_drift_rule_holds_before_it_speaks_and_says_which_positions_fell(tmp_path):
+    from pipeline.watch.drift import Drift
+    from pipeline.watch.state import Watcher
+    m = Measured(3.0, [0.9, 0.7, 0.4], 3, "run demo, checkpoint 7")
+    log = tmp_path / "drift.jsonl"
+    w = Watcher("http://h:1", 60.0, m, log, Drift(margin=0.10, hold_s=300.0))
+    drafts = accepted = 0
+    per = [0.0, 0.0, 0.0]
+    for minute, rates in enumerate([(0.9, 0.7, 0.4)] * 3 + [(0.9, 0.4, 0.2)] * 8
+                                   + [(0.9, 0.7, 0.4)] * 2):
+        drafts += 100
+        per = [p + 100 * r for p, r in zip(per, rates, strict=True)]
+        accepted = sum(per)
+        w.answered(read(metrics_text(drafts, accepted, per, 4 * drafts), 60.0 * minute))
+        state = w.state()
+        if minute == 4:   # below since minute 3: said, not yet a drift
+            assert state.drift.startswith("below 90% of the measured acceptance for 60 s")
+            assert not log.exists()
+        if minute == 8:   # 300 s below: a drift, positions 2 and 3 fell
+            assert state.drifting and "positions 2, 3 fell" in state.drift, state.drift
+    events = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["drift", "recovered"], events
+    assert events[0]["positions_fell"] == [2, 3] and events[0]["t"] == 8 * 60.0
+    assert events[0]["acceptance_length"] == pytest.approx(2.5) and events[0]["measured"] == 3.0
+    assert events[0]["url"] == "http://h:1" and events[1]["t"] == 11 * 60.0
