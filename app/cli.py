@@ -422,6 +422,13 @@ def cmd_watch(args) -> int:
         print(f"eagle-panel watch: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     log = Path(args.log) if args.log else None
+    if log is not None:   # a log that cannot be written is said now, not at the first drift
+        try:
+            with open(log, "a"):
+                pass
+        except OSError as e:
+            print(f"eagle-panel watch: --log {log}: {e.strerror or e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     if args.once or args.lines or args.json:
         return report.run(target, args.watch_interval, m, args.once, args.json, sys.stdout,
                           sys.stderr, log=log)

@@ -2,7 +2,9 @@
 A worker thread reads /metrics every `interval` seconds, one request at a
 time (a slow server is never sent a second), folds each read into the
 Watcher (the hour's history, the drift rule, its log) and sends the screen
-the state; another samples the local GPUs as the main panel does."""
+the state; another samples the local GPUs as the main panel does. A read
+in flight when `q` is pressed is waited for (its timeout: the interval, 1 to
+10 s)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class WatchApp(App):
 
     @work(thread=True, exclusive=True, group="metrics")
     def _read_loop(self) -> None:
+        """The Watcher is this thread's alone; the screen gets an immutable
+        WatchState (post_message is thread-safe)."""
         self.watcher.model = self.target.served_model(self.timeout)
         while not self._stop.is_set():
             t0 = time.monotonic()
@@ -53,21 +57,27 @@ class WatchApp(App):
                 self.watcher.answered(read(self.source(), self.clock()))
             except (NoAnswer, NotVllm) as e:
                 self.watcher.failed(str(e), self.clock())
+            except Exception as e:  # noqa: BLE001 - an answer we did not foresee is said on
+                self.watcher.failed(f"{type(e).__name__}: {e}", self.clock())   # screen, not a crash
             self.reads += 1
-            self.call_from_thread(self._send)
+            if self._stop.is_set():
+                return   # (quitting: the screen is going)
+            self.screen_.post_message(WatchRead(self.watcher.state()))
             if self.stop_after is not None and self.reads >= self.stop_after:
                 return
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - t0)))
-
-    def _send(self) -> None:
-        self.screen_.post_message(WatchRead(self.watcher.state()))
 
     @work(thread=True, exclusive=True, group="telemetry")
     def _sample_gpus(self) -> None:
         while not self._stop.is_set():
             snap = self.telemetry.sample()
-            self.call_from_thread(lambda s=snap: self.screen_.post_message(TelemetryRead(s)))
+            if not self._stop.is_set():
+                self.screen_.post_message(TelemetryRead(snap))
             self._stop.wait(max(Telemetry.MIN_INTERVAL, 2.0))
+
+    def action_quit(self) -> None:
+        self._stop.set()   # the read loop ends at its next look, not at unmount
+        self.exit()
 
     def on_unmount(self) -> None:
         self._stop.set()

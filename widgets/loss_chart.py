@@ -7,14 +7,13 @@ too, so a one-step loss spike stays a visible stroke however long the
 history: the series keep each bucket's extremes (pipeline.run.series), the
 mean alone would flatten them.
 
-What a person reads first is the trend: EMA smoothing is on by default, drawn
-over the raw means in faint dots (`e` turns it off: the means and each
-column's extremes, full strength); the loss is
-the total alone until `p` adds each draft position's; and the y range is the
-bulk of the curve, not its first steps: Tukey's far-out fences (quartiles
-+- 3 IQR) over the column means, every series' last value kept inside, and a
-column past the range marked at the edge it is drawn to (CLIPPED_UP/DOWN).
-A log scale is a toggle.
+What a person reads first is the trend: EMA smoothing is on by default,
+drawn over the raw means in faint dots (`e` turns it off: the means and each
+column's extremes, full strength); the loss is the total alone until `p`
+adds each draft position's; and the y range is the bulk of the curve, not
+its first steps: Tukey's far-out fences (quartiles +- 3 IQR) over the column
+means, every series' last value kept inside, and a column past the range
+marked at the edge it is drawn to (CLIPPED_UP/DOWN). A log scale is a toggle.
 """
 
 from __future__ import annotations
@@ -132,13 +131,15 @@ def y_range(reduced: list[tuple], fence: bool) -> tuple[float, float, bool]:
     with `fence` the curves' bulk — Tukey's far-out fences over the column
     means of the curves, widened to each curve's last value (where it is now
     is never clipped) and never past the values themselves."""
-    every = np.concatenate([r[1][~np.isnan(r[1])] for r in reduced])
+    every = np.concatenate([r[1][~np.isnan(r[1])] for r in reduced if not r[5]])
     lo, hi = float(every.min()), float(every.max())
     means = np.concatenate([r[1][~np.isnan(r[1])] for r in reduced
                             if r[3] == "line" and not r[5]] or [np.empty(0)])
-    if fence and len(means) >= FENCE_MIN_COLUMNS:
-        q1, q3 = np.percentile(means, [25, 75])
-        spread = FENCE_IQR * max(q3 - q1, 1e-12)
+    q1, q3 = np.percentile(means, [25, 75]) if len(means) else (0.0, 0.0)
+    # a curve constant over half its columns (an accuracy pinned at 1.0) has no IQR: no
+    # bulk to scale to, so the whole range
+    if fence and len(means) >= FENCE_MIN_COLUMNS and q3 - q1 > 1e-9 * max(1.0, abs(q3)):
+        spread = FENCE_IQR * (q3 - q1)
         last = [float(r[1][~np.isnan(r[1])][-1]) for r in reduced
                 if r[3] == "line" and not r[5] and (~np.isnan(r[1])).any()]
         lo = max(lo, min([q1 - spread, *last]))
@@ -340,13 +341,13 @@ class LossChart(Widget):
         title = self.title(self.metric)
         refused = self.log and log_refused(series)
         log_state = "off (values reach 0)" if refused else "on" if self.log else "off"
-        ema, pos = "on" if self.smooth else "off", "on" if self.positions else "off"
-        hints = (f"   [e] EMA {ema}  [o] log {log_state}  [p] per position {pos}"
+        smooth, pos = "on" if self.smooth else "off", "on" if self.positions else "off"
+        hints = (f"   [e] EMA {smooth}  [o] log {log_state}  [p] per position {pos}"
                  "  [a] loss/acc/acceptance  [v] train/val")
         if self.metric == "acceptance":   # points per checkpoint: no EMA, log or split
             hints = "   [a] loss/acc/acceptance"
         elif title.cell_len + len(hints) > w:   # one line at 80 columns: the keys only
-            hints = f"  e:EMA {ema} o:log {log_state} p:pos {pos} a:metric v:split"
+            hints = f"  e:EMA {smooth} o:log {log_state} p:pos {pos} a:metric v:split"
         title.append(hints, style="dim")
         title.truncate(max(1, w), overflow="ellipsis")
         companion = COMPANION.get(self.metric)

@@ -136,10 +136,12 @@ class StageTable(Vertical, can_focus=True):
         if not ev:
             return Text("")
         if status == Status.SUCCEEDED:
-            did = f"{count(ev.get('done'))} {ev.get('unit', '')}".rstrip()
-            short = ev.get("total") and ev.get("done", 0) < ev["total"]
-            why = str((summary or {}).get("stopped") or "stopped early").split(":")[0]
-            return Text(f"{did}, {why}" if short else did)
+            unit, done, total = ev.get("unit", ""), ev.get("done", 0), ev.get("total")
+            why = (summary or {}).get("stopped")
+            if total and done < total:   # train says why it stopped; another stage, what of
+                return Text(f"{count(done)} {unit}, {str(why).split(':')[0]}" if why
+                            else f"{count(done)}/{count(total)} {unit}".rstrip())
+            return Text(f"{count(done)} {unit}".rstrip())
         t = progress_bar(ev.get("done", 0), ev.get("total"), 8)
         total = ev.get("total")
         done = count(ev.get("done"))

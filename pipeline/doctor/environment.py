@@ -216,11 +216,13 @@ def check_hf_dequantizes_the_blocks(x: Inputs) -> list[Finding]:
     said = ("extract's hf backend on the CPU: transformers dequantizes FP8 weights block by "
             "block and refuses one that is not whole blocks (its Fp8Dequantize: \"not "
             f"divisible by scale grid\"); this target's {m.partial_blocks[0]}{more}")
-    if x.cfg.stages.extract.backend == "auto":   # hf because vLLM cannot build it here
+    if x.cfg.stages.extract.backend == "auto":   # hf: vLLM's route cannot run here
+        why = x.backend_why if x.env and x.backend_why else \
+            "vLLM cannot build the target here (doctor's recorded answer)"
         return [Finding("backends", BLOCK, f'backend = "auto" has no route for this target '
-                        f"on this machine: vLLM cannot build it here (doctor's answer, above or "
-                        f"recorded), and {said}", "extract on a GPU ([gpus] devices), or with a "
-                        "vLLM that has the target's kernels ([runtime] vllm_python)")]
+                        f"on this machine: {why}, and {said}", "extract on a GPU ([gpus] "
+                        "devices), or with a vLLM that has the target's kernels ([runtime] "
+                        "vllm_python)")]
     return [Finding("backends", BLOCK, said, 'backend = "vllm-server" (or "auto"): vLLM\'s '
                     "FP8 kernels take a partial last block; or extract on a GPU")]
 

@@ -32,7 +32,11 @@ def samples(text: str) -> list[tuple[str, dict, float]]:
     for line in text.splitlines():
         m = _SAMPLE.match(line.strip())
         if m and m.group(4) not in ("NaN", "+Inf", "-Inf"):
-            out.append((m.group(1), dict(_LABEL.findall(m.group(3) or "")), float(m.group(4))))
+            try:
+                value = float(m.group(4))
+            except ValueError:   # "1.2.3": not a sample (a line the pattern half-matches)
+                continue
+            out.append((m.group(1), dict(_LABEL.findall(m.group(3) or "")), value))
     return out
 
 
@@ -45,7 +49,7 @@ def spec_counters(text: str) -> dict:
     for name, labels, value in samples(text):
         if name in key:
             c[key[name]] += value
-        elif name == PER_POSITION and "position" in labels:
+        elif name == PER_POSITION and labels.get("position", "").isdigit():
             k = int(labels["position"])
             c["per_position"][k] = c["per_position"].get(k, 0.0) + value
     return c

@@ -19,7 +19,7 @@ class History:
     make it shorter): memory stays bounded however long `watch` runs."""
 
     def __init__(self, interval: float, span_s: float = WINDOWS[-1][1]):
-        self.span_s = span_s
+        self.span_s, self.interval = span_s, interval
         self.readings: deque[Reading] = deque(maxlen=int(span_s / interval) + 2)
         self.restarts = 0
 
@@ -43,13 +43,16 @@ class History:
 
     def window(self, seconds: float) -> Figures | None:
         """The figures of the last `seconds` (from the oldest reading inside
-        them); None before two readings."""
+        them); None before two readings, and after a silence longer than the
+        window (the reading before it is not "the last minute")."""
         if len(self.readings) < 2:
             return None
         newest = self.readings[-1]
         oldest = next((r for r in self.readings if newest.t - r.t <= seconds + 1e-9), newest)
-        if oldest is newest:
-            oldest = self.readings[-2]   # a window shorter than the interval: the last one
+        if oldest is newest:   # a window shorter than the interval: the last one, if recent
+            oldest = self.readings[-2]
+            if newest.t - oldest.t > 2 * max(seconds, self.interval):
+                return None
         return between(oldest, newest)
 
     def windows(self) -> dict[str, Figures | None]:

@@ -1,10 +1,12 @@
 """A serving vLLM's /metrics and /v1/models, read as `watch` needs them: one
 request at a time (a slow server is never sent another before the last one
-answered), a timeout under the interval, the API key from the environment
-(never a command-line argument: `ps` shows those to every user)."""
+answered), a timeout of the interval (1 to 10 s), the API key from the environment
+(never a command-line argument: `ps` shows those to every user). Every way a
+read can fail is a NoAnswer: the panel says it and keeps the last figures."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import urllib.error
@@ -40,8 +42,8 @@ class Target:
             raise NoAnswer(f"HTTP {e.code} from {self.url}{route}"
                            + (" (the server wants an API key: --api-key-env VAR)"
                               if e.code == 401 else "")) from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
             raise NoAnswer(f"no answer from {self.url}{route}: {reason}") from None
 
     def metrics(self, timeout: float) -> str:
@@ -63,6 +65,10 @@ def target(url: str, api_key_env: str | None) -> Target:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WatchInputError(f"watch reads an http(s) URL of a vLLM server, e.g. "
                               f"http://127.0.0.1:8000; got {url!r}")
+    try:
+        _ = parts.port   # (a port that is not a number raises here, not at the first read)
+    except ValueError:
+        raise WatchInputError(f"{url!r}: the port is not a number") from None
     if parts.path.rstrip("/") not in ("", vs.ROUTE_METRICS):
         raise WatchInputError(f"give the server's address without a path "
                               f"(http://{parts.netloc}), not {url!r}")

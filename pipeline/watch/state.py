@@ -40,6 +40,7 @@ class Watcher:
         self.drift = drift or Drift()
         self.silent_since: float | None = None
         self.silent_why = ""
+        self.log_error = ""
 
     def answered(self, r: Reading) -> None:
         self.silent_since, self.silent_why = None, ""
@@ -48,16 +49,24 @@ class Watcher:
             return
         event = self.drift.update(r.t, self.history.window(60.0), self.measured)
         if event is not None and self.log is not None:
-            append_line(self.log, {**event, "url": self.url})
+            try:
+                append_line(self.log, {**event, "url": self.url})
+                self.log_error = ""
+            except OSError as e:   # said on screen; the watch goes on
+                self.log_error = f"the drift log {self.log} cannot be written: {e}"
 
     def failed(self, why: str, t: float | None = None) -> None:
-        self.silent_since = self.silent_since or (t if t is not None else time.time())
+        if self.silent_since is None:
+            self.silent_since = t if t is not None else time.time()
         self.silent_why = why
+        if not self.drift.drifting:   # a silence is no evidence: the hold starts again
+            self.drift.below_since = None
 
     def state(self) -> WatchState:
         last, m = self.history.last, self.measured
         return WatchState(self.url, self.model, m, last, self.history.windows(),
                           between(None, last) if last else None, self.silent_since,
                           self.silent_why,
-                          self.drift.text(last.t, m) if last and m else "",
+                          " · ".join(x for x in (self.drift.text(last.t, m) if last and m
+                                                 else "", self.log_error) if x),
                           self.drift.drifting, self.history.restarts)

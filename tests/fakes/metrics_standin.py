@@ -17,7 +17,6 @@ class MetricsStandIn:
     def __init__(self, bodies: list[str | None], model: str = "stand-in", key: str | None = None):
         self.bodies, self.model, self.key = list(bodies), model, key
         self.reads = 0
-        self.served = threading.Event()   # set at each read: tests wait on it, never on a time
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -33,7 +32,6 @@ class MetricsStandIn:
                     return self._send(404, "no")
                 body = owner.bodies[min(owner.reads, len(owner.bodies) - 1)]
                 owner.reads += 1
-                owner.served.set()
                 return self._send(503, "starting") if body is None else self._send(200, body)
 
             def _send(self, code, text):

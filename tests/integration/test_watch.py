@@ -6,6 +6,7 @@ The figures against a real vLLM's counters: tests/vllm/test_vllm_pipeline.py."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -42,10 +43,20 @@ def test_a_key_from_the_environment_and_the_refusals(tmp_path):
     with MetricsStandIn(['vllm:num_requests_running{engine="0"} 1\n']) as s:
         p = cli("watch", s.url, "--once", "--interval", "0.5", cwd=tmp_path, check=0)
         assert "no speculative decoding on this server" in p.stdout
+    p = cli("watch", "http://127.0.0.1:1", "--draft", tmp_path, cwd=tmp_path, check=2)
+    assert f"{tmp_path / 'measured.json'} is missing" in p.stderr and "export again" in p.stderr
+    p = cli("watch", "http://127.0.0.1:1", "--run", "nope", cwd=tmp_path, check=2)
+    assert "nope" in p.stderr
     p = cli("watch", "localhost:8000", cwd=tmp_path, check=2)
     assert "watch reads an http(s) URL" in p.stderr
     p = cli("watch", "http://127.0.0.1:1/v1/chat", cwd=tmp_path, check=2)
     assert "without a path" in p.stderr
+
+
+def line_of(pipe, timeout: float = 120.0) -> str:
+    """The next line the watch prints ("" when none comes: a failure, not a hang)."""
+    ready, _, _ = select.select([pipe], [], [], timeout)
+    return pipe.readline() if ready else ""
 
 
 def test_a_failed_read_mid_watch_keeps_the_last_figures_and_goes_on(tmp_path):
@@ -57,9 +68,9 @@ def test_a_failed_read_mid_watch_keeps_the_last_figures_and_goes_on(tmp_path):
                                  "0.5", "--json"], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            said = proc.stderr.readline()
+            said = line_of(proc.stderr)
             assert said.startswith("no answer since ") and "HTTP 503" in said, said
-            line = json.loads(proc.stdout.readline())   # the read after the failed one
+            line = json.loads(line_of(proc.stdout))   # the read after the failed one
             assert line["window"]["drafts"] == 50 and not line["window"]["restarted"], line
         finally:
             proc.send_signal(signal.SIGINT)

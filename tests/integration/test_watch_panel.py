@@ -6,7 +6,6 @@ figures kept, greyed, "no answer since"), a restart; snapshots at 80x24 and
 120x40. The reads of a real vLLM: tests/vllm/test_vllm_pipeline.py."""
 
 import json
-import os
 import threading
 import time
 
@@ -99,9 +98,10 @@ async def test_drift_a_failed_read_and_a_restart(tmp_path):
             script.go.set()   # (a failed check: the held read goes, the app can end)
         await until(pilot, lambda: app.reads == len(script.steps) and
                     "read 14:24:20" in text_of(app, "#w-status"), what="an answer again")
-    events = [json.loads(ln) for ln in log.read_text().splitlines()]
-    assert [e["event"] for e in events] == ["drift"] and events[0]["positions_fell"] == [2, 3]
-    assert os.stat(log).st_size == len(log.read_bytes())
+    text = log.read_text()
+    events = [json.loads(ln) for ln in text.splitlines()]   # whole JSON lines only
+    assert text.endswith("\n") and [e["event"] for e in events] == ["drift"], text
+    assert events[0]["positions_fell"] == [2, 3] and events[0]["t"] == T0 + 480
 
 
 async def looked_at_a_failed_read(app, pilot) -> None:
@@ -128,6 +128,27 @@ async def test_a_restart_is_said_and_counted_from(tmp_path):
         await until(pilot, lambda: "restarted (1x)" in text_of(app, "#w-status"),
                     what="the restart said")
         assert "since start 2.50 over 10 drafts" in text_of(app, "#w-gauges")
+
+
+async def test_an_answer_nobody_foresaw_is_said_not_a_crash():
+    """A read that raises what no rule expects is taken as a failed read
+    (its words on the status line): the panel lives on and draws the next
+    answer (before the catch-all, the worker's exception ended the app)."""
+    script = Scripted([(0, GOOD), (1, GOOD), (2, GOOD)])
+    real = script.source
+
+    def source():
+        if script.i == 0:   # the second read
+            script.i += 1
+            raise RuntimeError("something new")
+        return real()
+    app = WatchApp(Target("http://127.0.0.1:9"), 0.01, MEASURED, None,
+                   telemetry=OneSample(simulate=2, host=False), source=source,
+                   clock=script.clock, stop_after=3)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.reads == 3 and "read 14:15:20" in
+                    text_of(app, "#w-status"), what="the reads after the odd one")
+    assert app.watcher.history.last is not None
 
 
 def test_drift_defaults():

@@ -81,6 +81,8 @@ def test_a_train_that_stopped_on_a_plateau_says_so_not_a_part_filled_bar():
     assert StageTable._progress({**ev, "done": 2592}, Status.SUCCEEDED, {}).plain == \
         "2592 steps"                                                 # it did what it planned
     assert "1620/2592" in StageTable._progress(ev, Status.CANCELLED).plain
+    assert StageTable._progress({"done": 7, "total": 9, "unit": "rows"}, Status.SUCCEEDED,
+                                {}).plain == "7/9 rows"   # no reason given: no bar, no guess
     # the row: the end runs on into the empty Rate / ETA column, the Exit column stays put
     table = StageTable()
     row = table._row_text({"Stage": "train", "Status": "succeeded", "Progress":
@@ -109,3 +111,27 @@ def test_the_kv_figures_say_which_server_they_are_and_add_up():
     assert rows["token capacity"] == "379,562 (vLLM's own count: 72% of the slots)"
     alone = dict(figure_rows(report(0, 52_416, 3276, 16), None))
     assert "figures of" not in alone and alone["token capacity"] == "52,416"
+
+
+def test_a_curve_flat_over_half_its_columns_keeps_a_readable_range():
+    """An accuracy that rises, then sits at exactly 1.0 (no IQR, no bulk to
+    scale to): its whole range, not a range collapsed onto one value."""
+    acc = np.minimum(1.0, X / 100)   # 0 -> 1 over the first 5% of steps, then 1.0
+    lines = plot([("full_acc_0", X, acc)], 78, 14, fence=True)
+    top, bottom = top_label(lines), float(lines[-2].plain[:LABEL_W].strip())
+    assert top == 1 and bottom < 0.1 and "clipped" not in lines[-1].plain, (top, bottom)
+
+
+def test_per_step_metric_dicts_stay_off_the_stage_log():
+    """speculators' per-step dict is filtered from the console handlers (its
+    figures are events); validation's dict and plain lines print."""
+    import logging
+
+    from pipeline.train.in_process import per_step_quiet
+
+    def record(name, msg):
+        return logging.LogRecord(name, logging.INFO, __file__, 1, msg, None, None)
+    assert not per_step_quiet(record("speculators.metrics", {"train": {"loss": 1.0}}))
+    assert per_step_quiet(record("speculators.metrics", {"val": {"loss": 1.0}}))
+    assert per_step_quiet(record("speculators.metrics", "Training epoch 1/1 started"))
+    assert per_step_quiet(record("speculators.train", {"train": {"loss": 1.0}}))

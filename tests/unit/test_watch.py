@@ -131,3 +131,36 @@ def test_the_drift_rule_holds_before_it_speaks_and_says_which_positions_fell(tmp
     assert events[0]["positions_fell"] == [2, 3] and events[0]["t"] == 8 * 60.0
     assert events[0]["acceptance_length"] == pytest.approx(2.5) and events[0]["measured"] == 3.0
     assert events[0]["url"] == "http://h:1" and events[1]["t"] == 11 * 60.0
+
+
+def test_a_silence_is_not_the_last_minute_and_restarts_the_drift_hold():
+    from pipeline.watch.drift import Drift
+    from pipeline.watch.history import History
+    from pipeline.watch.state import Watcher
+    h = History(interval=5.0)
+    h.add(read(metrics_text(100, 200, [90, 70, 40], 350), 0.0))
+    h.add(read(metrics_text(110, 215, [99, 76, 40], 380), 1200.0))   # 20 minutes later
+    assert h.window(60.0) is None and h.window(3600.0).drafts == 10
+    m = Measured(3.0, [0.9, 0.7, 0.4], 3, "x")
+    w = Watcher("u", 60.0, m, None, Drift(hold_s=300.0))
+    w.answered(read(metrics_text(100, 300, [90, 70, 40], 350), 0.0))
+    w.answered(read(metrics_text(200, 450, [180, 110, 60], 700), 60.0))   # 2.5: below
+    assert w.drift.below_since == 60.0
+    w.failed("no answer", 0.0)
+    assert w.silent_since == 0.0 and w.drift.below_since is None   # (t = 0 kept, not lost)
+    w.failed("still none", 30.0)
+    assert w.silent_since == 0.0
+
+
+def test_a_line_the_sample_pattern_half_matches_is_skipped():
+    text = metrics_text(100, 200, [90, 70, 40], 350) + "vllm:build_info 1.2.3\n" + \
+        f'{vs.METRIC_SPEC_PER_POSITION}{{position="x"}} 5\n'
+    r = read(text, 0.0)
+    assert r.drafts == 100 and r.per_position == {0: 90, 1: 70, 2: 40}
+
+
+def test_a_port_that_is_not_a_number_is_bad_input():
+    from pipeline.watch.scrape import WatchInputError, target
+    with pytest.raises(WatchInputError, match="the port is not a number"):
+        target("http://127.0.0.1:abc", None)
+    assert target("https://h.example:8443/metrics", None).url == "https://h.example:8443"
