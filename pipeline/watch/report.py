@@ -12,7 +12,10 @@ a draft whose measurement cannot be read)."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -106,13 +109,40 @@ def scrape(target: Target, timeout: float) -> Reading:
     return read(target.metrics(timeout), time.time())
 
 
+@contextmanager
+def ctrl_c_ends(stopping: threading.Event):
+    """Ctrl-C (and SIGTERM) set `stopping` rather than raise: the loop ends
+    after the read in flight (at most its timeout), never halfway through a
+    printed line (a script reading the JSON gets whole lines). Outside the
+    main thread (a test's) nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, lambda *_: stopping.set())
+           for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def run(target: Target, interval: float, measured: Measured | None, once: bool,
         as_json: bool, out: TextIO, err: TextIO, stop=lambda: False,
         log: Path | None = None) -> int:
     """Read the server every `interval` seconds, one request at a time,
     print each interval; `--once`: one interval. The drift rule runs on every
     read (its line printed, its events in `log`). `stop`: a test's way to end
-    the loop (a user's is Ctrl-C)."""
+    the loop (a user's is Ctrl-C, exit 0)."""
+    stopping = threading.Event()
+    with ctrl_c_ends(stopping):
+        return _loop(target, interval, measured, once, as_json, out, err,
+                     lambda: stopping.is_set() or stop(), stopping, log)
+
+
+def _loop(target: Target, interval: float, measured: Measured | None, once: bool,
+          as_json: bool, out: TextIO, err: TextIO, stop, stopping: threading.Event,
+          log: Path | None) -> int:
     timeout = max(1.0, min(interval, 10.0))
     try:
         first = scrape(target, timeout)
@@ -126,31 +156,28 @@ def run(target: Target, interval: float, measured: Measured | None, once: bool,
     last, silent_since = first, None
     watcher = Watcher(target.url, interval, measured, log)
     watcher.answered(first)
-    try:
-        while True:
-            time.sleep(interval)
-            try:
-                now = scrape(target, timeout)
-            except (NoAnswer, NotVllm) as e:
-                silent_since = silent_since or time.strftime("%H:%M:%S")
-                print(f"no answer since {silent_since} ({e}); the last figures stand",
-                      file=err, flush=True)
-                if once:
-                    return EXIT_NO_ANSWER
-                continue
-            silent_since = None
-            watcher.answered(now)
-            drift = watcher.state().drift
-            report = Report(target.url, model, between(last, now), between(None, now), now,
-                            measured)
-            if as_json:
-                print(json.dumps({**report.to_json(), "drift": drift or None}), file=out,
-                      flush=True)
-            else:
-                print("\n".join(report.lines() + ([drift] if drift else []))
-                      + ("" if once else "\n"), file=out, flush=True)
-            if once or stop():
-                return EXIT_OK
-            last = now
-    except KeyboardInterrupt:
-        return EXIT_OK
+    while not stopping.wait(interval):
+        try:
+            now = scrape(target, timeout)
+        except (NoAnswer, NotVllm) as e:
+            silent_since = silent_since or time.strftime("%H:%M:%S")
+            print(f"no answer since {silent_since} ({e}); the last figures stand",
+                  file=err, flush=True)
+            if once:
+                return EXIT_NO_ANSWER
+            continue
+        silent_since = None
+        watcher.answered(now)
+        drift = watcher.state().drift
+        report = Report(target.url, model, between(last, now), between(None, now), now,
+                        measured)
+        if as_json:
+            print(json.dumps({**report.to_json(), "drift": drift or None}), file=out,
+                  flush=True)
+        else:
+            print("\n".join(report.lines() + ([drift] if drift else []))
+                  + ("" if once else "\n"), file=out, flush=True)
+        if once or stop():
+            return EXIT_OK
+        last = now
+    return EXIT_OK
