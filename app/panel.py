@@ -164,6 +164,8 @@ class PanelApp(App):
         self.main.post_message(RunRead(view, self.rundir, self.extract_backend(view), changes))
 
     def _apply_snapshot(self, snap) -> None:
+        if self._stop.is_set() or not self.screen_stack:
+            return   # a sample in flight as the app exits: no screen left to tell
         self.snapshot = snap
         self.main.post_message(TelemetryRead(snap))
 

@@ -47,6 +47,10 @@ def test_a_key_from_the_environment_and_the_refusals(tmp_path):
     assert f"{tmp_path / 'measured.json'} is missing" in p.stderr and "export again" in p.stderr
     p = cli("watch", "http://127.0.0.1:1", "--run", "nope", cwd=tmp_path, check=2)
     assert "nope" in p.stderr
+    p = cli("watch", "http://127.0.0.1:1", "--log", tmp_path / "no-such-dir" / "d.jsonl",
+            cwd=tmp_path, check=2)
+    assert "--log" in p.stderr and "No such file or directory" in p.stderr
+    assert not (tmp_path / "no-such-dir").exists()
     p = cli("watch", "localhost:8000", cwd=tmp_path, check=2)
     assert "watch reads an http(s) URL" in p.stderr
     p = cli("watch", "http://127.0.0.1:1/v1/chat", cwd=tmp_path, check=2)
