@@ -71,8 +71,8 @@ def planned_servers(cfg: Config, m: ModelInfo, backend: str,
         out.append(_planned(cfg, "extract", "extract", seq + 8, capture, groups[0]))
     if cfg.enabled("evaluate"):
         ev = cfg.stages.evaluate
-        # evaluate.choose_prompts' rule, at its largest (a stage module is imported by
-        # nothing: tests/unit/test_shape.py), for prompts from a file or the validation split
+        # pipeline.evaluate.load.choose_prompts' rule, at its largest, without the stage
+        # context it reads: for prompts from a file or the validation split
         max_len = int(m.max_position or 4096) if ev.prompts else seq + ev.max_tokens + 8
         out.append(_planned(cfg, "evaluate", "evaluate (the target alone)", max_len,
                             list(ev.server_args), cfg.stage_devices("evaluate")))

@@ -248,7 +248,7 @@ def test_exports_follow_their_checkpoints_and_evaluate_makes_its_own(mla_run, tm
     import os
     from types import SimpleNamespace
 
-    from pipeline.stages.evaluate import served_draft
+    from pipeline.evaluate.servers import served_draft
     _, rd, _, _, _ = mla_run
     save, root = tmp_path / "checkpoints", tmp_path / "vllm"
     shutil.copytree(rd.out_dir("train") / "checkpoints", save, symlinks=True)

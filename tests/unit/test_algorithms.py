@@ -237,8 +237,8 @@ def test_evaluate_checks_the_tokens_against_what_the_checkpoint_records(tmp_path
     any server; EAGLE-3 past its TTT steps a warning."""
     from types import SimpleNamespace
 
+    from pipeline.evaluate.choice import check_drafted_tokens, recorded_tokens
     from pipeline.stage_error import StageError
-    from pipeline.stages.evaluate import check_drafted_tokens, recorded_tokens
     ckpt = tmp_path / "0"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"speculators_config": {

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.stages.evaluate import fresh_command
+from pipeline.evaluate.servers import fresh_command
 from pipeline.vllm import contract, draft_swap, route_guard, swap_worker
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.compat import READ_RELEASES

@@ -99,7 +99,12 @@ RULES = (
        "vLLM, models, the driver): what it needs is handed down as data") for upper in
       ("pipeline.config", "pipeline.vllm", "pipeline.model", "pipeline.doctor",
        "pipeline.drive", "pipeline.control", "pipeline.train", "pipeline.extract",
-       "pipeline.data", "pipeline.builtin", "pipeline.export", "pipeline.compare")),
+       "pipeline.data", "pipeline.builtin", "pipeline.export", "pipeline.compare",
+       "pipeline.evaluate")),
+    # evaluate's choice of checkpoints is pure: testable on a recorded run folder
+    *(("pipeline.evaluate.choice", served, "the choice of checkpoints is pure: no vLLM, "
+       "no server, no load") for served in
+      ("pipeline.vllm", "pipeline.evaluate.servers", "pipeline.evaluate.load")),
     *((lower, "pipeline.cluster", "run/ and drive/ are below cluster/: they ask a "
        "scheduler only through pipeline.run.executor, which cluster/ implements")
       for lower in ("pipeline.run", "pipeline.drive")),
@@ -176,6 +181,9 @@ def test_import_directions():
     ("pipeline.run.exit_reasons", "from pipeline.vllm import contract_strings", "the floor"),
     ("pipeline.run.executor", "from pipeline.config import SCHEDULERS", "the floor"),
     ("pipeline.run.supervise", "def f():\n    from pipeline.drive import driver", "the floor"),
+    ("pipeline.run.snapshot", "from pipeline.evaluate.results import gate", "the floor"),
+    ("pipeline.evaluate.choice", "from pipeline.vllm.server import make_server", "is pure"),
+    ("pipeline.evaluate.choice", "from pipeline.evaluate.servers import ServerPool", "is pure"),
 ])
 def test_each_direction_rule_can_fail(module, source, rule):
     broken = broken_rules(module, source)

@@ -95,7 +95,7 @@ def test_plateau_watch_survives_a_resume(tmp_path):
 def test_evaluate_names_the_draft_vllm_measured_best(tmp_path):
     """best-K measures the K checkpoints train estimates highest; of those
     measured, the summary names the longest measured acceptance."""
-    from pipeline.stages.evaluate import best_measured, checkpoints
+    from pipeline.evaluate.choice import best_measured, checkpoints
     save = tmp_path / "out" / "checkpoints"
     for e in range(5):
         d = save / str(e)
@@ -117,16 +117,15 @@ def test_evaluate_names_the_draft_vllm_measured_best(tmp_path):
     assert [d.name for d in checkpoints(save, "chosen", save / "5")] == ["4"]   # incomplete
     # a run folder moved since train wrote its summary: found by the folder's name
     assert [d.name for d in checkpoints(save, "chosen", Path("/elsewhere/checkpoints/2"))] == ["2"]
-    from pipeline.stages.evaluate import chosen_by
+    from pipeline.evaluate.choice import chosen_by
     assert chosen_by("chosen", save / "2", [save / "2"]) == "the checkpoint train chose"
     assert chosen_by("chosen", None, [save / "4"]) == "last checkpoint (train named none)"
     assert chosen_by("last", None, [save / "4"]) == "last checkpoint"
     (tmp_path / "out" / "plateau.json").unlink()            # no estimates: the last K
     assert [d.name for d in checkpoints(save, "best-2")] == ["3", "4"]
-    measured = {"2": {"acceptance_length": 2.8}, "3": {"acceptance_length": 2.95},
-                "4": {"acceptance_length": 2.95}}
+    measured = {"2": 2.8, "3": 2.95, "4": 2.95}
     assert best_measured(measured) == "4"                  # a tie: the later one
-    measured["2"]["acceptance_length"] = 3.2                # not the estimate's favourite
+    measured["2"] = 3.2                                     # not the estimate's favourite
     assert best_measured(measured) == "2"
 
 

@@ -256,7 +256,7 @@ def measure_export(card: str, out, results: dict) -> dict:
     from types import SimpleNamespace
 
     from pipeline.data.prompt_sets import PROMPTS_FILE, from_jsonl
-    from pipeline.stages.evaluate import generate
+    from pipeline.evaluate.load import generate
     from pipeline.vllm import contract_strings as vs
     from pipeline.vllm.environment import process_env
     from pipeline.vllm.metrics import acceptance, spec_counters
