@@ -46,10 +46,13 @@ server it needs included, sampled every 0.25 s), bytes its outputs hold on disk;
 final validation loss (each trainer's own split); and the acceptance length vLLM
 measures when it serves each draft: ours by the evaluate stage, theirs by the same stage
 on a run directory holding their checkpoint (the same server flags, prompts, greedy
-decoding, draft tokens). The prompts are the first turns of bundled conversations that
-neither pipeline trains on (the last --eval-prompts of them), since the two trainers hold
-out different validation rows. The acceptance measurements and the probes of what cannot
-run are not in the wall times (they run concurrently at the end, to save time).
+decoding, draft tokens). Ours is the checkpoint evaluate measured (train's choice);
+theirs both ways: their last epoch, and the epoch speculators marks `checkpoint_best`
+(its lowest validation loss; measured only where it is another epoch). The prompts
+are the first turns of bundled conversations that neither pipeline trains on (the last
+--eval-prompts of them), since the two trainers hold out different validation rows.
+The acceptance measurements and the probes of what cannot run are not in the wall
+times (they run concurrently at the end, to save time).
 """
 
 from __future__ import annotations
@@ -446,6 +449,7 @@ class Bench:
         step("train", t5, t5 + wall, sp / "ckpt", sp / "logs")
         end = t5 + wall
         ckpt = self.theirs_ckpt = last_checkpoint(sp / "ckpt")
+        self.theirs_best = best_checkpoint(sp / "ckpt")
         vals = [json.loads(x) for x in (sp / "val.jsonl").read_text().splitlines() if x]
         val = {k.removesuffix("_epoch"): v for k, v in vals[-1].items()}
         total = {"wall_s": end - t_all, "peak_rss": self.rss.peak(t_all, end),
@@ -453,6 +457,7 @@ class Bench:
         return {"steps": steps, "total": total, "val_loss": val.get("loss"), "epochs": len(vals),
                 "estimate": estimate(val, self.s["ttt_steps"]),
                 "optimizer_steps": optimizer_steps(ckpt), "checkpoint": str(ckpt),
+                "checkpoint_best": str(self.theirs_best) if self.theirs_best else None,
                 "train_argv": self.sp_argv}
 
     # -- untimed: acceptance of theirs, the probes of what cannot run ---------------------
@@ -618,6 +623,13 @@ def matched_total_seq_len(ours: dict, theirs: dict, seq_length: int) -> tuple[in
     return seq, ""
 
 
+def best_checkpoint(save: Path) -> Path | None:
+    """The epoch folder speculators marks `checkpoint_best` (its lowest
+    validation loss), None where it marked none."""
+    best = save / "checkpoint_best"
+    return best.resolve() if best.exists() else None
+
+
 def last_checkpoint(save: Path) -> Path:
     """The last epoch's checkpoint (what evaluate's `checkpoints = "last"` serves)."""
     return max((p for p in save.iterdir() if p.name.isdigit() and not p.is_symlink()),
@@ -710,6 +722,9 @@ def main() -> None:
             except BaseException as e:  # noqa: BLE001 - reported, never lost
                 results[key] = e
         jobs = [("acc", b.their_acceptance)]
+        best = b.theirs_best
+        if best is not None and best != b.theirs_ckpt:   # speculators' own pick: measured too
+            jobs.append(("best", lambda: b.their_acceptance(best, "theirs-best")))
         if a.probes:
             jobs += [("stock", b.probe_stock_connector), ("train", b.probe_plain_train)]
         else:
@@ -724,7 +739,7 @@ def main() -> None:
             if isinstance(results[k], BaseException):
                 raise results[k]
         their_m, why = results["acc"]
-        b.out["cannot_run"] += [results[k] for k, _ in jobs if k != "acc"]
+        b.out["cannot_run"] += [results[k] for k, _ in jobs if k not in ("acc", "best")]
         b.out["probes"] = a.probes
         for c in b.out["cannot_run"]:
             if c["ran"]:
@@ -784,6 +799,15 @@ def main() -> None:
         else:
             print(f"acceptance length (vLLM, {n} held-out prompts): ours {acc_o:.3f}, theirs "
                   f"not measured: {why}", flush=True)
+        best_m, best_why = results.get("best", (their_m, why))
+        acc_b = best_m["acceptance_length"] if best_m else None
+        if best is None:
+            print("theirs' checkpoint_best: speculators marked none", flush=True)
+        else:
+            same = " (their last epoch: the same checkpoint)" if best == b.theirs_ckpt else ""
+            print(f"theirs' checkpoint_best (epoch {best.name}){same}: acceptance length "
+                  + (f"{acc_b:.3f}: ours / theirs' best {acc_o / acc_b:.3f} (target >= 1.0)"
+                     if acc_b else f"not measured: {best_why}"), flush=True)
         matched = b.ours_matched(theirs, ours) if a.match_steps else None
         if matched is not None and ("skipped" in matched or "failed" in matched):
             print(f"ours, steps matched: not measured: {matched.get('skipped') or matched['failed']}",
@@ -819,7 +843,9 @@ def main() -> None:
             ours=ours, theirs=theirs, wall_ratio=wall_ratio, disk_ratio=disk_ratio,
             compared_steps=[o for o, t in pairs if (o, t) not in skipped], both=both,
             rss_ratio=rss_ratio, acceptance_ours=acc_o, acceptance_theirs=acc_t,
-            acceptance_theirs_reason=why,
+            acceptance_theirs_reason=why, acceptance_theirs_best=acc_b,
+            theirs_best_epoch=best.name if best else None,
+            acceptance_theirs_best_reason=best_why if acc_b is None else None,
             acceptance_theirs_per_position=their_m["per_position"] if their_m else None,
             acceptance_theirs_drafts=their_m["drafts"] if their_m else None,
             ours_steps_matched=matched)

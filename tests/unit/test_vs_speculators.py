@@ -54,3 +54,16 @@ def test_steps_matched_per_epoch_or_why_not(vs):
     # the measured checkpoint (epoch 8 of 11 trained): its steps over its 9 epochs
     at8 = {"optimizer_steps": 1272, "epochs": 11, "epochs_measured": 9, "total_seq_len": 448}
     assert vs.matched_total_seq_len(at8, theirs, 192)[0] == round(448 * (1272 / 9) / (4105 / 14))
+
+
+def test_theirs_best_is_the_epoch_speculators_marks(vs, tmp_path):
+    """Theirs is compared at its last epoch and at `checkpoint_best` (a link
+    speculators' checkpointer points at its lowest validation loss): read as
+    the epoch folder it names, or None where it marked none."""
+    save = tmp_path / "ckpt"
+    for epoch in range(14):
+        (save / str(epoch)).mkdir(parents=True)
+    assert vs.best_checkpoint(save) is None
+    (save / "checkpoint_best").symlink_to("9")
+    assert vs.best_checkpoint(save) == (save / "9").resolve()
+    assert vs.last_checkpoint(save).name == "13"
