@@ -1,3 +1,3 @@
 """The evaluate stage's parts, by concern (pipeline/stages/evaluate.py is
 its entry point and says how they fit): choice, load, servers, baseline,
-measurement, results, trackers."""
+measurement (the typed result), measure, results, trackers."""

@@ -141,7 +141,7 @@ class ServerPool:
         return server, "a new server"
 
     def run_prompts(self, k: int, draft: Path | None, served: Path | None = None,
-                        spec_extra: dict | None = None, server=None) -> Measurement:
+                    spec_extra: dict | None = None, server=None) -> Measurement:
         """The prompts through a server with the draft (the running one, the
         draft swapped in, where it can be) or without (server k: `server`
         when one was started ahead, BaselineAhead, else a new one)."""
