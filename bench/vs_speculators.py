@@ -228,8 +228,10 @@ class Bench:
                   "draft_vocab_size": demo["vocab"]["draft_vocab_size"],
                   "epochs": a.epochs or st.get("epochs", 0), "lr": st["lr"],
                   "total_seq_len": st.get("total_seq_len", 0), "ttt_steps": st["ttt_steps"],
-                  "rule": {k: st[k] for k in ("target_steps", "min_steps", "max_epochs",
-                                              "patience", "min_delta") if k in st},
+                  "rule": {**{k: st[k] for k in ("target_steps", "min_steps", "max_epochs",
+                                                 "patience", "min_delta") if k in st},
+                           **{k: getattr(a, k) for k in ("target_steps", "min_steps",
+                                                          "max_epochs") if getattr(a, k)}},
                   "num_layers": st["num_layers"], "train_ratio": st["train_ratio"],
                   "seed": st["seed"], "num_speculative_tokens": ev["num_speculative_tokens"],
                   "max_tokens": a.max_tokens or ev["max_tokens"]}
@@ -627,7 +629,7 @@ def best_checkpoint(save: Path) -> Path | None:
     """The epoch folder speculators marks `checkpoint_best` (its lowest
     validation loss), None where it marked none."""
     best = save / "checkpoint_best"
-    return best.resolve() if best.exists() else None
+    return save / best.resolve().name if best.exists() else None   # as last_checkpoint names it
 
 
 def last_checkpoint(save: Path) -> Path:
@@ -672,6 +674,10 @@ def main() -> None:
                     help="bundled conversations held out from both: their first turns are "
                          "the prompts vLLM measures acceptance on")
     ap.add_argument("--max-tokens", type=int, default=0, help="per prompt; 0: the demo's")
+    for opt in ("target-steps", "min-steps", "max-epochs"):   # the budget rule, smaller
+        ap.add_argument(f"--{opt}", type=int, default=0,
+                        help=f"[stages.train] {opt.replace('-', '_')} for the rule (with "
+                             "--epochs 0); 0: the demo's")
     ap.add_argument("--vllm-python", default=os.environ.get(
         "VLLM_PYTHON", str(VLLM_VENV / "bin" / "python")))
     ap.add_argument("--timeout", type=float, default=1800, help="per step, seconds")
@@ -707,7 +713,9 @@ def main() -> None:
               f"{ours['evaluate_s']:.1f} s)", flush=True)
         print(f"ours: {ours['epochs']} epochs at total_seq_len {ours['total_seq_len']}, "
               f"{ours['optimizer_steps']} optimizer steps; stopped: {ours['stopped']} "
-              f"(budget: {ours['budget']})", flush=True)
+              f"(budget: {ours['budget']}); measured: epoch "
+              f"{Path(ours['checkpoint']).name} ({ours['epochs_measured']} epochs' training)",
+              flush=True)
         theirs = b.theirs(ours["train_argv"])
         for name, st in theirs["steps"].items():
             print(line("theirs", name, st), flush=True)
@@ -723,7 +731,7 @@ def main() -> None:
                 results[key] = e
         jobs = [("acc", b.their_acceptance)]
         best = b.theirs_best
-        if best is not None and best != b.theirs_ckpt:   # speculators' own pick: measured too
+        if best is not None and best.name != b.theirs_ckpt.name:   # speculators' own pick too
             jobs.append(("best", lambda: b.their_acceptance(best, "theirs-best")))
         if a.probes:
             jobs += [("stock", b.probe_stock_connector), ("train", b.probe_plain_train)]
@@ -735,6 +743,9 @@ def main() -> None:
             t.start()
         for t in threads:
             t.join()
+        if isinstance(results.get("best"), BaseException):   # optional: the rest is kept
+            e = results["best"]
+            results["best"] = (None, f"{type(e).__name__}: {e}")
         for k, _ in jobs:
             if isinstance(results[k], BaseException):
                 raise results[k]
@@ -799,12 +810,14 @@ def main() -> None:
         else:
             print(f"acceptance length (vLLM, {n} held-out prompts): ours {acc_o:.3f}, theirs "
                   f"not measured: {why}", flush=True)
-        best_m, best_why = results.get("best", (their_m, why))
+        best_m, best_why = results.get("best", (their_m, why) if best is not None else
+                                       (None, "speculators marked none"))
         acc_b = best_m["acceptance_length"] if best_m else None
         if best is None:
             print("theirs' checkpoint_best: speculators marked none", flush=True)
         else:
-            same = " (their last epoch: the same checkpoint)" if best == b.theirs_ckpt else ""
+            same = " (their last epoch: the same checkpoint)" \
+                if best.name == b.theirs_ckpt.name else ""
             print(f"theirs' checkpoint_best (epoch {best.name}){same}: acceptance length "
                   + (f"{acc_b:.3f}: ours / theirs' best {acc_o / acc_b:.3f} (target >= 1.0)"
                      if acc_b else f"not measured: {best_why}"), flush=True)
