@@ -367,7 +367,8 @@ def body(ctx: StageContext) -> dict:
     summary = summarize(ctx, training, save_path, final)
     summary["checkpoint_chosen_by"] = chosen
     if chosen.startswith("highest"):   # that epoch's estimate, not the last one's
-        summary["acceptance_length"] = max(v for _, v in plateau_watch(ctx).history)
+        watch = plateau_watch(ctx)
+        summary["acceptance_length"] = dict(watch.history)[watch.best_epoch()]
     summary.update(budget_summary(ctx, training.budget, save_path))
     if ctx.cfg.tracking.loggers:   # how to look (the panel and `status` say it)
         summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)
@@ -377,12 +378,15 @@ def body(ctx: StageContext) -> dict:
 
 def choose_checkpoint(save_path: Path, watch: PlateauWatch) -> tuple[Path | None, str]:
     """The trained draft when nothing measures it: the epoch with the
-    highest estimate (evaluate, when it runs, names the one vLLM measured
-    best among those it serves); without estimates, latest_checkpoint's."""
-    best = watch.best_epoch()
+    highest estimate, or a later one within min_delta of it (PlateauWatch.
+    best_epoch; evaluate, when it runs, names the one vLLM measured best
+    among those it serves); without estimates, latest_checkpoint's."""
+    best, top = watch.best_epoch(), watch.top_epoch()
     folder = save_path / str(best) if best is not None else None
     if folder is not None and complete_checkpoint(folder):
-        return folder, f"highest acceptance estimate, epoch {best + 1}"
+        return folder, f"highest acceptance estimate, epoch {best + 1}" + (
+            "" if best == top else f" (the latest within min_delta {watch.min_delta:g} of "
+                                   f"epoch {top + 1}'s)")
     final = latest_checkpoint(save_path)
     return final, ("lowest validation loss" if (save_path / "checkpoint_best").exists()
                    else "last epoch")

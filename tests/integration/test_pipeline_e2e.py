@@ -137,7 +137,8 @@ def test_all_stages_succeeded_with_resumes(run):
     # train: SIGKILLed, cancelled, finished
     assert st["extract"]["attempt"] == 2 and st["train"]["attempt"] == 3
     # which checkpoint, and why (evaluate measures the one train chose, by default)
-    assert re.search(r"trained draft \((highest acceptance estimate, epoch \d+|lowest validation loss|"
+    assert re.search(r"trained draft \((highest acceptance estimate, epoch \d+( \(the latest "
+                     r"within min_delta [\d.e-]+ of epoch \d+'s\))?|lowest validation loss|"
                      r"last epoch)\): \S+/checkpoints/\d+",
                      log["final_output"]), log["final_output"]
     assert "estimated acceptance length" in log["final_output"]

@@ -86,6 +86,13 @@ def test_plateau_watch_survives_a_resume(tmp_path):
     saved = json.loads(path.read_text())
     assert saved["history"] == [[0, 2.0], [1, 2.5], [2, 2.9]] and saved["stopped"] is None
     assert PlateauWatch(path, 1, 0.01).best_epoch() == 2
+    # on a plateau: the latest epoch within min_delta of the highest (more steps, and the
+    # rule's own tolerance cannot tell them apart); outside it, the highest
+    flat = PlateauWatch(tmp_path / "flat.json", 2, 0.005)
+    for e, v in enumerate([3.30, 3.441, 3.430, 3.440, 3.41]):
+        flat.update(e, v)
+    assert flat.top_epoch() == 1 and flat.best_epoch() == 3     # 3.440 * 1.005 >= 3.441
+    assert PlateauWatch(tmp_path / "flat.json", 2, 0.0).best_epoch() == 1   # no tolerance
     # a rank other than 0 decides the same but writes nothing
     other = tmp_path / "other.json"
     PlateauWatch(other, 1, 0.01, writer=False).update(0, 1.0)
