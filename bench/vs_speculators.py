@@ -610,8 +610,9 @@ def measured_checkpoint(rd: Path) -> Path:
 def matched_total_seq_len(ours: dict, theirs: dict, seq_length: int) -> tuple[int | None, str]:
     """(ours' total_seq_len at which it takes as many optimizer steps per epoch as
     theirs, or None; why not). Per epoch, not per run: ours may stop on a plateau
-    before the epochs theirs trains. A size below seq_length cannot hold one row,
-    and config refuses it."""
+    before the epochs theirs trains. Config refuses a total_seq_len given below
+    seq_length (a whole sample must fit; only the budget rule, which knows the
+    data, goes down to the longest sample)."""
     # ours' steps are the measured checkpoint's: per epoch, by the epochs it holds
     o_ep, t_ep = ours.get("epochs_measured") or ours.get("epochs") or 0, theirs.get("epochs") or 0
     if not (ours.get("optimizer_steps") and theirs.get("optimizer_steps") and o_ep and t_ep):
@@ -621,7 +622,8 @@ def matched_total_seq_len(ours: dict, theirs: dict, seq_length: int) -> tuple[in
     if seq < seq_length:
         return None, (f"theirs takes {per_theirs:.0f} steps an epoch, ours {per_ours:.0f} at "
                       f"total_seq_len {ours['total_seq_len']}: matching needs total_seq_len "
-                      f"{seq}, below seq_length {seq_length}, which holds no row")
+                      f"{seq}, below seq_length {seq_length}, the least config takes for a "
+                      "total_seq_len it is given (a whole sample must fit)")
     return seq, ""
 
 
