@@ -664,6 +664,13 @@ def line(who: str, step: str, s: dict) -> str:
             f"disk {s['disk_bytes']:>13,} B{extra}")
 
 
+def count(text: str) -> int:
+    """A whole number >= 0 (argparse: anything else is exit 2, said)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 0")
+    return int(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="builtin:tiny-llama",
@@ -677,7 +684,7 @@ def main() -> None:
                          "the prompts vLLM measures acceptance on")
     ap.add_argument("--max-tokens", type=int, default=0, help="per prompt; 0: the demo's")
     for opt in ("target-steps", "min-steps", "max-epochs"):   # the budget rule, smaller
-        ap.add_argument(f"--{opt}", type=int, default=0,
+        ap.add_argument(f"--{opt}", type=count, default=0,
                         help=f"[stages.train] {opt.replace('-', '_')} for the rule (with "
                              "--epochs 0); 0: the demo's")
     ap.add_argument("--vllm-python", default=os.environ.get(
