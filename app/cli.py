@@ -371,7 +371,7 @@ def cmd_doctor(args) -> int:
     from pipeline import doctor
     # GPU presence is one of doctor's findings, not a reason to refuse the config.
     try:
-        cfg = control.load_config(args.config, gpu_check=False)
+        cfg = control.load_config(args.config)
     except ConfigError as e:
         if not args.json:
             raise

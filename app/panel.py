@@ -248,8 +248,7 @@ class PanelApp(App):
         def load():
             if self.rundir is not None:
                 return driver.load_run_config(self.rundir)
-            return control.load_config(self.config_path and str(self.config_path),
-                                       gpu_check=False)
+            return control.load_config(self.config_path and str(self.config_path))
         self.push_screen(DoctorScreen(load))
 
     def action_run(self) -> None:

@@ -383,7 +383,7 @@ class Bench:
 
     def target_path(self) -> Path:
         from pipeline import config as config_mod
-        return config_mod.load(self.work / "ours" / "config.toml", gpu_count=None).target_path()
+        return config_mod.load(self.work / "ours" / "config.toml").target_path()
 
     def theirs(self, ours_argv: list[str]) -> dict:
         sp = self.sp = self.work / "theirs"

@@ -1,22 +1,23 @@
 """Load and validate config.toml: the one file that describes a pipeline run.
 
-Every check lives here, so a bad config fails before anything is launched,
-with an error that names the file, the key and the fix.
+Each key is a field below that declares its own type, rules and whether it
+decides a stage's output (pipeline/config_fields.py, the one loader); what
+one field cannot say — keys that must agree, paths, GPUs — is checked after
+loading. A bad config fails before anything is launched, with an error that
+names the file, the key and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
-import math
 import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,6 +26,18 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from pipeline import __version__, builtin
 from pipeline.builtin import conversations_path
+from pipeline.config_fields import (
+    NEVER,
+    NOT_ZERO,
+    POSITIVE,
+    UNLESS_DEFAULT,
+    ConfigError,
+    choice,
+    fill,
+    fingerprinted,
+    opt,
+    rule,
+)
 from pipeline.data.prompt_sets import MT_BENCH
 from pipeline.paths import PROJECT_ROOT, VLLM_VENV
 from pipeline.run.executor import SCHEDULERS  # `[cluster] scheduler`: what runs the attempts
@@ -35,10 +48,32 @@ from pipeline.vllm import contract_strings as vs
 GPU_STAGES = ("regenerate", "extract", "train", "evaluate")
 BUILTIN_MODEL = "builtin:tiny-llama"
 BUILTIN_DATA = "builtin:conversations"
+TRACKER_NAMES = tuple(TRACKERS)
+MAX_WORKERS = 1024   # extractor processes on one machine: well past 8 GPUs x a few each
 
 
-class ConfigError(Exception):
-    """A config problem a user must fix; the message says where and how."""
+def not_blank(fix: str):
+    """Text that must say something: empty would mean the config's own folder."""
+    return rule(lambda v: bool(v.strip()), "= {value!r} is empty: " + fix + ".")
+
+
+def _http_url(value: str) -> bool:
+    from urllib.parse import urlparse
+    parts = urlparse(value)
+    return not value or (parts.scheme in ("http", "https") and bool(parts.netloc))
+
+
+def _checkpoints_choice(value: str, where: str, src: str) -> None:
+    """chosen | last | best | all | best-K (K: a count)."""
+    if not (value.startswith("best-") and value[5:].isdigit() and int(value[5:]) > 0):
+        # best-K: the K checkpoints train estimates best, the draft named by vLLM's measure
+        choice(value, ("chosen", "last", "best", "all", "best-3"), where, src)
+
+
+def _each_once(value: list, where: str, src: str) -> None:
+    for i, name in enumerate(value):
+        if name in value[:i]:
+            raise ConfigError(f"{src}: `{where}` names {name!r} twice. Name each tracker once.")
 
 
 @dataclass
@@ -49,13 +84,13 @@ class PipelineSection:
     # hybrid: no extract pass either; train reads what an earlier extract left
     # on disk and asks the servers for the rest (an extraction that ran out of
     # disk or time, continued without redoing it).
-    mode: str = "offline"
+    mode: Literal["offline", "online", "hybrid"] = "offline"
 
 
 @dataclass
 class RunSection:
     name: str = "run"
-    runs_dir: str = "runs"
+    runs_dir: str = opt("runs", not_blank('name the folder the runs go in, e.g. "runs"'))
     # The run directory holds your data (datasets, hidden states, the draft):
     # readable by you only, unless shared = true (then by your group too).
     shared: bool = False
@@ -72,7 +107,7 @@ class ModelSection:
     # nothing is ever downloaded; `hf download` it first)
     download: bool = False
     trust_remote_code: bool = False
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # not a config key: the snapshot a run froze when it was launched
     # (state.json `target`), given to the run's config when it is loaded
     pinned: typing.ClassVar[dict | None] = None
@@ -80,14 +115,15 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    path: str = BUILTIN_DATA
-    format: str = "auto"
+    path: str = opt(BUILTIN_DATA, not_blank('name a dataset (JSONL or a datasets folder), or '
+                                            '"builtin:conversations"'))
+    format: Literal["auto", "messages", "sharegpt", "tokenized"] = "auto"
     max_samples: int = 0
 
 
 @dataclass
 class GpusSection:
-    devices: list[int] = field(default_factory=list)
+    devices: list[int] = opt([])
     # Which of them each GPU stage gets (default: all of `devices`).
     regenerate: list[int] | None = None
     extract: list[int] | None = None
@@ -104,7 +140,8 @@ class RuntimeSection:
     # The interpreter vLLM runs with: "" = the .venv-vllm that
     # scripts/install.sh makes on a CPU machine, else `python`.
     vllm_python: str = ""
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = opt({})
+    # (0: no wait before the next signal)
     cancel_grace_s: float = 30.0
     term_grace_s: float = 10.0
 
@@ -114,22 +151,24 @@ class ClusterSection:
     # local: stages are processes on this machine. slurm: each stage is a
     # Slurm job (sbatch) with its supervisor inside; the run directory must
     # be on a filesystem every node sees; [gpus] numbers a node's GPUs.
-    scheduler: str = "local"
+    scheduler: Literal[SCHEDULERS] = "local"
     partition: str = ""
     account: str = ""
-    nodes: int = 1              # for extract (data parallel over nodes) and train (torchrun)
+    # for extract (data parallel over nodes) and train (torchrun)
+    nodes: int = opt(1, POSITIVE)
     # the fewest nodes a multi-node job may start on (0 = exactly `nodes`): below `nodes`,
     # a job asks for as many as are up (an exact count), so a resume after a lost node
     # runs on the nodes left
     min_nodes: int = 0
-    lost_after_s: float = 120.0   # a node worker silent this long is lost: its samples are redone
+    # a node worker silent this long is lost: its samples are redone
+    lost_after_s: float = opt(120.0, POSITIVE)
     # train over nodes: torchrun's agents wait this long for every node to join, and a
     # rank this long on one collective (a peer's node lost) ends the training, failed
-    rendezvous_timeout_s: float = 600.0
-    collective_timeout_s: float = 1800.0
+    rendezvous_timeout_s: float = opt(600.0, POSITIVE)
+    collective_timeout_s: float = opt(1800.0, POSITIVE)
     gpus_per_node: int = 0      # --gpus-per-node for the GPU stages (0: none asked)
     time_limit: str = ""        # --time, e.g. "24:00:00" ("" = the partition's default)
-    sbatch_args: list[str] = field(default_factory=list)   # any other sbatch flags
+    sbatch_args: list[str] = opt([])   # any other sbatch flags
 
 
 @dataclass
@@ -138,7 +177,7 @@ class TrackingSection:
     # in the same run (pipeline.tracking): any of "tensorboard", "mlflow",
     # "wandb", "trackio"; local, under <run>/tracking/, unless the stage's
     # environment names a server (MLFLOW_TRACKING_URI, WANDB_MODE).
-    loggers: list[str] = field(default_factory=list)
+    loggers: list[Literal[TRACKER_NAMES]] = opt([], _each_once)
 
 
 @dataclass
@@ -146,22 +185,24 @@ class StageCommon:
     # The module run as `python -m ENTRY`: the real stage by default; tests
     # and users can substitute their own.
     entry: str = ""
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = opt({})
 
 
 @dataclass
 class ServerCommon(StageCommon):
-    """What a stage that starts its own vLLM server takes."""
+    """What a stage that starts its own vLLM server takes (regenerate,
+    extract's vLLM backends and online train, evaluate)."""
     serve_command: str = ""
-    server_args: list[str] = field(default_factory=list)
+    server_args: list[str] = opt([])
     # server_args may not set what eagle-panel owns (--host, --port,
-    # --api-key, --uds) unless this is true: then doctor warns about it
-    override_server_flags: bool = False
-    startup_timeout_s: float = 1200.0
+    # --api-key, --uds) unless this is true: then doctor warns about it.
+    # It decides no output: a run's fingerprints stay.
+    override_server_flags: bool = opt(False, fingerprint=UNLESS_DEFAULT)
+    startup_timeout_s: float = opt(1200.0, NOT_ZERO)
     # a starting server with no new log line and no GPU memory change for
     # this long is called stalled (the panel, status and run --wait say so)
-    stall_after_s: float = 300.0
-    request_timeout_s: float = 600.0
+    stall_after_s: float = opt(300.0, POSITIVE)
+    request_timeout_s: float = opt(600.0, NOT_ZERO)
 
 
 @dataclass
@@ -169,57 +210,55 @@ class RegenerateSection(ServerCommon):
     # Off by default for your data: the target answering its own prompts is
     # what a draft should learn, but it costs a full generation pass.
     enabled: bool = False
-    max_tokens: int = 256       # per assistant turn
+    max_tokens: int = opt(256, POSITIVE)       # per assistant turn
     temperature: float = 0.0    # 0 = greedy
     seed: int = 0
-    concurrency: int = 8        # conversations in flight
-    # conversations saved together: what a kill can cost (one chunk's answers)
-    chunk_size: int = 50
+    concurrency: int = opt(8, POSITIVE)        # conversations in flight
+    # conversations saved together: what a kill can cost (one chunk's answers);
+    # how the work is saved, not what: each size keeps its chunks in a folder
+    # of its own (pipeline.stages.regenerate.split_chunks)
+    chunk_size: int = opt(50, POSITIVE, fingerprint=NEVER)
     # one vLLM server for regenerate and extract (extract's, which captures hidden
     # states): one target load fewer, generation slower on it (1.4-1.5x measured on
-    # the CPU build): pipeline.extract.shared_server
-    share_server: bool = False
+    # the CPU build): pipeline.extract.shared_server. How, not what: the same
+    # answers at temperature 0 (sampled ones equally the target's)
+    share_server: bool = opt(False, fingerprint=NEVER)
 
 
 @dataclass
 class PrepareSection(StageCommon):
-    seq_length: int = 512
-    render_endpoint: str = ""
-    render_timeout_s: float = 30.0
+    seq_length: int = opt(512, POSITIVE)
+    render_endpoint: str = opt("", rule(
+        _http_url, "= {value!r} is not an http(s) URL. Give a running vLLM server's base "
+        'URL, e.g. "http://127.0.0.1:8000", or "" to render with the local tokenizer.'))
+    render_timeout_s: float = opt(30.0, NOT_ZERO)
 
 
 @dataclass
-class ExtractSection(StageCommon):
-    backend: str = "hf"
-    layer_ids: list[int] = field(default_factory=list)
+class ExtractSection(ServerCommon):
+    backend: Literal["auto", "hf", "vllm-server", "vllm-engine"] = "hf"
+    layer_ids: list[int] = opt([])
     # auto: the dtype the target runs in (bf16 on GPUs, fp32 on the CPU); fp8:
     # float8_e4m3fn with a scale per token, speculators' layout: half of bf16
-    hidden_states_dtype: str = "auto"
-    batch_tokens: int = 8192
+    hidden_states_dtype: Literal["auto", "fp8"] = "auto"
+    batch_tokens: int = opt(8192, POSITIVE)
     min_free_gb: float = 2.0
-    workers: int = 0
+    workers: int = opt(0, rule(lambda v: v <= MAX_WORKERS, "= {value} is past any machine's "
+                               f"processes (at most {MAX_WORKERS}). Set it to the extractor "
+                               "processes wanted, or 0 for one per GPU."))
     # vLLM backends: one server / engine per group of tensor_parallel GPUs
-    tensor_parallel: int = 1
-    # vllm-server backend
-    serve_command: str = ""
-    server_args: list[str] = field(default_factory=list)
-    # server_args may not set what eagle-panel owns (--host, --port,
-    # --api-key, --uds) unless this is true: then doctor warns about it
-    override_server_flags: bool = False
-    startup_timeout_s: float = 1200.0
-    # a starting server with no new log line and no GPU memory change for
-    # this long is called stalled (the panel, status and run --wait say so)
-    stall_after_s: float = 300.0
-    request_timeout_s: float = 600.0
-    max_inflight: int = 16
+    tensor_parallel: int = opt(1, POSITIVE)
+    # vllm-server backend (and the server keys: ServerCommon)
+    max_inflight: int = opt(16, POSITIVE)
     # vllm-engine backend
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 32
+    gpu_memory_utilization: float = opt(0.9, rule(lambda v: 0 < v <= 1,
+                                                  "must be in (0, 1], got {value}."))
+    max_num_seqs: int = opt(32, POSITIVE)
 
 
 @dataclass
 class VocabSection(StageCommon):
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = opt(32000, POSITIVE)
 
 
 # [stages.train] keys that only the training budget rule reads (epochs = 0 or
@@ -235,23 +274,30 @@ class TrainSection(StageCommon):
     # gained less than min_delta; total_seq_len so small data gets its steps.
     # N = exactly N (no plateau stop for an explicit epochs).
     epochs: int = 0
-    lr: float = 1e-4
+    lr: float = opt(1e-4, NOT_ZERO)
+    # speculators' learning-rate schedule (--scheduler-type): "auto" = its own
+    # default (linear decay after a warmup in 0.9)
+    lr_schedule: Literal["auto", "linear", "cosine", "none"] = opt(
+        "auto", fingerprint=UNLESS_DEFAULT)
     # the draft's decoder layers: 0 = speculators' own for the algorithm (1 for the
     # EAGLE-3 family and P-EAGLE, 5 for the DFlash family)
     num_layers: int = 0
     total_seq_len: int = 0
-    target_steps: int = 2400
+    target_steps: int = opt(2400, POSITIVE)
     min_steps: int = 300
-    max_epochs: int = 20
+    max_epochs: int = opt(20, POSITIVE)
     patience: int = 2
     min_delta: float = 0.005
-    ttt_steps: int = 3
-    train_ratio: float = 0.9
-    checkpoint_freq: float = 1.0
+    ttt_steps: int = opt(3, POSITIVE)
+    # below 1: at 1 no sample is left for validation, so no estimate, no plateau stop
+    train_ratio: float = opt(0.9, rule(
+        lambda v: 0 < v < 1, "must be in (0, 1), got {value}: at 1 no sample is left for "
+        "validation, so train has no estimate and no plateau stop. Set it below 1, e.g. 0.9."))
+    checkpoint_freq: float = opt(1.0, NOT_ZERO)
     max_steps: int = 0
     # online mode: requests in flight per server, and how often a vLLM
     # server that dies mid-training is restarted before the stage fails
-    online_max_inflight: int = 16
+    online_max_inflight: int = opt(16, NOT_ZERO)
     server_restarts: int = 2
     # online and hybrid: keep the hidden states the servers generate, up to this
     # many GB, beside extract's files, so later epochs read them from disk
@@ -259,42 +305,44 @@ class TrainSection(StageCommon):
     keep_generated_gb: float = 0.0
     # speculators' dataloader processes: -1 = auto (4 on GPUs; on the CPU 0,
     # and 2 online so that requests to vLLM overlap)
-    dataloader_workers: int = -1
-    loss: str = "auto"
-    attention: str = "auto"
+    dataloader_workers: int = opt(-1, floor=-1)
+    loss: Literal["auto", "eager", "fused"] = "auto"
+    attention: Literal["auto", "sdpa", "eager", "flex"] = "auto"
     # the draft's decoder layer: "auto" = MLA for an MLA target where the vLLM in
     # use needs it (its CPU build), else speculators' Llama layer
-    draft_layer: str = "auto"
+    draft_layer: Literal["auto", "llama", "mla"] = "auto"
     # the draft algorithm (pipeline.train.algorithms): "eagle3", "eagle3.1", "peagle",
     # "dflash", "dspark", "dflash2"; block_size: a block drafter's block (DFlash, DSpark,
-    # DFlash2; 0 = speculators' default, 16 / 8 / 8)
+    # DFlash2; 0 = speculators' default, 16 / 8 / 8). (Checked with what they combine
+    # with: _check_algorithm; left out of the fingerprint together at eagle3 and 0.)
     algorithm: str = "eagle3"
     block_size: int = 0
     # speculators' --loss-fn as weights of its losses ({ kl_div = 1.0 }; { ce = 0.1,
     # tv = 0.9 }); empty = the algorithm's own (kl_div; ce for DFlash)
-    loss_weights: dict[str, float] = field(default_factory=dict)
+    loss_weights: dict[str, float] = opt({}, fingerprint=UNLESS_DEFAULT)
     # the per-position loss weight: EAGLE-3's TTT-step decay (step k weighs decay^k),
     # the DFlash family's decay gamma (position p weighs exp(-(p-1)/gamma)); 0 = speculators'
-    position_decay: float = 0.0
+    position_decay: float = opt(0.0, fingerprint=UNLESS_DEFAULT)
     # training processes per node: 0 = one per GPU the stage is given (one on a
     # CPU-only node); on a CPU-only node more train data parallel over gloo
-    ranks_per_node: int = 0
+    ranks_per_node: int = opt(0, fingerprint=UNLESS_DEFAULT)
     seed: int = 0
-    log_freq: int = 1
+    log_freq: int = opt(1, POSITIVE)
 
 
 @dataclass
 class EvaluateSection(ServerCommon):
     enabled: bool = True
     # chosen (train's: the draft its summary names) | last | best | all | best-K (K: a count)
-    checkpoints: str = "chosen"
-    num_speculative_tokens: int = 3
+    checkpoints: str = opt("chosen", _checkpoints_choice)
+    num_speculative_tokens: int = opt(3, POSITIVE)
     prompts: str = ""           # "" = the validation split's prompts; or a JSONL file
-    max_prompts: int = 64
-    max_tokens: int = 64
+    max_prompts: int = opt(64, POSITIVE)
+    max_tokens: int = opt(64, POSITIVE)
     temperature: float = 0.0    # 0 = greedy; > 0 samples (seeded)
     seed: int = 0
-    concurrency: int = 1        # requests in flight: the decode speed is measured at this load
+    # requests in flight: the decode speed is measured at this load
+    concurrency: int = opt(1, POSITIVE)
     baseline: bool = True       # also serve without the draft: the speedup
     # every checkpoint on one server: the next drafts loaded into it (draft_swap);
     # false: a server per checkpoint (a restart is also the fallback where a swap cannot work)
@@ -420,30 +468,19 @@ class Config:
         return "bfloat16" if on_gpu else "float32"
 
     def section_dict(self, name: str) -> dict:
-        d = dataclasses.asdict(self.stage(name))
-        if not d.get("override_server_flags", True):
-            del d["override_server_flags"]   # decides no output: a run's fingerprints stay
-        if name == "regenerate":
-            # how, not what: the same answers at temperature 0; sampled ones equally the
-            # target's (another random path on the verify step). Toggling it reruns nothing.
-            d.pop("share_server", None)
-            # how the work is saved, not what: each size keeps its chunks in a folder
-            # of its own (pipeline.stages.regenerate.split_chunks)
-            d.pop("chunk_size", None)
+        """The stage's keys as they decide its output (each field says
+        whether it does: pipeline.config_fields.fingerprinted), with the
+        rules that involve two keys."""
+        d = fingerprinted(self.stage(name))
         if name == "train":
             from pipeline.train.algorithms import num_layers
-            # what decides the draft, not how it is spelled: 0 is the algorithm's own count,
-            # and keys at their defaults are left out (runs made before them stay up to date)
+            # what decides the draft, not how it is spelled: 0 is the algorithm's own count
             d["num_layers"] = num_layers(self.stages.train)
-            for key, default in (("ranks_per_node", 0), ("loss_weights", {}),
-                                 ("position_decay", 0.0)):
-                if d.get(key) == default:
-                    del d[key]
-        if name == "train" and d.get("algorithm") == "eagle3" and not d.get("block_size"):
-            del d["algorithm"], d["block_size"]   # their defaults: runs made before them stay
-        if name == "train" and d.get("epochs") and d.get("total_seq_len"):
-            for key in BUDGET_KEYS:   # the budget rule is off: they decide nothing, and a
-                d.pop(key, None)      # run made before they existed stays up to date
+            if d.get("algorithm") == "eagle3" and not d.get("block_size"):
+                del d["algorithm"], d["block_size"]   # their defaults: runs made before them stay
+            if d.get("epochs") and d.get("total_seq_len"):
+                for key in BUDGET_KEYS:   # the budget rule is off: they decide nothing, and a
+                    d.pop(key, None)      # run made before they existed stays up to date
         return d
 
     def fingerprint(self, name: str, upstream: dict[str, str]) -> str:
@@ -468,153 +505,33 @@ class Config:
 
 
 # -- validation ------------------------------------------------------------
+# (each key's own type and rules: pipeline.config_fields.fill, from its field)
 
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args)
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
-    if origin is dict:
-        return f"a table of {_type_name(typing.get_args(tp)[1]).split(' ', 1)[1]}s"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
+def server_sections(cfg: Config) -> list[str]:
+    """The stages that take the server keys (ServerCommon)."""
+    return [f.name for f in dataclasses.fields(cfg.stages)
+            if isinstance(getattr(cfg.stages, f.name), ServerCommon)]
 
 
-def _check_value(value, tp, where: str, src: str):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _check_value(value, args[0], where, src)
-    bad = ConfigError(
-        f"{src}: `{where}` must be {_type_name(tp)}, got {type(value).__name__} {value!r}. "
-        f"Fix the value of `{where}` in {src}."
-    )
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        _check_number(value, where, src)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        _check_number(value, where, src)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise bad
-        (item,) = typing.get_args(tp)
-        return [_check_value(v, item, f"{where}[{i}]", src) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise bad
-        item = typing.get_args(tp)[1]
-        if item is str and not all(isinstance(v, str) for v in value.values()):
-            raise bad
-        return {k: _check_value(v, item, f"{where}.{k}", src) for k, v in value.items()}
-    raise AssertionError(f"unsupported config type {tp}")
-
-
-# Numbers that may be negative (-1 = auto); every other one may not.
-MAY_BE_NEGATIVE = {"stages.train.dataloader_workers": -1}
-HUGE = 10 ** 12   # no count, size or time in a config comes near this
-
-
-def _check_number(value, where: str, src: str) -> None:
-    bare = where.split("[")[0]
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{src}: `{where}` = {value} is not a finite number. "
-                          f"Give `{where}` a real value.")
-    floor = MAY_BE_NEGATIVE.get(bare, 0)
-    if value < floor:
-        allowed = "-1 (auto) or a count" if floor == -1 else "a count, size or time: never negative"
-        raise ConfigError(f"{src}: `{where}` = {value} is out of range ({allowed}). "
-                          f"Fix `{where}`.")
-    if value > HUGE:
-        raise ConfigError(f"{src}: `{where}` = {value} is far too large. Check `{where}`.")
-
-
-def _fill(cls, table: dict, prefix: str, src: str):
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in ("source", "base_dir")]
-    kwargs = {}
-    for key, value in table.items():
-        where = f"{prefix}{key}"
-        if key not in names:
-            near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f" Did you mean `{prefix}{near[0]}`?" if near else ""
-            valid = ", ".join(names)
-            raise ConfigError(
-                f"{src}: unknown key `{where}`.{hint} Valid keys here: {valid}."
-            )
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{src}: `{where}` must be a table ([{where}]), got {value!r}.")
-            kwargs[key] = _fill(tp, value, f"{where}.", src)
-        else:
-            kwargs[key] = _check_value(value, tp, where, src)
-    return cls(**kwargs)
-
-
-def _choice(value: str, allowed, where: str, src: str):
-    if value not in allowed:
-        near = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6)
-        hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(
-            f"{src}: `{where}` = {value!r} is not one of {', '.join(map(repr, allowed))}.{hint} "
-            f"Set `{where}` to one of them."
-        )
-
-
-def _semantic_checks(cfg: Config, src: str, gpu_count):
-    """What types alone cannot say: names, choices, ranges, paths, GPUs."""
+def _semantic_checks(cfg: Config, src: str):
+    """What one field cannot say: the run's name, keys that must agree,
+    paths, GPU lists."""
     name = cfg.run.name
     # (the same rule as a --run id's: pipeline.run.rundir.check_run_id)
     if not name or "/" in name or "\\" in name or name.startswith(".") or \
             any(ord(c) < 32 for c in name) or len(name.encode(errors="surrogateescape")) > 255:
         raise ConfigError(f"{src}: `run.name` = {name!r} must be a plain folder name (no "
                           "slashes, not starting with a dot, at most 255 bytes). Fix `run.name`.")
-    _check_choices(cfg, src)
-    _check_texts(cfg, src)
-    _check_ranges(cfg, src)
+    _check_cluster(cfg, src)
+    _check_algorithm(cfg, src)
     _check_meanings(cfg, src)
     _check_server_args(cfg, src)
     _check_paths(cfg, src)
-    _check_gpus(cfg, src, gpu_count)
+    _check_gpus(cfg, src)
 
 
-def _check_choices(cfg: Config, src: str) -> None:
-    """Values from a fixed set, and the combinations allowed."""
-    _choice(cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"), "model.dtype", src)
-    _choice(cfg.data.format, ("auto", "messages", "sharegpt", "tokenized"), "data.format", src)
-    _choice(cfg.stages.extract.backend, ("auto", "hf", "vllm-server", "vllm-engine"),
-            "stages.extract.backend", src)
-    _choice(cfg.stages.extract.hidden_states_dtype, ("auto", "fp8"),
-            "stages.extract.hidden_states_dtype", src)
-    _choice(cfg.stages.train.loss, ("auto", "eager", "fused"), "stages.train.loss", src)
-    _choice(cfg.stages.train.attention, ("auto", "sdpa", "eager", "flex"),
-            "stages.train.attention", src)
-    _choice(cfg.stages.train.draft_layer, ("auto", "llama", "mla"),
-            "stages.train.draft_layer", src)
-    _check_algorithm(cfg, src)
-    _choice(cfg.pipeline.mode, ("offline", "online", "hybrid"), "pipeline.mode", src)
-    _choice(cfg.cluster.scheduler, SCHEDULERS, "cluster.scheduler", src)
-    for i, name in enumerate(cfg.tracking.loggers):
-        _choice(name, TRACKERS, f"tracking.loggers[{i}]", src)
-        if name in cfg.tracking.loggers[:i]:
-            raise ConfigError(f"{src}: `tracking.loggers` names {name!r} twice. Name each "
-                              "tracker once.")
+def _check_cluster(cfg: Config, src: str) -> None:
+    """Node counts against the scheduler and the mode."""
     if cfg.cluster.nodes > 1 and cfg.online:
         raise ConfigError(f"{src}: `cluster.nodes` = {cfg.cluster.nodes} with `pipeline.mode = "
                           '"online"`: online training runs its vLLM servers beside the trainer '
@@ -627,11 +544,6 @@ def _check_choices(cfg: Config, src: str) -> None:
         raise ConfigError(f"{src}: `cluster.min_nodes` = {cfg.cluster.min_nodes} is more than "
                           f"`cluster.nodes` = {cfg.cluster.nodes}. Set `cluster.min_nodes` to at "
                           "most `nodes` (0: exactly `nodes`).")
-    which = cfg.stages.evaluate.checkpoints
-    if not (which.startswith("best-") and which[5:].isdigit() and int(which[5:]) > 0):
-        # best-K: the K checkpoints train estimates best, the draft named by vLLM's measure
-        _choice(which, ("chosen", "last", "best", "all", "best-3"),
-                "stages.evaluate.checkpoints", src)
 
 
 def _check_algorithm(cfg: Config, src: str) -> None:
@@ -646,7 +558,7 @@ def _check_algorithm(cfg: Config, src: str) -> None:
         raise ConfigError(f"{src}: `{where}` = {train.algorithm!r}: speculators trains it, but "
                           f"eagle-panel does not run it yet: {NOT_YET[train.algorithm]}. Set "
                           f"`{where}` to one of {', '.join(map(repr, ALGORITHMS))}.")
-    _choice(train.algorithm, tuple(ALGORITHMS), where, src)
+    choice(train.algorithm, tuple(ALGORITHMS), where, src)
     algo = ALGORITHMS[train.algorithm]
     if not algo.eagle3_layers and train.draft_layer != "auto":
         raise ConfigError(f"{src}: `stages.train.draft_layer` = {train.draft_layer!r} with "
@@ -708,110 +620,11 @@ def _check_loss(cfg: Config, algo, src: str) -> None:
                           "Remove `position_decay`, or train dspark or dflash2, which decay.")
 
 
-MAX_WORKERS = 1024   # extractor processes on one machine: well past 8 GPUs x a few each
-
-
-def _check_texts(cfg: Config, src: str) -> None:
-    """Text that must say something: an empty runs folder or data path is
-    taken as the config file's own folder, and a render endpoint that is not
-    a URL fails only later, in prepare."""
-    from urllib.parse import urlparse
-    for where, value, fix in (
-            ("run.runs_dir", cfg.run.runs_dir, 'name the folder the runs go in, e.g. "runs"'),
-            ("data.path", cfg.data.path, 'name a dataset (JSONL or a datasets folder), or '
-             '"builtin:conversations"')):
-        if not value.strip():
-            raise ConfigError(f"{src}: `{where}` = {value!r} is empty: {fix}.")
-    url = cfg.stages.prepare.render_endpoint
-    if url:
-        parts = urlparse(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"{src}: `stages.prepare.render_endpoint` = {url!r} is not an "
-                              "http(s) URL. Give a running vLLM server's base URL, e.g. "
-                              '"http://127.0.0.1:8000", or "" to render with the local '
-                              "tokenizer.")
-
-
-def _check_ranges(cfg: Config, src: str) -> None:
-    """Counts that must be positive, shares in (0, 1], layer numbers."""
-    for where, value in (
-        ("stages.prepare.seq_length", cfg.stages.prepare.seq_length),
-        ("stages.extract.batch_tokens", cfg.stages.extract.batch_tokens),
-        ("stages.vocab.draft_vocab_size", cfg.stages.vocab.draft_vocab_size),
-        ("stages.train.target_steps", cfg.stages.train.target_steps),
-        ("stages.train.max_epochs", cfg.stages.train.max_epochs),
-        ("stages.train.ttt_steps", cfg.stages.train.ttt_steps),
-        ("stages.train.log_freq", cfg.stages.train.log_freq),
-        ("stages.extract.tensor_parallel", cfg.stages.extract.tensor_parallel),
-        ("stages.extract.max_inflight", cfg.stages.extract.max_inflight),
-        ("stages.extract.stall_after_s", cfg.stages.extract.stall_after_s),
-        ("stages.regenerate.stall_after_s", cfg.stages.regenerate.stall_after_s),
-        ("stages.evaluate.stall_after_s", cfg.stages.evaluate.stall_after_s),
-        ("stages.extract.max_num_seqs", cfg.stages.extract.max_num_seqs),
-        ("stages.regenerate.max_tokens", cfg.stages.regenerate.max_tokens),
-        ("stages.regenerate.concurrency", cfg.stages.regenerate.concurrency),
-        ("stages.regenerate.chunk_size", cfg.stages.regenerate.chunk_size),
-        ("stages.evaluate.num_speculative_tokens", cfg.stages.evaluate.num_speculative_tokens),
-        ("stages.evaluate.max_prompts", cfg.stages.evaluate.max_prompts),
-        ("stages.evaluate.max_tokens", cfg.stages.evaluate.max_tokens),
-        ("stages.evaluate.concurrency", cfg.stages.evaluate.concurrency),
-        ("cluster.nodes", cfg.cluster.nodes),
-        ("cluster.lost_after_s", cfg.cluster.lost_after_s),
-        ("cluster.rendezvous_timeout_s", cfg.cluster.rendezvous_timeout_s),
-        ("cluster.collective_timeout_s", cfg.cluster.collective_timeout_s),
-    ):
-        if value <= 0:
-            raise ConfigError(f"{src}: `{where}` must be positive, got {value}. "
-                              f"Set `{where}` to 1 or more.")
-    if not 0 < cfg.stages.extract.gpu_memory_utilization <= 1:
-        raise ConfigError(f"{src}: `stages.extract.gpu_memory_utilization` must be in (0, 1], "
-                          f"got {cfg.stages.extract.gpu_memory_utilization}.")
-    if not 0 < cfg.stages.train.train_ratio < 1:
-        raise ConfigError(f"{src}: `stages.train.train_ratio` must be in (0, 1), got "
-                          f"{cfg.stages.train.train_ratio}: at 1 no sample is left for "
-                          "validation, so train has no estimate and no plateau stop. "
-                          "Set it below 1, e.g. 0.9.")
-    if cfg.stages.extract.workers > MAX_WORKERS:
-        raise ConfigError(f"{src}: `stages.extract.workers` = {cfg.stages.extract.workers} "
-                          f"is past any machine's processes (at most {MAX_WORKERS}). Set it "
-                          "to the extractor processes wanted, or 0 for one per GPU.")
-    if cfg.runtime.cancel_grace_s < 0 or cfg.runtime.term_grace_s < 0:
-        raise ConfigError(f"{src}: `runtime.cancel_grace_s` and `runtime.term_grace_s` "
-                          "must not be negative.")
-    for where, value in (("stages.regenerate.temperature", cfg.stages.regenerate.temperature),
-                         ("stages.evaluate.temperature", cfg.stages.evaluate.temperature)):
-        if value < 0:
-            raise ConfigError(f"{src}: `{where}` must be 0 (greedy) or positive, got {value}.")
-    if cfg.stages.train.keep_generated_gb < 0:
-        raise ConfigError(f"{src}: `stages.train.keep_generated_gb` must be 0 (keep nothing) "
-                          f"or a size in GB, got {cfg.stages.train.keep_generated_gb}.")
-    if cfg.gpus.memory_gb < 0:
-        raise ConfigError(f"{src}: `gpus.memory_gb` must be 0 (as NVML reports) or a GPU's "
-                          f"memory in GB, got {cfg.gpus.memory_gb}.")
-    if any(i < 0 for i in cfg.stages.extract.layer_ids):
-        raise ConfigError(f"{src}: `stages.extract.layer_ids` must be layer numbers >= 0.")
-
-
-SERVER_SECTIONS = ("regenerate", "extract", "evaluate")
 
 
 def _check_meanings(cfg: Config, src: str) -> None:
-    """Numbers whose zero means nothing (a timeout, a rate, a frequency), and
-    numbers that must agree with each other."""
+    """Numbers that must agree with each other."""
     st = cfg.stages
-    positive = [("stages.train.lr", st.train.lr),
-                ("stages.train.checkpoint_freq", st.train.checkpoint_freq),
-                ("stages.train.online_max_inflight", st.train.online_max_inflight),
-                ("stages.prepare.render_timeout_s", st.prepare.render_timeout_s)]
-    for name in SERVER_SECTIONS:
-        for key in ("startup_timeout_s", "request_timeout_s"):
-            positive.append((f"stages.{name}.{key}", getattr(getattr(st, name), key)))
-    for where, value in positive:
-        if value <= 0:
-            raise ConfigError(f"{src}: `{where}` must be above 0 (a time, a rate or a "
-                              f"frequency: 0 would never happen or never end), got {value}. "
-                              f"Set `{where}` to a positive value, or remove it for the "
-                              "default.")
     k, gate = st.evaluate.num_speculative_tokens, st.evaluate.min_acceptance
     if gate > k + 1:
         raise ConfigError(
@@ -848,7 +661,7 @@ def owned_flag(arg: str) -> str | None:
 
 def _check_server_args(cfg: Config, src: str) -> None:
     """server_args and env must not undo what keeps a server private."""
-    for name in SERVER_SECTIONS:
+    for name in server_sections(cfg):
         sec = cfg.stage(name)
         if sec.override_server_flags:
             continue
@@ -873,7 +686,7 @@ def _check_server_args(cfg: Config, src: str) -> None:
 def overridden_server_flags(cfg: Config) -> list[str]:
     """For doctor's warning: the owned flags and variables a config sets on purpose."""
     out = []
-    for name in SERVER_SECTIONS:
+    for name in server_sections(cfg):
         sec = cfg.stage(name)
         if sec.override_server_flags:
             env = {**cfg.runtime.env, **sec.env}
@@ -932,8 +745,11 @@ def _check_paths(cfg: Config, src: str) -> None:
                 "leave it empty for the default.")
 
 
-def _check_gpus(cfg: Config, src: str, gpu_count) -> None:
-    """GPU ids: no repeats, stage subsets of [gpus] devices, on this machine."""
+def _check_gpus(cfg: Config, src: str) -> None:
+    """GPU ids: no repeats, stage subsets of [gpus] devices, divisible by
+    tensor_parallel. (Whether this machine has them is doctor's launch
+    check, pipeline.doctor.target.check_gpus: parsing a config never asks
+    NVML.)"""
     devices = cfg.gpus.devices
     tp, ext = cfg.stages.extract.tensor_parallel, cfg.stage_devices("extract")
     if (cfg.stages.extract.backend.startswith("vllm") or cfg.online) and ext and len(ext) % tp:
@@ -950,39 +766,9 @@ def _check_gpus(cfg: Config, src: str, gpu_count) -> None:
                 f"{src}: `gpus.{stage}` = {own} uses GPUs not in `gpus.devices` = {devices}. "
                 f"Add them to `gpus.devices` or remove them from `gpus.{stage}`."
             )
-    if devices and gpu_count is not None and cfg.cluster.scheduler == "local":
-        # (with a scheduler the GPUs are the compute nodes', not this machine's)
-        count = gpu_count()
-        if count is None:
-            raise ConfigError(
-                f"{src}: `gpus.devices` = {devices}, but no NVIDIA driver was found on this "
-                "machine. Set `devices = []` to run on the CPU."
-            )
-        missing = [d for d in devices if d >= count]
-        if missing:
-            raise ConfigError(
-                f"{src}: `gpus.devices` names GPU {missing[0]}, but this machine has "
-                f"{count} GPU(s) (0..{count - 1}). Fix `gpus.devices`."
-            )
 
 
-def _nvml_gpu_count() -> int | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        return pynvml.nvmlDeviceGetCount()
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def parse(text: str, src: str = "config.toml", base_dir: Path | None = None,
-          gpu_count=_nvml_gpu_count) -> Config:
+def parse(text: str, src: str = "config.toml", base_dir: Path | None = None) -> Config:
     if not text.strip():
         raise ConfigError(f"{src}: the config is empty. Copy the bundled config.toml and "
                           "change what your run needs.")
@@ -992,17 +778,16 @@ def parse(text: str, src: str = "config.toml", base_dir: Path | None = None,
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{src}: not valid TOML: {e}. Fix the syntax at that line.") from None
-    cfg = _fill(Config, table, "", src)
+    cfg = fill(Config, table, "", src, skip=("source", "base_dir"))
     cfg.base_dir = (base_dir or PROJECT_ROOT).resolve()
-    _semantic_checks(cfg, src, gpu_count)
+    _semantic_checks(cfg, src)
     return cfg
 
 
-def load(path: str | os.PathLike, gpu_count=_nvml_gpu_count,
-         base_dir: Path | None = None) -> Config:
+def load(path: str | os.PathLike, base_dir: Path | None = None) -> Config:
     """Load a config file; `base_dir` overrides the folder relative paths are
     resolved from (a run's frozen copy keeps its original folder's meaning).
-    `gpu_count=None` skips the GPU-presence check (stages already launched)."""
+    Whether this machine has the GPUs named is doctor's launch check."""
     if not str(path).strip():
         raise ConfigError("--config is empty: name a config file (or leave --config out for "
                           "./config.toml).")
@@ -1024,7 +809,7 @@ def load(path: str | os.PathLike, gpu_count=_nvml_gpu_count,
         text = raw.decode("utf-8-sig")   # a BOM (Windows editors) is not TOML
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}). Save it as UTF-8.") from None
-    cfg = parse(text, str(p), base_dir or p.resolve().parent, gpu_count)
+    cfg = parse(text, str(p), base_dir or p.resolve().parent)
     cfg.source = p.resolve()
     return cfg
 

@@ -88,19 +88,18 @@ def runs_dir(config_path: str | None, override: str | None) -> Path:
                                  " (it does not exist)") + ". Name the folder the runs are in.")
         return Path(override)
     try:
-        return check_runs_dir(load_config(config_path, gpu_check=False).runs_dir())
+        return check_runs_dir(load_config(config_path).runs_dir())
     except ConfigError:
         if config_path is not None:
             raise   # a config named on purpose that cannot be read: never another one's runs
         return config_mod.PROJECT_ROOT / "runs"
 
 
-def load_config(path: str | None, gpu_check: bool = True) -> Config:
+def load_config(path: str | None) -> Config:
     """The config at `path`; None: ./config.toml, else the bundled one. A
     named path is that file or an error, never a fallback (`--config ""`
     must not act on the bundled config's runs)."""
-    kwargs = {} if gpu_check else {"gpu_count": None}
-    return config_mod.load(config_mod.default_config_path() if path is None else path, **kwargs)
+    return config_mod.load(config_mod.default_config_path() if path is None else path)
 
 
 def resolve_run(folder: Path, name: str | None) -> RunDir:

@@ -176,7 +176,8 @@ RUNS_DIRS = [   # [run] runs_dir that cannot hold runs: a file, a device
     ('[run]\nname = "t"\nruns_dir = "/dev/null"\n', "runs_dir"),
 ]
 GPUS = [
-    (RUN + "\n[gpus]\ndevices = [99]\n", "gpus.devices"),
+    # (a GPU this machine lacks is doctor's launch check: its lines, not the file's)
+    (RUN + "\n[gpus]\ndevices = [99]\n", "[gpus] devices"),
     (RUN + "\n[gpus]\ndevices = [0, 0]\n", "gpus.devices"),
     (RUN + "\n[gpus]\ndevices = [0]\nextract = [3]\n", "gpus.extract"),
 ]
@@ -206,6 +207,8 @@ def _wrong_value(tp) -> str | None:
     if origin is typing.Union or type(tp).__name__ == "UnionType":
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
         origin = typing.get_origin(tp)
+    if origin is typing.Literal:   # a choice: a value of another type than its choices'
+        tp, origin = type(typing.get_args(tp)[0]), None
     if origin is list:
         return '"a"' if typing.get_args(tp)[0] is int else "[1]"
     if origin is dict:
@@ -230,7 +233,6 @@ def _sections():
 def generated_values() -> list[tuple[str, str, str]]:
     """Every key of every section: a value of the wrong type; every number:
     negative (but the -1 = auto ones) and far too large."""
-    from pipeline.config import MAY_BE_NEGATIVE
     out = []
     for section, cls in _sections():
         hints = typing.get_type_hints(cls)
@@ -240,7 +242,7 @@ def generated_values() -> list[tuple[str, str, str]]:
             if bad is not None:
                 out.append((section, f.name, bad))
             if tp in (int, float):
-                floor = MAY_BE_NEGATIVE.get(f"{section}.{f.name}", 0)
+                floor = f.metadata.get("floor", 0)   # (-1 where -1 means auto)
                 out.append((section, f.name, str(floor - 1)))
                 out.append((section, f.name, "10_000_000_000_000" if tp is int else "1e13"))
     return out
@@ -267,7 +269,8 @@ def value_cases() -> list[Case]:
         out.append(Case(VALUES, f"runs_dir: {text.splitlines()[-1]}", needle, text.encode(),
                         file=""))
     for text, needle in GPUS:
-        out.append(Case(VALUES, f"GPUs: {text.splitlines()[-1]}", needle, text.encode()))
+        out.append(Case(VALUES, f"GPUs: {text.splitlines()[-1]}", needle, text.encode(),
+                        file="" if needle.startswith("[gpus]") else "config.toml"))
     for name in NAMES:
         text = f'[run]\nname = "{name}"\nruns_dir = "runs"\n'
         out.append(Case(VALUES, f"run name {name!r}", "run.name", text.encode()))

@@ -383,7 +383,7 @@ def load_run_config(rd: RunDir, state: dict | None = None) -> Config:
     # a hub target: the snapshot the run froze (state.json `target`), not what
     # its revision names in the cache now
     with hub.loading_run(state.get("target")):
-        cfg = config_mod.load(rd.config_path, gpu_count=None,
+        cfg = config_mod.load(rd.config_path,
                               base_dir=Path(base) if base else None)
     return hub.apply_pin(cfg, state.get("target"))
 

@@ -120,13 +120,13 @@ def load_context(name: str, argv=None) -> StageContext:
         # the run's own config: its hub target is the snapshot the run froze
         pin = state.get("target") if frozen else None
         with hub.loading_run(pin):
-            cfg = config_mod.load(cfg_path, gpu_count=None, base_dir=base if frozen else None)
+            cfg = config_mod.load(cfg_path, base_dir=base if frozen else None)
         hub.apply_pin(cfg, pin)
     else:
         # Run by hand on a fresh folder: make it a run directory.
         if not args.config:
             raise config_mod.ConfigError(f"{run.path} is not a run directory yet; pass --config.")
-        cfg = config_mod.load(args.config, gpu_count=None)
+        cfg = config_mod.load(args.config)
         run.create(Path(args.config).read_text(), cfg.base_dir, cfg.run.shared)
     run.out_dir(name).mkdir(parents=True, exist_ok=True)
     if "EAGLE_PANEL_STAGE" not in os.environ:

@@ -13,8 +13,8 @@ from pipeline.train import algorithms
 
 def algorithm_flags(sec) -> list[str]:
     """`--speculator-type` and the flags `[stages.train] algorithm` needs
-    (pipeline.train.algorithms), its loss weights and per-position decay;
-    nothing for plain EAGLE-3 at speculators' defaults."""
+    (pipeline.train.algorithms), its loss weights, per-position decay and
+    learning-rate schedule; nothing for plain EAGLE-3 at speculators' defaults."""
     algo = algorithms.get(sec.algorithm)
     flags = [] if algo.name == "eagle3" else ["--speculator-type", algo.speculator_type,
                                               *algo.flags]
@@ -27,6 +27,8 @@ def algorithm_flags(sec) -> list[str]:
         flags += ["--loss-fn", alone or json.dumps(weights)]
     if sec.position_decay:
         flags += [algo.decay_flag, str(sec.position_decay)]
+    if sec.lr_schedule != "auto":
+        flags += ["--scheduler-type", sec.lr_schedule]
     return flags
 
 

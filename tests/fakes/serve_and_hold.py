@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     a = ap.parse_args(argv)
     stage = os.environ.get("EAGLE_PANEL_STAGE", "extract")
-    cfg = config_mod.load(a.config, gpu_count=None)
+    cfg = config_mod.load(a.config)
     folder = Path(a.run_dir) / stage
     env = probe(cfg.vllm_python())
     server = make_server(0, env, cfg.target_path(), [], server_log(folder, 0), "float32", 256,

@@ -19,7 +19,7 @@ from tests.configs import merged, tiny_pipeline, write
 def load(tmp_path, train: dict | None = None):
     write(tmp_path / "config.toml", merged(tiny_pipeline(), {
         "stages": {"train": train or {}, "vocab": {"draft_vocab_size": 200}}}))
-    return config_mod.load(tmp_path / "config.toml", gpu_count=None)
+    return config_mod.load(tmp_path / "config.toml")
 
 
 def test_a_flag_speculators_lacks_is_refused_in_its_words(tmp_path):
@@ -29,6 +29,17 @@ def test_a_flag_speculators_lacks_is_refused_in_its_words(tmp_path):
     assert not got.ok and not got.failed and got.step == "resolve", got
     assert got.error == "unrecognized arguments: --no-such-flag 1", got.error
     assert not (tmp_path / "d").exists()
+
+
+def test_the_schedule_flag_is_speculators_own(tmp_path):
+    """`[stages.train] lr_schedule` (one field, docs/config.md's row) reaches
+    speculators' own parser as --scheduler-type, with the draft's flags that
+    doctor asks about: this speculators takes it."""
+    cfg = load(tmp_path, {"lr_schedule": "cosine"})
+    argv = draft_stand_in.planned_argv(cfg, [1, 2, 3])
+    assert argv[argv.index("--scheduler-type") + 1] == "cosine"
+    got = draft_stand_in._run(sys.executable, {"argv": argv, "folder": str(tmp_path / "d")}, 300)
+    assert got.ok, got
 
 
 def test_the_stand_in_is_built_once_then_read_from_the_cache(tmp_path, monkeypatch):

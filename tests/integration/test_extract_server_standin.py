@@ -174,7 +174,7 @@ def test_data_parallel_servers_share_the_samples(prepared, fake_vllm):
     assert no_server_left()
     from pipeline.config import ConfigError, parse
     with pytest.raises(ConfigError, match="tensor_parallel` = 3 does not divide the 4 GPUs"):
-        parse(config(tp=3, devices=(0, 1, 2, 3)), gpu_count=None)
+        parse(config(tp=3, devices=(0, 1, 2, 3)))
 
 
 def test_serve_command_line_carries_the_extraction_settings(tmp_path):

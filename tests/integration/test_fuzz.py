@@ -144,7 +144,7 @@ def test_the_config_loader_accepts_or_explains_never_crashes(tmp_path):
     for _ in range(400):
         text = _random_config(rng)
         try:
-            cfg = c.parse(text, "fuzz.toml", tmp_path, gpu_count=None)
+            cfg = c.parse(text, "fuzz.toml", tmp_path)
         except c.ConfigError as e:
             assert str(e).startswith("fuzz.toml"), (text, e)
             continue

@@ -72,7 +72,7 @@ def test_a_resume_after_main_moved_keeps_the_commit_the_run_started_with(hub_run
     assert ctx.cfg.target_path() == hub_run["snap_a"]
     ctx.events.close()
     # a new `run` is the config as it is now: B, and what reads the target runs again
-    now = control.load_config(str(hub_run["cfg"]), gpu_check=False)
+    now = control.load_config(str(hub_run["cfg"]))
     assert now.target_path() == snap_b
     steps = {s.stage: s for s in driver.plan(now, rd.read_state())}
     assert steps["prepare"].action == "run" and "fingerprint" in steps["prepare"].why

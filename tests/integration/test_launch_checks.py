@@ -37,6 +37,10 @@ REFUSED = {
     "a draft vocabulary larger than the target's": (
         {"stages": {"vocab": {"draft_vocab_size": 32000}}},
         ["draft_vocab_size 32,000 is larger than the target's vocabulary (1,024 tokens)"]),
+    # (parsing the config never asks NVML; this check does: "no NVIDIA driver / GPU
+    # found, but [gpus] devices = [99]" here, "names GPU [99] but this machine has N"
+    # on a GPU server)
+    "a GPU this machine does not have": ({"gpus": {"devices": [99]}}, ["[gpus] devices", "[99]"]),
 }
 
 
@@ -135,7 +139,7 @@ def test_owned_server_flags_only_on_purpose_and_then_doctor_warns(tmp_path, stag
     assert "stages.evaluate.server_args" in p.stderr and "override_server_flags" in p.stderr
     assert not (tmp_path / "runs").exists()
     cfg_path = stagekit(extra={"stages": {"evaluate": {**args, "override_server_flags": True}}})
-    cfg = config_mod.load(cfg_path, gpu_count=None)
+    cfg = config_mod.load(cfg_path)
     warned = [f for f in doctor.launch_findings(cfg) if f.area == "privacy"]
     assert [f.level for f in warned] == [doctor.WARN, doctor.WARN], warned
     assert "--host" in warned[0].message and "--port=8000" in warned[1].message

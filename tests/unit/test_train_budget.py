@@ -140,17 +140,17 @@ def test_config_accepts_the_rule_and_best_k(tmp_path):
     from pipeline import config as config_mod
     from tests.configs import write
     from tests.helpers import ROOT
-    cfg = config_mod.load(ROOT / "config.toml", gpu_count=None)
+    cfg = config_mod.load(ROOT / "config.toml")
     assert cfg.stages.train.epochs == 0 and cfg.stages.train.total_seq_len == 0
     path = tmp_path / "c.toml"
     write(path, {"stages": {"evaluate": {"checkpoints": "best-4"}}})
-    assert config_mod.load(path, gpu_count=None).stages.evaluate.checkpoints == "best-4"
+    assert config_mod.load(path).stages.evaluate.checkpoints == "best-4"
     write(path, {"stages": {"evaluate": {"checkpoints": "best-x"}}})
     with pytest.raises(config_mod.ConfigError, match="best-3"):
-        config_mod.load(path, gpu_count=None)
+        config_mod.load(path)
     write(path, {"stages": {"train": {"max_epochs": 0}}})
     with pytest.raises(config_mod.ConfigError, match="max_epochs"):
-        config_mod.load(path, gpu_count=None)
+        config_mod.load(path)
 
 
 def test_the_summary_says_why_training_stopped_and_which_draft():

@@ -66,7 +66,7 @@ def stand_in_config(prepared, name: str) -> dict:
     from pipeline import config as config_mod
     from pipeline.train import draft_stand_in
     (prepared / f"{name}.toml").write_text(train_once(prepared, name)[3])
-    cfg = config_mod.load(prepared / f"{name}.toml", gpu_count=None)
+    cfg = config_mod.load(prepared / f"{name}.toml")
     got = draft_stand_in.ask(sys.executable, f"test {name}", cfg, [1, 2, 3])
     assert got.ok, got
     return json.loads((Path(got.folder) / "config.json").read_text())

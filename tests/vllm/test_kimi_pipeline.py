@@ -110,7 +110,7 @@ def test_doctor_predicted_what_fired_and_the_kv_bytes(kimi_run):
     from pipeline import doctor
     from pipeline.model.info import kv_bytes_per_token
     tmp, rd, _ = kimi_run
-    cfg = config_mod.load(tmp / "config.toml", gpu_count=None)
+    cfg = config_mod.load(tmp / "config.toml")
     findings = doctor.diagnose(cfg, gpus=None)
     assert not doctor.blocking(findings), [f.message for f in findings if f.level == "blocking"]
     predicted = {f.key for f in findings if f.area == "compat" and f.key}

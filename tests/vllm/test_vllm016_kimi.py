@@ -249,6 +249,6 @@ def test_doctor_predicts_what_fired(extracted):
     from pipeline import doctor
     tmp, rd, _ = extracted
     fired = set(finished(read_events(rd.events_path("extract")))["summary"]["adaptations"])
-    cfg = config_mod.load(tmp / "config.toml", gpu_count=None)
+    cfg = config_mod.load(tmp / "config.toml")
     predicted = {f.key for f in doctor.diagnose(cfg, gpus=None) if f.area == "compat" and f.key}
     assert predicted == fired, (predicted, fired)

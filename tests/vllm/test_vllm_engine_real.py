@@ -66,7 +66,7 @@ def test_engine_adaptations_that_fired_are_the_predicted_ones(extracted):
     from pipeline import doctor
     tmp, rd, _ = extracted
     summary = finished(read_events(rd.events_path("extract")))["summary"]
-    cfg = config_mod.load(tmp / "config.toml", gpu_count=None)
+    cfg = config_mod.load(tmp / "config.toml")
     findings = doctor.diagnose(cfg, gpus=None)
     predicted = {f.key for f in findings if f.area == "compat" and f.key}
     assert summary["backend"] == "vllm-engine"

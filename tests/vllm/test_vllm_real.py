@@ -165,7 +165,7 @@ async def test_kv_tab_shows_the_real_report(extracted):
 def test_doctor_predicts_the_adaptations_that_fired(extracted, vllm_env):
     from pipeline import config as config_mod
     from pipeline import doctor
-    cfg = config_mod.load(extracted["tmp"] / "config.toml", gpu_count=None)
+    cfg = config_mod.load(extracted["tmp"] / "config.toml")
     findings = doctor.diagnose(cfg, gpus=None)
     predicted = {f.key for f in findings if f.area == "compat" and f.key}
     fired = set(finished(extracted["events"])["summary"]["adaptations"])
