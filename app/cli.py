@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pipeline import __version__, control, fmt
 from pipeline.config import ConfigError
-from pipeline.run import executor, provenance
+from pipeline.run import executor, provenance, summaries
 from pipeline.run.diskspace import EXIT_DISK_FULL, NEARLY_FULL, DiskFull, free_bytes
 from pipeline.run.events import EventType, tail_lines
 from pipeline.run.rundir import DONE, RunDir, RunDirError, Status, check_runs_dir, list_runs
@@ -181,7 +181,7 @@ def _print_event(stage: str, ev: dict, last_progress: dict, out) -> None:
     elif t == EventType.STAGE_STARTED:
         print(f"[{stage}] started (attempt {ev.get('attempt')})", file=out, flush=True)
     elif t == EventType.STAGE_FINISHED:
-        brief = fmt.summary_text(stage, ev.get("summary") or {})
+        brief = fmt.summary_text(stage, summaries.read(stage, ev.get("summary")))
         print(f"[{stage}] {ev.get('status')} in {fmt.duration(ev.get('duration_s'))}"
               + (f": {brief}" if brief else ""), file=out, flush=True)
     elif t == EventType.ARTIFACT:
@@ -223,7 +223,7 @@ def status_rows(snap, now: float | None = None) -> list[dict]:
                          for a in st.attempts],
             "servers": [dict(v.event) for v in st.servers] if st.running else [],
             "kv_cache": dict(kv) if (kv := st.kv_cache()) else None,
-            "summary": dict(st.summary),
+            "summary": st.summary.to_json() if st.finished else {},
         })
     return rows
 

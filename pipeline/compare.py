@@ -74,20 +74,20 @@ def row(rd: RunDir) -> Row:
     """One run's figures, from its records."""
     snap = read_run(rd)
     train, ev = snap.stages["train"], snap.stages["evaluate"]
-    ts, es = dict(train.summary), dict(ev.summary)
+    ts, es = train.summary, ev.summary
     cfg = config_of(rd)
-    ckpt = Path(ts["checkpoint"]) if ts.get("checkpoint") else None
+    ckpt = Path(ts.checkpoint) if ts.checkpoint else None
     return Row(
-        run=rd.id, algorithm=ts.get("algorithm") or cfg.get("stages", {}).get("train", {}).get(
+        run=rd.id, algorithm=ts.algorithm or cfg.get("stages", {}).get("train", {}).get(
             "algorithm", "eagle3"),
-        draft=ts.get("draft_layer") or "", parameters=parameters(ckpt) if ckpt else None,
+        draft=ts.draft_layer or "", parameters=parameters(ckpt) if ckpt else None,
         train_s=train.seconds() or (train.finished or {}).get("duration_s"),
-        disk_bytes=disk_bytes(rd.path), val_loss=ts.get("val_loss"),
-        estimate=ts.get("acceptance_length"), acceptance=es.get("acceptance_length"),
-        per_position=list(es.get("per_position") or []),
-        per_category=dict(es.get("per_category") or {}),
-        decode_tokens_per_s=es.get("decode_tokens_per_s"),
-        baseline_tokens_per_s=es.get("baseline_tokens_per_s"),
+        disk_bytes=disk_bytes(rd.path), val_loss=ts.val_loss,
+        estimate=ts.acceptance_length, acceptance=es.acceptance_length,
+        per_position=list(es.per_position or []),
+        per_category=dict(es.per_category or {}),
+        decode_tokens_per_s=es.decode_tokens_per_s,
+        baseline_tokens_per_s=es.baseline_tokens_per_s,
         target=str(cfg.get("model", {}).get("target", BUILTIN_MODEL)),
         data=str(cfg.get("data", {}).get("path", "(bundled)")),
         not_measured=not_measured(ev))
@@ -97,7 +97,7 @@ def not_measured(ev) -> str:
     """Why vLLM has no figure for the run: evaluate skipped (its reason) or
     failed (its error); "" where it measured, or has not run yet."""
     if ev.status == "skipped":
-        return str(ev.summary.get("skipped") or ev.reason or "evaluate is off")
+        return str(ev.summary.skipped or ev.reason or "evaluate is off")
     if ev.status == "failed":
         err = (ev.last_error or {}).get("message") or ev.reason or "see its log"
         return f"evaluate failed: {err}"

@@ -93,8 +93,7 @@ def export(rd: RunDir, checkpoint: str | None = None, to: Path | None = None) ->
     commands name it)."""
     snap = read_run(rd)
     results = read_results(rd)
-    name, m = measured_checkpoint(results, checkpoint, snap.stages["evaluate"].summary.get(
-        "checkpoint"))
+    name, m = measured_checkpoint(results, checkpoint, snap.stages["evaluate"].summary.checkpoint)
     to = (Path(to) if to is not None else rd.path / "export" / name).resolve()
     if to.exists():
         raise ExportError(f"{to} already exists; remove it or pass another --to")
@@ -120,9 +119,9 @@ def write_folder(rd: RunDir, snap, results: dict, name: str, m: dict, served: Pa
     tmp.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(served, tmp, ignore=shutil.ignore_patterns(*NOT_SHIPPED))
     vocab = snap.stages["vocab"].summary
-    for key in ("d2t", "t2d"):   # the draft vocabulary's mapping, where it has one
-        if vocab.get(key) and Path(vocab[key]).is_file():
-            shutil.copy2(vocab[key], tmp / Path(vocab[key]).name)
+    for mapping in (vocab.d2t, vocab.t2d):   # the draft vocabulary's, where it has one
+        if mapping and Path(mapping).is_file():
+            shutil.copy2(mapping, tmp / Path(mapping).name)
     prompts = rd.out_dir("evaluate") / PROMPTS_FILE   # (evaluates before it kept none)
     if prompts.is_file():
         shutil.copy2(prompts, tmp / PROMPTS_FILE)
@@ -236,13 +235,17 @@ def trained_lines(snap, name: str, m: dict) -> list[str]:
     """Data and training, as the run recorded them."""
     train, prep = snap.stages["train"].summary, snap.stages["prepare"].summary
     step = (m.get("checkpoint") or {}).get("global_step")
-    return [f"- data: {prep.get('samples', '?')} samples, {prep.get('tokens', '?')} tokens "
-            f"({prep.get('supervised_tokens', '?')} supervised)"
+
+    def said(v):
+        return "?" if v is None else v
+
+    return [f"- data: {said(prep.samples)} samples, {said(prep.tokens)} tokens "
+            f"({said(prep.supervised_tokens)} supervised)"
             + ("; the target's own answers (regenerated)"
-               if snap.stages["regenerate"].summary.get("rows") else ""),
+               if snap.stages["regenerate"].summary.rows else ""),
             f"- training: this checkpoint is epoch {int(name) + 1 if name.isdigit() else name}"
             + (f" (step {step})" if step is not None else "")
-            + f" of {train.get('epochs_trained', '?')} trained (`total_seq_len` "
-            f"{train.get('total_seq_len', '?')}; {train.get('budget', '')}); stopped: "
-            f"{train.get('stopped', '?')}; draft layer {train.get('draft_layer', '?')}",
-            "", "```", str(train.get("train_argv", "")), "```"]
+            + f" of {said(train.epochs_trained)} trained (`total_seq_len` "
+            f"{said(train.total_seq_len)}; {train.budget or ''}); stopped: "
+            f"{said(train.stopped)}; draft layer {said(train.draft_layer)}",
+            "", "```", train.train_argv or "", "```"]

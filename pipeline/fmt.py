@@ -6,6 +6,15 @@ from __future__ import annotations
 import time
 
 from pipeline.run.diskspace import fmt_bytes
+from pipeline.run.summaries import (
+    EvaluateSummary,
+    ExtractSummary,
+    PrepareSummary,
+    RegenerateSummary,
+    Summary,
+    TrainSummary,
+    VocabSummary,
+)
 
 
 def duration(seconds: float | None) -> str:
@@ -77,7 +86,7 @@ def progress_text(ev: dict | None, running: bool = True) -> str:
     return "  ".join(parts)
 
 
-def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict,
+def outcome_lines(train: TrainSummary, evaluate: EvaluateSummary, evaluate_state: dict,
                   run_id: str = "") -> list[str]:
     """What a finished pipeline made: the draft, its acceptance length as
     vLLM measured it beside train's estimate, and the speedup; then where
@@ -86,54 +95,61 @@ def outcome_lines(train: dict, evaluate: dict, evaluate_state: dict,
     return lines + next_lines(train, evaluate, run_id) if lines else lines
 
 
-def next_lines(train: dict, evaluate: dict, run_id: str) -> list[str]:
+def next_lines(train: TrainSummary, evaluate: EvaluateSummary, run_id: str) -> list[str]:
     """After a run: how to look at its trackers, and (a measured draft) the
     command that exports it for shipping."""
     lines = []
-    trackers = evaluate.get("trackers") or train.get("trackers") or []
+    trackers = evaluate.trackers or train.trackers or []
     if trackers:
         lines.append("trackers: " + "; ".join(trackers))
-    if evaluate.get("acceptance_length") is not None and run_id:
+    if evaluate.acceptance_length is not None and run_id:
         lines.append(f"to ship it: eagle-panel export {run_id} (draft + model card)")
     return lines
 
 
-def _made_lines(train: dict, evaluate: dict, evaluate_state: dict) -> list[str]:
+def _made_lines(train: TrainSummary, evaluate: EvaluateSummary,
+                evaluate_state: dict) -> list[str]:
     lines = []
     # Where vLLM measured, the draft named is the one it measured (the best of
     # several, or the one `checkpoints` chose), so the acceptance printed below
     # is that draft's; else train's pick.
-    named = evaluate if evaluate.get("checkpoint_path") and \
-        evaluate.get("acceptance_length") is not None else None
-    if named or train.get("checkpoint"):
-        src = named or train
-        why = f" ({src['checkpoint_chosen_by']})" if src.get("checkpoint_chosen_by") else ""
-        lines += ["", f"trained draft{why}: {src.get('checkpoint_path') or src['checkpoint']}"]
-    if train.get("stopped"):
-        lines.append(f"training stopped: {train['stopped']} ({train.get('epochs_trained')} "
-                     f"epochs, total_seq_len {train.get('total_seq_len')})")
-    est = train.get("acceptance_length")
-    measured = evaluate.get("acceptance_length")
+    measured = evaluate.acceptance_length
+    if evaluate.checkpoint_path and measured is not None:
+        why = f" ({evaluate.checkpoint_chosen_by})" if evaluate.checkpoint_chosen_by else ""
+        lines += ["", f"trained draft{why}: {evaluate.checkpoint_path}"]
+    elif train.checkpoint:
+        why = f" ({train.checkpoint_chosen_by})" if train.checkpoint_chosen_by else ""
+        lines += ["", f"trained draft{why}: {train.checkpoint}"]
+    if train.stopped:
+        lines.append(f"training stopped: {train.stopped} ({train.epochs_trained} "
+                     f"epochs, total_seq_len {train.total_seq_len})")
+    est = train.acceptance_length
     if measured is not None:
-        per_pos = " ".join(f"{r:.2f}" for r in evaluate.get("per_position") or [])
-        lines.append(f"acceptance length: {measured:.2f} measured by vLLM (checkpoint "
-                     f"{evaluate.get('checkpoint')}, {evaluate.get('prompts')} prompts)"
-                     + (f", {evaluate['acceptance_estimate']:.2f} estimated by train"
-                        if evaluate.get("acceptance_estimate") is not None else "")
-                     + (f"; accepted at each draft position: {per_pos}" if per_pos else ""))
-        if evaluate.get("speedup"):
-            lines.append(f"decode: {evaluate['decode_tokens_per_s']:.0f} tokens/s with the draft, "
-                         f"{evaluate['baseline_tokens_per_s']:.0f} without: "
-                         f"{evaluate['speedup']:.2f}x")
-        if evaluate.get("drafts_swapped"):
-            lines.append(f"evaluate: {evaluate['drafts_swapped']} of {evaluate['measured']} "
-                         "checkpoints measured on a running server, their drafts swapped in")
+        lines += _measured_lines(evaluate)
     elif est is not None:
         lines.append(f"estimated acceptance length (greedy chain, validation): {est:.2f}")
-        if evaluate.get("skipped"):
-            lines.append(f"not measured: evaluate was skipped: {evaluate['skipped']}")
+        if evaluate.skipped:
+            lines.append(f"not measured: evaluate was skipped: {evaluate.skipped}")
         elif str(evaluate_state.get("reason") or "").startswith("off"):
             lines.append(f"not measured: evaluate is {evaluate_state['reason']}")
+    return lines
+
+
+def _measured_lines(ev: EvaluateSummary) -> list[str]:
+    """vLLM's measurement: the acceptance (train's estimate beside it), the
+    speedup, the drafts swapped into a running server."""
+    per_pos = " ".join(f"{r:.2f}" for r in ev.per_position or [])
+    lines = [f"acceptance length: {ev.acceptance_length:.2f} measured by vLLM (checkpoint "
+             f"{ev.checkpoint}, {ev.prompts} prompts)"
+             + (f", {ev.acceptance_estimate:.2f} estimated by train"
+                if ev.acceptance_estimate is not None else "")
+             + (f"; accepted at each draft position: {per_pos}" if per_pos else "")]
+    if ev.speedup:
+        lines.append(f"decode: {ev.decode_tokens_per_s:.0f} tokens/s with the draft, "
+                     f"{ev.baseline_tokens_per_s:.0f} without: {ev.speedup:.2f}x")
+    if ev.drafts_swapped:
+        lines.append(f"evaluate: {ev.drafts_swapped} of {ev.measured} checkpoints measured on "
+                     "a running server, their drafts swapped in")
     return lines
 
 
@@ -167,93 +183,92 @@ def _rate(tokens_per_s) -> str:
     return f"{tokens_per_s / 1000:.1f}k" if tokens_per_s >= 1000 else f"{tokens_per_s:.0f}"
 
 
-def summary_text(stage: str, s: dict) -> str:
+def summary_text(stage: str, s: Summary) -> str:
     """A stage's summary as a person would write it, e.g. `acceptance 3.02
     measured, 3.00 estimated · speedup 0.96x`; figures a stage does not
     name here are listed rounded."""
-    if isinstance(s.get("skipped"), str):   # the stage was skipped (prepare counts rows)
-        return f"skipped: {s['skipped']}"
-    if s.get("error"):
-        return str(s["error"])
+    if s.skipped:
+        return f"skipped: {s.skipped}"
+    if s.error:
+        return str(s.error)
     parts = _STAGE_PARTS[stage](s) if stage in _STAGE_PARTS else []
     if not parts:
-        parts = [f"{k} {num(v)}" for k, v in s.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        parts = [f"{k} {num(v)}" for k, v in s.figures().items()]
     return " · ".join(parts)
 
 
-def _evaluate_parts(s: dict) -> list[str]:
-    if s.get("acceptance_length") is None:
+def _evaluate_parts(s: EvaluateSummary) -> list[str]:
+    if s.acceptance_length is None:
         return []
-    est = s.get("acceptance_estimate")
-    parts = [f"acceptance {s['acceptance_length']:.2f} measured"
+    est = s.acceptance_estimate
+    parts = [f"acceptance {s.acceptance_length:.2f} measured"
              + (f", {est:.2f} estimated" if est is not None else "")]
-    if s.get("worst_category"):
-        w = s["worst_category"]
-        parts.append(f"lowest: {w['category']} {w['acceptance_length']:.2f}")
-    if s.get("speedup"):
-        parts.append(f"speedup {s['speedup']:.2f}x")
-    if s.get("prompts"):
-        parts.append(f"{s['prompts']} prompts")
+    if s.worst_category:
+        w = s.worst_category
+        parts.append(f"lowest: {w.category} {w.acceptance_length:.2f}")
+    if s.speedup:
+        parts.append(f"speedup {s.speedup:.2f}x")
+    if s.prompts:
+        parts.append(f"{s.prompts} prompts")
     return parts
 
 
-def _train_parts(s: dict) -> list[str]:
-    if s.get("checkpoint_step") is not None:   # cancelled mid-training
-        name = str(s.get("resume_checkpoint") or "").rstrip("/").rsplit("/", 1)[-1]
-        return [f"stopped at step {s['checkpoint_step']}",
+def _train_parts(s: TrainSummary) -> list[str]:
+    if s.checkpoint_step is not None:   # cancelled mid-training
+        name = str(s.resume_checkpoint or "").rstrip("/").rsplit("/", 1)[-1]
+        return [f"stopped at step {s.checkpoint_step}",
                 f"checkpoint {name}" if name else "no checkpoint yet",
                 "resume: r (eagle-panel resume)"]
-    if not s.get("checkpoint"):
+    if not s.checkpoint:
         return []
     parts = []
-    if s.get("val_loss") is not None:
-        parts.append(f"validation loss {s['val_loss']:.3f}")
-    if s.get("acceptance_length") is not None:
-        parts.append(f"acceptance {s['acceptance_length']:.2f} estimated")
-    algo = s.get("algorithm") or "eagle3"
-    layer = s.get("draft_layer")
+    if s.val_loss is not None:
+        parts.append(f"validation loss {s.val_loss:.3f}")
+    if s.acceptance_length is not None:
+        parts.append(f"acceptance {s.acceptance_length:.2f} estimated")
+    algo = s.algorithm or "eagle3"
+    layer = s.draft_layer
     if algo != "eagle3" or layer:   # "llama draft", "eagle3.1 mla draft", "peagle draft"
         parts.append(" ".join(w for w in (algo if algo != "eagle3" else "",
                                           layer if layer != "own" else "") if w) + " draft")
-    parts.append(f"checkpoint {str(s['checkpoint']).rstrip('/').rsplit('/', 1)[-1]}")
-    if s.get("stopped"):
-        parts.append(f"stopped: {s['stopped']}")
+    parts.append(f"checkpoint {str(s.checkpoint).rstrip('/').rsplit('/', 1)[-1]}")
+    if s.stopped:
+        parts.append(f"stopped: {s.stopped}")
     return parts
 
 
-def _extract_parts(s: dict) -> list[str]:
-    if s.get("samples") is None:
+def _extract_parts(s: ExtractSummary) -> list[str]:
+    if s.samples is None:
         return []
-    parts = [f"{s['samples']:,} samples ({s.get('reused', 0):,} kept from before)"]
-    if s.get("tokens"):
-        parts.append(f"{s['tokens']:,} tokens at {_rate(s.get('tokens_per_s') or 0)} tokens/s")
-    if s.get("backend"):
-        parts.append(f"backend {s['backend']}")
+    parts = [f"{s.samples:,} samples ({s.reused or 0:,} kept from before)"]
+    if s.tokens:
+        parts.append(f"{s.tokens:,} tokens at {_rate(s.tokens_per_s or 0)} tokens/s")
+    if s.backend:
+        parts.append(f"backend {s.backend}")
     return parts
 
 
-def _prepare_parts(s: dict) -> list[str]:
-    if s.get("samples") is None:
+def _prepare_parts(s: PrepareSummary) -> list[str]:
+    if s.samples is None:
         return []
-    return [f"{s['samples']:,} rows from {s.get('rows_in', 0):,}"
-            + (f" ({s['skipped']} skipped)" if s.get("skipped") else ""),
-            f"{s.get('tokens', 0):,} tokens, {s.get('supervised_tokens', 0):,} supervised"]
+    return [f"{s.samples:,} rows from {s.rows_in or 0:,}"
+            + (f" ({s.skipped_rows} skipped)" if s.skipped_rows else ""),
+            f"{s.tokens or 0:,} tokens, {s.supervised_tokens or 0:,} supervised"]
 
 
-def _vocab_parts(s: dict) -> list[str]:
-    if s.get("coverage") is None:
+def _vocab_parts(s: VocabSummary) -> list[str]:
+    if s.coverage is None:
         return []
-    return [f"{s['draft_vocab_size']:,} of {s.get('target_vocab_size', 0):,} tokens "
-            f"cover {s['coverage']:.1%} of the supervised ones"]
+    return [f"{s.draft_vocab_size or 0:,} of {s.target_vocab_size or 0:,} tokens "
+            f"cover {s.coverage:.1%} of the supervised ones"]
 
 
-def _regenerate_parts(s: dict) -> list[str]:
-    if s.get("conversations") is None:
+def _regenerate_parts(s: RegenerateSummary) -> list[str]:
+    if s.conversations is None:
         return []
-    return [f"{s['regenerated']:,} of {s['conversations']:,} conversations answered "
-            f"by the target: {s.get('rows', 0):,} rows, {s.get('generated_tokens', 0):,} tokens"
-            + (f", {s['failed']} failed" if s.get("failed") else "")]
+    return [f"{s.regenerated or 0:,} of {s.conversations:,} conversations answered "
+            f"by the target: {s.rows or 0:,} rows, {s.generated_tokens or 0:,} tokens"
+            + (f", {s.failed} failed" if s.failed else "")]
 
 
 # Each stage's own words for its summary (summary_text); a stage not here, or a

@@ -170,3 +170,17 @@ def screen_text(app) -> str:
         rows.setdefault(float(y), []).append((float(x), html.unescape(t)))
     return "\n".join("".join(t for _, t in sorted(rows[y])).replace("\xa0", " ")
                      for y in sorted(rows))
+
+
+def summary_words(stage: str, summary: dict) -> str:
+    """fmt.summary_text of a summary as its event's JSON holds it."""
+    from pipeline.fmt import summary_text
+    from pipeline.run.summaries import read
+    return summary_text(stage, read(stage, summary))
+
+
+def outcome_words(train: dict, evaluate: dict, state: dict, run_id: str = "") -> list[str]:
+    """fmt.outcome_lines of train's and evaluate's summaries as JSON."""
+    from pipeline.fmt import outcome_lines
+    from pipeline.run.summaries import read
+    return outcome_lines(read("train", train), read("evaluate", evaluate), state, run_id)

@@ -118,7 +118,7 @@ class StageTable(Vertical, can_focus=True):
                 "Att": str(row.attempt or ""),
                 "Time": fmt.duration(seconds) if seconds is not None else "",
                 "Progress": self._servers(starting, len(live)) if starting
-                else self._progress(prog, status, row.summary),
+                else self._progress(prog, status, row.summary.stopped),
                 "Rate / ETA": self._server_state(starting, now) if starting
                 else self._rate(prog, status),
                 "Exit": Text(fmt.exit_text(row.state) if status in ENDED
@@ -128,16 +128,16 @@ class StageTable(Vertical, can_focus=True):
             self.query_one(f"#row-{s}", QuietStatic).set(self._row_text(styled))
 
     @staticmethod
-    def _progress(ev, status: str = Status.RUNNING, summary: Mapping | None = None) -> Text:
+    def _progress(ev, status: str = Status.RUNNING, stopped: str | None = None) -> Text:
         """A bar with done/total while the stage runs (or stopped part-way);
         a stage that succeeded says what it did, no bar (one that stopped
         early on a plateau is not 62% of anything), and why it did less than
-        planned: "1620 steps, plateau at epoch 5"."""
+        planned: "1620 steps, plateau at epoch 5" (`stopped`: train's summary's why)."""
         if not ev:
             return Text("")
         if status == Status.SUCCEEDED:
             unit, done, total = ev.get("unit", ""), ev.get("done", 0), ev.get("total")
-            why = (summary or {}).get("stopped")
+            why = stopped
             if total and done < total:   # train says why it stopped; another stage, what of
                 return Text(f"{count(done)} {unit}, {str(why).split(':')[0]}" if why
                             else f"{count(done)}/{count(total)} {unit}".rstrip())

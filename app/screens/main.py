@@ -32,6 +32,7 @@ from app.messages import (
 )
 from pipeline import fmt
 from pipeline.run.rundir import DONE, Status
+from pipeline.run.summaries import EvaluateSummary, TrainSummary
 from pipeline.stage_graph import STAGE_NAMES
 from pipeline.vllm import startup
 from widgets.category_bars import CategoryBars
@@ -304,8 +305,10 @@ class MainScreen(Screen):
             t.append(fmt.summary_text(stage, info.summary) or
                      info.finished.get("status", ""), style="dim")
             if stage in ("train", "evaluate"):   # the run's next steps, on one line: ship, look
-                train, evaluate = (info.summary, {}) if stage == "train" else ({}, info.summary)
-                lines = fmt.next_lines(train, evaluate, view.run_id)
+                # (this stage's own: the other's trackers are on its row)
+                lines = fmt.next_lines(
+                    info.summary if stage == "train" else TrainSummary(),
+                    info.summary if stage == "evaluate" else EvaluateSummary(), view.run_id)
                 if lines:
                     t.append("\n  " + " · ".join(reversed(lines)), style="dim")
         else:
@@ -344,8 +347,8 @@ class MainScreen(Screen):
         self.query_one(LossChart).update_from(view.metrics, view.version, force)
         bars = self.query_one(CategoryBars)
         if self._training_owner == "evaluate":
-            per_position = summary.get("per_position") or []
-            bars.update_from(summary.get("per_category"), len(per_position) or 3, per_position)
+            per_position = summary.per_position or []
+            bars.update_from(summary.per_category, len(per_position) or 3, per_position)
         else:
             bars.display = False   # evaluate's figures: in evaluate's view
 
@@ -549,17 +552,17 @@ def evaluate_info(view) -> Text:
     or how far the measuring is."""
     ev = view.stages["evaluate"]
     s, t = ev.summary, Text()
-    if s.get("acceptance_length") is not None:
+    if s.acceptance_length is not None:
         # one line at 80 columns: "acceptance 3.12 (vLLM), est. 2.96 · checkpoint 1, best
         # of 2 · decode 1.18x"
-        t.append(f"acceptance {s['acceptance_length']:.2f} (vLLM)", style="bold green")
-        if s.get("acceptance_estimate") is not None:
-            t.append(f", est. {s['acceptance_estimate']:.2f}")
-        t.append(f" · checkpoint {s.get('checkpoint')}")
-        if s.get("measured", 0) > 1:
-            t.append(f", best of {s['measured']}", style="dim")
-        if s.get("speedup"):
-            t.append(f" · decode {s['speedup']:.2f}x")
+        t.append(f"acceptance {s.acceptance_length:.2f} (vLLM)", style="bold green")
+        if s.acceptance_estimate is not None:
+            t.append(f", est. {s.acceptance_estimate:.2f}")
+        t.append(f" · checkpoint {s.checkpoint}")
+        if (s.measured or 0) > 1:
+            t.append(f", best of {s.measured}", style="dim")
+        if s.speedup:
+            t.append(f" · decode {s.speedup:.2f}x")
         return t
     if ev.progress and ev.running:
         t.append(f"{fmt.progress_text(ev.progress.event)}  ")

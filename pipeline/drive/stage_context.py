@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from pipeline.run import provenance
 from pipeline.run.diskspace import DiskFull, explain
 from pipeline.run.events import EventType, EventWriter
 from pipeline.run.rundir import RunDir, Status, atomic_write_bytes
+from pipeline.run.summaries import Summary, read
 from pipeline.stage_error import StageError
 
 __all__ = ["StageError", "Interrupted", "Skipped", "StageContext", "main_for", "run_stage",
@@ -39,9 +42,9 @@ class Interrupted(Exception):
     `summary`: what the cancelled stage's summary adds (train: the checkpoint
     a resume continues from), which the panel and `status` show."""
 
-    def __init__(self, summary: dict | None = None):
+    def __init__(self, summary: Summary | Mapping | None = None):
         super().__init__()
-        self.summary = summary or {}
+        self.summary = summary   # (a mapping: a user's own stage entry's, read as its stage's)
 
 
 class Skipped(Exception):
@@ -136,8 +139,10 @@ def load_context(name: str, argv=None) -> StageContext:
 
 
 def run_stage(name: str, body, argv=None) -> int:
-    """Run `body(ctx) -> summary` with the protocol around it: stop requests,
-    a `stage_finished` event, errors as events with hints, exit codes."""
+    """Run `body(ctx) -> Summary` (pipeline.run.summaries; a dict from a
+    user's own stage entry is read as one) with the protocol around it: stop
+    requests, a `stage_finished` event, errors as events with hints, exit
+    codes."""
     try:
         ctx = load_context(name, argv)
     except config_mod.ConfigError as e:
@@ -160,34 +165,38 @@ def run_stage(name: str, body, argv=None) -> int:
     provenance.finish(fired_so_far())
     try:
         ctx.events.emit(EventType.STAGE_FINISHED, status=status,
-                        duration_s=round(time.time() - ctx.started, 3), summary=summary)
+                        duration_s=round(time.time() - ctx.started, 3),
+                        summary=summary.to_json())
     except DiskFull:
         pass   # the supervisor records the exit code; the panel reads it from state
     ctx.events.close()
     return code
 
 
-def _outcome(ctx: StageContext, name: str, body) -> tuple[str, dict, int]:
+def _outcome(ctx: StageContext, name: str, body) -> tuple[str, Summary, int]:
     """Run the body: its status, summary and exit code, whatever it raised."""
     try:
         fetch_target(ctx)
-        return Status.SUCCEEDED, body(ctx) or {}, 0
+        made = body(ctx)
+        return Status.SUCCEEDED, made if isinstance(made, Summary) else read(name, made), 0
     except Interrupted as e:
-        return (Status.CANCELLED, {"stopped": "on request; resume continues from here",
-                                   **e.summary}, EXIT_INTERRUPTED)
+        said = e.summary if isinstance(e.summary, Summary) else read(name, e.summary)
+        return (Status.CANCELLED, dataclasses.replace(
+            said, stopped=said.stopped or "on request; resume continues from here"),
+            EXIT_INTERRUPTED)
     except Skipped as e:
         if ctx.stop_requested:
             # The stop's signal reaches the stage's children too (one process
             # group): a vLLM probe it killed read as "no usable vLLM", and a
             # skip is an outcome resume keeps. Stopped, it runs again.
             print(f"{name}: stopped on request (it had found: {e})", flush=True)
-            return Status.CANCELLED, {"stopped": "on request; resume runs it again"}, \
+            return Status.CANCELLED, Summary(stopped="on request; resume runs it again"), \
                 EXIT_INTERRUPTED
         print(f"{name}: skipped: {e}", flush=True)
         ctx.events.warning(f"skipped: {e}")
-        return Status.SKIPPED, {"skipped": str(e)}, 0
+        return Status.SKIPPED, Summary(skipped=str(e)), 0
     except KeyboardInterrupt:
-        return Status.CANCELLED, {}, EXIT_INTERRUPTED
+        return Status.CANCELLED, Summary(), EXIT_INTERRUPTED
     except StageError as e:
         return Status.FAILED, _report(ctx, str(e), e.hint), 1
     except DiskFull as e:
@@ -215,7 +224,7 @@ def fetch_target(ctx: StageContext) -> None:
 
 
 def _report(ctx: StageContext, message: str, hint: str | None, quiet=False,
-            disk_full=False) -> dict:
+            disk_full=False) -> Summary:
     """An error to the log and the events; on a full disk either may fail."""
     with contextlib.suppress(OSError):
         if not quiet:
@@ -224,7 +233,7 @@ def _report(ctx: StageContext, message: str, hint: str | None, quiet=False,
                 print(f"{ctx.name}: hint: {hint}", file=sys.stderr, flush=True)
     with contextlib.suppress(DiskFull):
         ctx.events.error(message, hint=hint, **({"disk_full": True} if disk_full else {}))
-    return {"error": message}
+    return Summary(error=message)
 
 
 def main_for(name: str, body) -> None:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from pipeline.drive.stage_context import StageContext, StageError
+from pipeline.run import summaries
 from pipeline.run.events import last_event
 from pipeline.run.rundir import RunDir
 from pipeline.train.checkpoints import complete_checkpoint
@@ -95,7 +96,7 @@ def train_chose(run: RunDir) -> Path | None:
     """The checkpoint train's last summary names (None: train has not
     succeeded, or named none); whether it is still there is the caller's."""
     fin = last_event(run.events_path("train"), ("stage_finished",))
-    named = ((fin or {}).get("summary") or {}).get("checkpoint")
+    named = summaries.read("train", (fin or {}).get("summary")).checkpoint
     return Path(named) if named and fin.get("status") == "succeeded" else None
 
 

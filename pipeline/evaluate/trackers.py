@@ -7,10 +7,11 @@ import json
 from pipeline import tracking
 from pipeline.drive.stage_context import StageContext
 from pipeline.evaluate.measurement import Measurement
+from pipeline.run.summaries import EvaluateSummary
 
 
 def log(ctx: StageContext, results: dict[str, Measurement], named: str,
-        summary: dict) -> None:
+        summary: EvaluateSummary) -> None:
     """What vLLM measured, into train's run in [tracking]'s trackers: each
     checkpoint at its step, and the chosen draft's per category and speedup.
     Each once: a resume logs only what no attempt logged (tracked.json), and
@@ -30,9 +31,9 @@ def log(ctx: StageContext, results: dict[str, Measurement], named: str,
         if key not in done:
             points.append((m.checkpoint["global_step"], {"eval": m.tracker_values()}))
             keys.append(key)
-    chosen = {f"category/{c}": v for c, v in summary["per_category"].items()}
-    if summary.get("speedup"):
-        chosen["speedup"] = summary["speedup"]
+    chosen = {f"category/{c}": v for c, v in (summary.per_category or {}).items()}
+    if summary.speedup:
+        chosen["speedup"] = summary.speedup
     key = f"chosen {named}@{results[named].checkpoint['global_step']}"
     if chosen and key not in done:
         points.append((results[named].checkpoint["global_step"], {"eval": chosen}))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypedDict
 
+from pipeline.run import summaries
 from pipeline.run.diskspace import DiskFull, is_full_errno
 
 
@@ -269,25 +270,7 @@ def valid_event(ev) -> bool:
     fields = _CHECKS.get(ev["type"])
     if fields is not None and not all(ok(ev[k]) for k, ok in fields.items() if k in ev):
         return False
-    return ev["type"] != EventType.STAGE_FINISHED or _summary_ok(ev.get("summary") or {})
-
-
-# The figures of a stage's summary that readers format as numbers
-# (pipeline.fmt.summary_text / outcome_lines): a string there is damage.
-SUMMARY_NUMBERS = frozenset((
-    "acceptance_length", "acceptance_estimate", "speedup", "val_loss", "samples", "reused",
-    "tokens", "tokens_per_s", "rows_in", "supervised_tokens", "draft_vocab_size",
-    "target_vocab_size", "coverage", "regenerated", "conversations", "rows",
-    "generated_tokens", "decode_tokens_per_s", "baseline_tokens_per_s"))
-
-
-def _summary_ok(summary: dict) -> bool:
-    if not all(_type_ok(summary[k], "int | None") for k in SUMMARY_NUMBERS if k in summary):
-        return False
-    worst = summary.get("worst_category")
-    return _type_ok(summary.get("per_position"), "list[float] | None") and \
-        (not worst or (isinstance(worst, dict) and
-                       _type_ok(worst.get("acceptance_length"), "float")))
+    return ev["type"] != EventType.STAGE_FINISHED or summaries.valid(ev.get("summary") or {})
 
 
 def _clean(value):

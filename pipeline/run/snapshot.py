@@ -27,13 +27,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from pipeline.run import read_checkpoint
+from pipeline.run import read_checkpoint, summaries
 from pipeline.run.events import SERVER_STOPPED, EventTail
 from pipeline.run.executor import Executor, driver_alive, for_run
 from pipeline.run.reconcile import observe
 from pipeline.run.rundir import RunDir, RunDirError, Status
 from pipeline.run.series import Series
 from pipeline.run.stage_fold import StageFold
+from pipeline.run.summaries import Summary
 from pipeline.stage_graph import STAGE_NAMES
 
 _EMPTY: Mapping = MappingProxyType({})
@@ -103,7 +104,7 @@ class StageView:
     loading_s: float                  # the seconds they took to (the cost of a big target)
     last_error: Mapping | None
     warnings: tuple[Mapping, ...]
-    summary: Mapping                  # this attempt's stage_finished summary ({} before it)
+    summary: Summary                  # this attempt's stage_finished summary (empty before it)
     finished: Mapping | None          # the current attempt's stage_finished event
     state: Mapping                    # state.json's entry (fmt.exit_text reads it)
 
@@ -192,13 +193,13 @@ class RunSnapshot:
         """What the pipeline made, as `status --json` gives it: the draft,
         its acceptance as vLLM measured it and train's estimate, the speedup."""
         train, ev = self.stages["train"].summary, self.stages["evaluate"].summary
-        measured = ev.get("acceptance_length")
-        return {"draft": (ev.get("checkpoint_path") if measured is not None else None)
-                or train.get("checkpoint"),
+        measured = ev.acceptance_length
+        return {"draft": (ev.checkpoint_path if measured is not None else None)
+                or train.checkpoint,
                 "acceptance_length": measured,
-                "acceptance_estimate": train.get("acceptance_length"),
-                "speedup": ev.get("speedup"),
-                "training_stopped": train.get("stopped")}
+                "acceptance_estimate": train.acceptance_length,   # (train's is the estimate)
+                "speedup": ev.speedup,
+                "training_stopped": train.stopped}
 
     def acceptance_measured(self) -> float | None:
         """The last acceptance length the evaluate stage measured."""
@@ -208,8 +209,8 @@ class RunSnapshot:
     def acceptance_estimate(self) -> float | None:
         """train's estimate: its summary's, else 1 + the latest validation
         full accuracies (while it trains)."""
-        if self.stages["train"].summary.get("acceptance_length") is not None:
-            return self.stages["train"].summary["acceptance_length"]
+        if self.stages["train"].summary.acceptance_length is not None:
+            return self.stages["train"].summary.acceptance_length
         own = self.metrics.get(("val", "acceptance_estimate"))   # the algorithm's (train's)
         if own is not None and own.added:
             return own.last_y
@@ -372,7 +373,7 @@ class RunReader:
             kv_usage=info.kv_usage, online=info.online, backend=info.backend,
             target_loads=info.loads, loading_s=info.loading_s,
             last_error=info.last_error, warnings=tuple(info.warnings),
-            summary=MappingProxyType(info.summary), finished=info.finished,
+            summary=summaries.read(name, info.summary), finished=info.finished,
             state=MappingProxyType(st))
 
 

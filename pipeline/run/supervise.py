@@ -31,6 +31,7 @@ from pipeline.run.leftovers import start_ticks, stop_attempt
 from pipeline.run.proctree import SUPERVISOR_VAR, TOKEN_VAR
 from pipeline.run.read_checkpoint import Keeper
 from pipeline.run.rundir import RunDir, Status, proc_start_ticks, signal_name
+from pipeline.run.summaries import Summary
 
 
 def _classify(code: int, cancel_requested: bool, events_path) -> tuple[str, int | None, str | None]:
@@ -133,7 +134,7 @@ def _could_not_start(rd: RunDir, stage: str, argv: list[str], events: EventWrite
     print(f"eagle-panel: cannot start {argv[0]}: {e}", file=sys.stderr, flush=True)
     events.error(f"cannot start the stage: {e}", hint="check [runtime] python in config.toml")
     events.emit(EventType.STAGE_FINISHED, status=Status.FAILED, duration_s=0.0,
-                summary={"error": str(e)})
+                summary=Summary(error=str(e)).to_json())
     rd.update_stage(stage, status=Status.FAILED, exit_code=127, ended_at=time.time(),
                     reason=f"could not start: {e}")
     return 127
@@ -171,7 +172,7 @@ def _say_finished(rd: RunDir, stage: str, events: EventWriter, ending: Ending,
                      hint=f"see {rd.log_path(stage)}; `eagle-panel resume` continues from here")
     events.emit(EventType.STAGE_FINISHED, status=ending.status,
                 duration_s=round(time.time() - t0, 3),
-                summary={"exit_code": ending.exit_code, "signal": ending.signal},
+                summary=Summary(exit_code=ending.exit_code, signal=ending.signal).to_json(),
                 source="supervisor")
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import replace
 
 from pipeline import tracking
 from pipeline.data.prompt_sets import PROMPTS_FILE, as_row
@@ -51,12 +52,13 @@ from pipeline.drive.stage_context import Skipped, StageContext, StageError, main
 from pipeline.evaluate import baseline, choice, load, measure, results, trackers
 from pipeline.evaluate.servers import ServerPool
 from pipeline.run.rundir import atomic_write_bytes
+from pipeline.run.summaries import EvaluateSummary
 from pipeline.train import algorithms
 from pipeline.vllm.environment import probe
 from pipeline.vllm.validation import model_refused
 
 
-def body(ctx: StageContext) -> dict:
+def body(ctx: StageContext) -> EvaluateSummary:
     """Measure the chosen checkpoints (and the baseline), write results.json, gate."""
     sec = ctx.section
     env = probe(ctx.cfg.vllm_python())
@@ -102,14 +104,16 @@ def body(ctx: StageContext) -> dict:
         if len(measured) > 1 else chosen[-1].name
     servers = {"target_loads": ev.starts, "swaps": ev.swaps, "restarts": ev.restarts,
                "one_server": ev.swap_why or "yes"}
-    summary = results.write(ctx, measured, named, without, len(prompts), servers)
-    summary["checkpoint_path"] = str(next(c for c in chosen if c.name == named))
-    summary["checkpoint_chosen_by"] = (f"highest measured acceptance of {len(measured)}"
-                                       if len(measured) > 1 else
-                                       choice.chosen_by(sec.checkpoints, train_named, chosen))
+    summary = replace(
+        results.write(ctx, measured, named, without, len(prompts), servers),
+        checkpoint_path=str(next(c for c in chosen if c.name == named)),
+        checkpoint_chosen_by=(f"highest measured acceptance of {len(measured)}"
+                              if len(measured) > 1 else
+                              choice.chosen_by(sec.checkpoints, train_named, chosen)))
     trackers.log(ctx, measured, named, summary)
     if ctx.cfg.tracking.loggers:
-        summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)
+        summary = replace(summary,
+                          trackers=tracking.where(ctx.run.path, ctx.cfg.tracking.loggers))
     results.gate(sec.min_acceptance, summary)
     return summary
 

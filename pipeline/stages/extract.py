@@ -28,6 +28,7 @@ from pipeline.model import fp8
 from pipeline.model.hsfile import Counters, hs_path, remove_leftovers, validate_file
 from pipeline.run.diskspace import fmt_bytes
 from pipeline.run.events import EventType
+from pipeline.run.summaries import ExtractSummary
 from pipeline.vllm import compat
 from pipeline.vllm.environment import choose_backend, probe
 from pipeline.vllm.kv import combine_usage
@@ -224,7 +225,7 @@ class Reporter:
             self.ctx.events.emit(kind, **fields)
 
 
-def body(ctx: StageContext) -> dict:
+def body(ctx: StageContext) -> ExtractSummary:
     sec = ctx.section
     data_dir = ctx.out_of("prepare") / "data"
     if not data_dir.exists():
@@ -263,14 +264,14 @@ def body(ctx: StageContext) -> dict:
         "num_layers": lay.num_layers, "hidden_size": lay.hidden, "dtype": job.dtype_name,
         "stored": "fp8" if lay.fp8 else job.dtype_name, "samples": len(lengths),
         "bytes_per_token": lay.bytes_per_token, "backend": backend})
-    return {"samples": len(lengths), "computed": done.samples, "reused": kept,
-            "tokens": done.tokens, "bytes_written": done.bytes,
-            "tokens_per_s": round(done.tokens / elapsed, 1),
-            "gb_per_s": round(done.bytes / elapsed / 1e9, 4), "layer_ids": lay.layer_ids,
-            "hidden_states": str(folder), "backend": backend,
-            "stored": "fp8" if lay.fp8 else job.dtype_name,
-            "bytes_per_token": lay.bytes_per_token,
-            "adaptations": sorted(compat.fired_so_far())}
+    return ExtractSummary(samples=len(lengths), computed=done.samples, reused=kept,
+                          tokens=done.tokens, bytes_written=done.bytes,
+                          tokens_per_s=round(done.tokens / elapsed, 1),
+                          gb_per_s=round(done.bytes / elapsed / 1e9, 4),
+                          layer_ids=lay.layer_ids, hidden_states=str(folder), backend=backend,
+                          stored="fp8" if lay.fp8 else job.dtype_name,
+                          bytes_per_token=lay.bytes_per_token,
+                          adaptations=sorted(compat.fired_so_far()))
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from pipeline.data.rows import count_rows, iter_raw, regenerated_rows
 from pipeline.drive.stage_context import StageContext, StageError, main_for
 from pipeline.model.info import read_model
 from pipeline.run.events import EventType
+from pipeline.run.summaries import PrepareSummary
 
 CHUNK_ROWS = 200
 MAX_LISTED = 50
@@ -193,7 +194,7 @@ def write_token_freq(out: Path, ids, masks) -> Counter:
     return freq
 
 
-def body(ctx: StageContext) -> dict:
+def body(ctx: StageContext) -> PrepareSummary:
     src = pick_source(ctx)
     renderer = make_renderer(ctx)
     chunk_dir = ctx.out / ".chunks"
@@ -205,11 +206,11 @@ def body(ctx: StageContext) -> dict:
     freq = write_token_freq(ctx.out, ids, masks)
     n_tokens = sum(len(r) for r in ids)
     n_masked = sum(sum(m) for m in masks)
-    summary = {"rows_in": seen, "samples": len(ids), "skipped": len(skipped),
-               "tokens": n_tokens, "supervised_tokens": n_masked,
-               "distinct_tokens": len(freq), "max_seq_len": max(len(r) for r in ids),
-               "data": str(ctx.out / "data")}
-    ctx.write_json(ctx.out / "summary.json", summary)
+    summary = PrepareSummary(rows_in=seen, samples=len(ids), skipped_rows=len(skipped),
+                             tokens=n_tokens, supervised_tokens=n_masked,
+                             distinct_tokens=len(freq), max_seq_len=max(len(r) for r in ids),
+                             data=str(ctx.out / "data"))
+    ctx.write_json(ctx.out / "summary.json", summary.to_json())
     ctx.events.emit(EventType.ARTIFACT, path=str(ctx.out / "data"), kind="dataset",
                     bytes=sum(p.stat().st_size for p in (ctx.out / "data").rglob("*") if p.is_file()))
     return summary

@@ -36,6 +36,7 @@ from pipeline.drive.stage_context import Skipped, StageContext, StageError, main
 from pipeline.extract import shared_server
 from pipeline.model.info import kv_bytes_per_token, read_model
 from pipeline.run.events import EventType
+from pipeline.run.summaries import RegenerateSummary
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.compat import SKIP_KEY
 from pipeline.vllm.environment import probe
@@ -289,7 +290,7 @@ def write_rows(ctx: StageContext, rows: list[dict]) -> Path:
     return out
 
 
-def body(ctx: StageContext) -> dict:
+def body(ctx: StageContext) -> RegenerateSummary:
     env = probe(ctx.cfg.vllm_python())
     devices = ctx.cfg.stage_devices("regenerate")
     why = env.unusable(devices)
@@ -305,9 +306,9 @@ def body(ctx: StageContext) -> dict:
     rows, failed = gather(ctx, chunks, len(items))
     out = write_rows(ctx, rows)
     tokens = sum(sum(r["loss_mask"]) for r in rows)
-    return {"conversations": len(items), "regenerated": len(items) - len(failed),
-            "failed": len(failed), "rows": len(rows), "generated_tokens": tokens,
-            "rows_file": str(out)}
+    return RegenerateSummary(conversations=len(items), regenerated=len(items) - len(failed),
+                             failed=len(failed), rows=len(rows), generated_tokens=tokens,
+                             rows_file=str(out))
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline import tracking
@@ -39,6 +39,7 @@ from pipeline.drive.stage_context import Interrupted, StageContext, StageError, 
 from pipeline.model import fp8
 from pipeline.run import provenance
 from pipeline.run.events import EventType
+from pipeline.run.summaries import TrainSummary
 from pipeline.train import algorithms
 from pipeline.train.budget import Budget, PlateauWatch, packed_steps, plan
 from pipeline.train.checkpoints import complete_checkpoint, latest_checkpoint, set_aside_incomplete
@@ -342,7 +343,7 @@ def run_trainer(ctx: StageContext, training: Training) -> None:
                          hint=servers.fatal.hint)
 
 
-def body(ctx: StageContext) -> dict:
+def body(ctx: StageContext) -> TrainSummary:
     import torch
 
     meta = read_meta(ctx)
@@ -364,15 +365,15 @@ def body(ctx: StageContext) -> dict:
     if final is None:
         raise StageError(f"training ended without a checkpoint in {save_path}",
                          hint=f"see {ctx.run.log_path('train')}")
-    summary = summarize(ctx, training, save_path, final)
-    summary["checkpoint_chosen_by"] = chosen
+    summary = replace(summarize(ctx, training, save_path, final), checkpoint_chosen_by=chosen)
     if chosen.startswith("highest"):   # that epoch's estimate, not the last one's
         watch = plateau_watch(ctx)
-        summary["acceptance_length"] = dict(watch.history)[watch.best_epoch()]
-    summary.update(budget_summary(ctx, training.budget, save_path))
+        summary = replace(summary, acceptance_length=dict(watch.history)[watch.best_epoch()])
+    summary = budget_summary(ctx, training.budget, save_path, summary)
     if ctx.cfg.tracking.loggers:   # how to look (the panel and `status` say it)
-        summary["trackers"] = tracking.where(ctx.run.path, ctx.cfg.tracking.loggers)
-    print(f"train: stopped: {summary['stopped']}", flush=True)
+        summary = replace(summary,
+                          trackers=tracking.where(ctx.run.path, ctx.cfg.tracking.loggers))
+    print(f"train: stopped: {summary.stopped}", flush=True)
     return summary
 
 
@@ -392,10 +393,11 @@ def choose_checkpoint(save_path: Path, watch: PlateauWatch) -> tuple[Path | None
                    else "last epoch")
 
 
-def budget_summary(ctx: StageContext, budget: Budget | None, save_path: Path) -> dict:
-    """What the budget planned and why training stopped, in words."""
+def budget_summary(ctx: StageContext, budget: Budget | None, save_path: Path,
+                   summary: TrainSummary) -> TrainSummary:
+    """`summary` with what the budget planned and why training stopped, in words."""
     if budget is None:
-        return {}
+        return summary
     watch = plateau_watch(ctx)
     done = [int(d.name) for d in save_path.iterdir() if d.name.isdigit()
             and complete_checkpoint(d)] if save_path.is_dir() else []
@@ -410,13 +412,13 @@ def budget_summary(ctx: StageContext, budget: Budget | None, save_path: Path) ->
         stopped = f"max_epochs reached ({budget.epochs})"
     else:
         stopped = f"the planned {budget.epochs} epochs done, still improving"
-    return {"stopped": stopped, "epochs_trained": epochs, "epochs_planned": budget.epochs,
-            "total_seq_len": budget.total_seq_len, "steps_planned": budget.steps,
-            "budget": budget.why,
-            "estimates": [round(v, 4) for _, v in watch.history]}
+    return replace(summary, stopped=stopped, epochs_trained=epochs, epochs_planned=budget.epochs,
+                   total_seq_len=budget.total_seq_len, steps_planned=budget.steps,
+                   budget=budget.why, estimates=[round(v, 4) for _, v in watch.history])
 
 
-def summarize(ctx: StageContext, training: Training, save_path: Path, final: Path) -> dict:
+def summarize(ctx: StageContext, training: Training, save_path: Path,
+              final: Path) -> TrainSummary:
     """The final checkpoint's artifact (and an MLA draft's vLLM export), the
     provenance it carries, and the stage's summary."""
     metrics, servers, choice = training.metrics, training.servers, training.choice
@@ -424,28 +426,35 @@ def summarize(ctx: StageContext, training: Training, save_path: Path, final: Pat
     accept = estimate(ctx.cfg, val)
     size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(final), kind="checkpoint", bytes=size)
-    summary = {"checkpoint": str(final),
-               "acceptance_length": accept, "val_loss": val.get("loss"),
-               "train_argv": "speculators train " + " ".join(training.argv),
-               "draft_layer": choice.layer, "draft_layer_reason": choice.why,
-               "algorithm": ctx.section.algorithm,
-               "estimate_from": algorithms.get(ctx.section.algorithm).estimate_from}
+    summary = TrainSummary(
+        checkpoint=str(final), acceptance_length=accept, val_loss=val.get("loss"),
+        train_argv="speculators train " + " ".join(training.argv),
+        draft_layer=choice.layer, draft_layer_reason=choice.why,
+        algorithm=ctx.section.algorithm,
+        estimate_from=algorithms.get(ctx.section.algorithm).estimate_from)
     if choice.layer == "mla":
-        summary.update(vllm_export(ctx, save_path, final))
+        export = vllm_export(ctx, save_path, final)
+        summary = replace(summary, vllm_draft=str(export),
+                          draft_config=str(ctx.out / "draft_config.json"))
+        provenance.copy_to(export)
     provenance.copy_to(final)   # the draft carries what made it
-    if summary.get("vllm_draft"):
-        provenance.copy_to(Path(summary["vllm_draft"]))
     if metrics and metrics.first_loss is not None:
-        summary.update(first_train_loss=metrics.first_loss, last_train_loss=metrics.last_loss)
+        summary = replace(summary, first_train_loss=metrics.first_loss,
+                          last_train_loss=metrics.last_loss)
     if metrics and metrics.waits:
-        summary["data_wait_share"] = round(sum(metrics.waits) / len(metrics.waits), 4)
+        summary = replace(summary,
+                          data_wait_share=round(sum(metrics.waits) / len(metrics.waits), 4))
     if servers is not None:
-        summary.update(mode=ctx.cfg.pipeline.mode, buffer_peak_bytes=servers.peak_buffer,
-                       server_restarts=servers.restarts, **servers.counts)
+        counts = servers.counts   # the dataloaders' (pipeline.train.online.read_counts)
+        summary = replace(summary, mode=ctx.cfg.pipeline.mode,
+                          buffer_peak_bytes=servers.peak_buffer,
+                          server_restarts=servers.restarts, from_disk=counts.get("from_disk"),
+                          from_servers=counts.get("from_servers"),
+                          kept_bytes=counts.get("kept_bytes"))
     return summary
 
 
-def vllm_export(ctx: StageContext, save_path: Path, final: Path) -> dict:
+def vllm_export(ctx: StageContext, save_path: Path, final: Path) -> Path:
     """Every complete checkpoint's vLLM export up to date (those the
     trainer wrote as it went are kept); the final one checked and named."""
     export_root = ctx.out / "vllm"
@@ -457,7 +466,7 @@ def vllm_export(ctx: StageContext, save_path: Path, final: Path) -> dict:
                          hint="resume the train stage: it writes the export again")
     size = sum(p.stat().st_size for p in export.iterdir() if p.is_file())
     ctx.events.emit(EventType.ARTIFACT, path=str(export), kind="vllm_draft", bytes=size)
-    return {"vllm_draft": str(export), "draft_config": str(ctx.out / "draft_config.json")}
+    return export
 
 
 def replace_flags(argv: list[str], flags: list[str]) -> list[str]:

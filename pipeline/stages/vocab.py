@@ -15,6 +15,7 @@ from pathlib import Path
 from pipeline.drive.stage_context import StageContext, StageError, main_for
 from pipeline.run.events import EventType
 from pipeline.run.rundir import atomic_write_bytes
+from pipeline.run.summaries import VocabSummary
 
 
 def save_npy(path: Path, array) -> None:
@@ -50,7 +51,7 @@ def speculators_vocab_mapping():
     return importlib.import_module(name)
 
 
-def body(ctx: StageContext) -> dict:
+def body(ctx: StageContext) -> VocabSummary:
     import torch
     mapping = speculators_vocab_mapping()
     build_vocab_mappings_from_distribution = mapping.build_vocab_mappings_from_distribution
@@ -88,10 +89,10 @@ def body(ctx: StageContext) -> dict:
     for kind, name in (("d2t", f"d2t-{n}.npy"), ("t2d", f"t2d-{n}.npy")):
         p = ctx.out / name
         ctx.events.emit(EventType.ARTIFACT, path=str(p), kind=kind, bytes=p.stat().st_size)
-    summary = {"draft_vocab_size": n, "target_vocab_size": target_vocab,
-               "distinct_supervised_tokens": len(freq), "coverage": round(coverage, 6),
-               "d2t": str(ctx.out / f"d2t-{n}.npy"), "t2d": str(ctx.out / f"t2d-{n}.npy")}
-    ctx.write_json(ctx.out / "summary.json", summary)
+    summary = VocabSummary(draft_vocab_size=n, target_vocab_size=target_vocab,
+                           distinct_supervised_tokens=len(freq), coverage=round(coverage, 6),
+                           d2t=str(ctx.out / f"d2t-{n}.npy"), t2d=str(ctx.out / f"t2d-{n}.npy"))
+    ctx.write_json(ctx.out / "summary.json", summary.to_json())
     return summary
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipeline import tracking
 from pipeline.drive.stage_context import Interrupted, StageContext, StageError
 from pipeline.run.events import EventType
+from pipeline.run.summaries import TrainSummary
 from pipeline.train.budget import PlateauWatch
 from pipeline.train.mla_draft import draft_config_path
 from pipeline.train.val_metrics import estimate
@@ -230,7 +231,7 @@ def run_in_process(ctx: StageContext, argv: list[str], device_type: str,
     return metrics
 
 
-def _interrupted_summary(at: dict, argv: list[str]) -> dict:
+def _interrupted_summary(at: dict, argv: list[str]) -> TrainSummary:
     """Where a stopped training can be resumed from, said in the log (where
     speculators' own line names an `interrupted` folder it does not keep)
     and in the stage's summary."""
@@ -243,7 +244,7 @@ def _interrupted_summary(at: dict, argv: list[str]) -> dict:
     where = f"checkpoint {ckpt}" if ckpt else "no checkpoint yet (resume starts the epoch over)"
     print(f"train: stopped at epoch {at['epoch'] + 1} step {at['global_step']}; {where}; "
           "`eagle-panel resume` (r in the panel) continues from it", flush=True)
-    # not `checkpoint`: that key names a trained draft (status' outcome, evaluate)
-    return {"resume_checkpoint": str(ckpt) if ckpt else None,
-            "checkpoint_step": at["global_step"],
-            "resume": "eagle-panel resume (r in the panel)"}
+    # not `checkpoint`: that names a trained draft (status' outcome, evaluate)
+    return TrainSummary(resume_checkpoint=str(ckpt) if ckpt else None,
+                        checkpoint_step=at["global_step"],
+                        resume="eagle-panel resume (r in the panel)")

@@ -41,8 +41,8 @@ def from_run(rd: RunDir) -> Measured:
     """The measurement of the checkpoint evaluate chose in this run."""
     try:
         results = export.read_results(rd)
-        name, m = export.measured_checkpoint(results, None, read_run(rd).stages[
-            "evaluate"].summary.get("checkpoint"))
+        name, m = export.measured_checkpoint(results, None,
+                                             read_run(rd).stages["evaluate"].summary.checkpoint)
     except export.ExportError as e:
         raise MeasuredError(str(e)) from None
     return of_measurement(m, results, f"run {rd.id}, checkpoint {name}")

@@ -220,6 +220,6 @@ def test_prepare_skips_a_row_whose_content_part_text_is_a_number(tmp_path):
     data.write_bytes(b"\n".join(good[:3] + [bad] + good[3:]) + b"\n")
     code, _, evs = run_body(tmp_path, "prepare", prepare.body, f'[data]\npath = "{data}"\n')
     assert code == 0
-    assert finished(evs)["summary"]["skipped"] == 1
+    assert finished(evs)["summary"]["skipped_rows"] == 1
     warn = [e for e in evs if e["type"] == "warning"][0]
     assert warn["rows"][0]["line"] == 4 and "`text` is not a string" in warn["rows"][0]["reason"]

@@ -42,7 +42,7 @@ def test_prepare_skips_malformed_rows_with_line_numbers(tmp_path):
                              render({"data": {"path": str(broken_conversations_path())}}))
     assert code == 0
     summary = finished(evs)["summary"]
-    assert summary["samples"] == 20 and summary["skipped"] == len(BROKEN) + 1
+    assert summary["samples"] == 20 and summary["skipped_rows"] == len(BROKEN) + 1
     warn = [e for e in evs if e["type"] == "warning"][0]
     lines = broken_conversations_path().read_bytes().split(b"\n")
     listed = {r["line"]: r["reason"] for r in warn["rows"]}
@@ -204,7 +204,7 @@ def test_prepare_on_the_datasets_people_have(tmp_path, tok):
     warn = [e for e in evs if e["type"] == "warning"][0]
     listed = {r["line"]: r["reason"] for r in warn["rows"]}
     assert sorted(listed) == skipped, listed
-    assert summary["samples"] == len(accepted) and summary["skipped"] == len(skipped)
+    assert summary["samples"] == len(accepted) and summary["skipped_rows"] == len(skipped)
     texts = supervised_texts(tok, rd.out_dir("prepare") / "data")
     everything = "\n".join(texts)
     # the assistant's tool calls are its tokens (speculators supervises them too)

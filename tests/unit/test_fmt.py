@@ -1,28 +1,32 @@
 """Stage summaries as a person reads them (pipeline.fmt.summary_text), in the
 panel's detail line and `run --wait`."""
 
-from pipeline.fmt import summary_text
+from tests.helpers import outcome_words as outcome
+from tests.helpers import summary_words as text
 
 
 def test_summaries_read_like_sentences():
-    assert summary_text("evaluate", {
+    assert text("evaluate", {
         "acceptance_length": 3.02135231316726, "acceptance_estimate": 2.9978991596638656,
         "speedup": 0.958, "prompts": 48}) == \
         "acceptance 3.02 measured, 3.00 estimated · speedup 0.96x · 48 prompts"
-    assert summary_text("prepare", {"rows_in": 830, "samples": 829, "skipped": 1,
-                                    "tokens": 46938, "supervised_tokens": 20298}) == \
+    # (a summary from before version 2: prepare's row count was `skipped`)
+    assert text("prepare", {"rows_in": 830, "samples": 829, "skipped": 1,
+                            "tokens": 46938, "supervised_tokens": 20298}) == \
         "829 rows from 830 (1 skipped) · 46,938 tokens, 20,298 supervised"
-    assert summary_text("evaluate", {"skipped": "vLLM is not installed"}) == \
+    assert text("evaluate", {"skipped": "vLLM is not installed"}) == \
         "skipped: vLLM is not installed"
-    assert summary_text("train", {"checkpoint": "/r/train/out/checkpoints/5", "val_loss": 1.2345,
-                                  "acceptance_length": 2.99, "draft_layer": "mla"}) == \
+    assert text("train", {"checkpoint": "/r/train/out/checkpoints/5", "val_loss": 1.2345,
+                          "acceptance_length": 2.99, "draft_layer": "mla"}) == \
         "validation loss 1.234 · acceptance 2.99 estimated · mla draft · checkpoint 5"
     for algo, layer, says in (("eagle3.1", "mla", "eagle3.1 mla draft"),
                               ("peagle", "own", "peagle draft")):   # the algorithm named
-        assert summary_text("train", {
+        assert text("train", {
             "checkpoint": "/c/0", "algorithm": algo, "draft_layer": layer}) == f"{says} · checkpoint 0"
     # a stage it does not know: its figures, rounded
-    assert summary_text("other", {"a": 1.23456, "b": 123456, "c": "text"}) == "a 1.23 · b 123,456"
+    assert text("other", {"a": 1.23456, "b": 123456, "c": "text"}) == "a 1.23 · b 123,456"
+    # a stage that wrote no summary: the supervisor's exit code
+    assert text("train", {"exit_code": 1, "signal": None}) == "exit_code 1"
 
 
 def test_progress_has_its_unit_and_no_eta_once_done_or_stopped():
@@ -41,12 +45,11 @@ def test_progress_has_its_unit_and_no_eta_once_done_or_stopped():
 def test_a_cancelled_training_says_where_it_resumes():
     s = {"stopped": "on request; resume continues from here", "checkpoint_step": 317,
          "resume_checkpoint": "/runs/r/train/out/checkpoints/1", "resume": "eagle-panel resume"}
-    assert summary_text("train", s) == ("stopped at step 317 · checkpoint 1 · "
-                                        "resume: r (eagle-panel resume)")
-    assert "no checkpoint yet" in summary_text("train", {**s, "resume_checkpoint": None})
+    assert text("train", s) == ("stopped at step 317 · checkpoint 1 · "
+                                "resume: r (eagle-panel resume)")
+    assert "no checkpoint yet" in text("train", {**s, "resume_checkpoint": None})
     # a cancelled training names no trained draft in the outcome
-    from pipeline.fmt import outcome_lines
-    assert not any("trained draft" in ln for ln in outcome_lines(s, {}, {}))
+    assert not any("trained draft" in ln for ln in outcome(s, {}, {}))
 
 
 def test_epochs_are_counted_from_one_as_everywhere_else():
@@ -64,17 +67,16 @@ def test_the_stage_tables_rate_never_reads_zero_per_second():
 
 
 def test_a_finished_run_says_where_its_trackers_are_and_how_to_ship_it():
-    from pipeline.fmt import outcome_lines
     train = {"checkpoint": "2", "trackers": ["tensorboard --logdir /r/tb"]}
     measured = {"acceptance_length": 2.9, "checkpoint": "2", "checkpoint_path": "/r/2",
                 "prompts": 12, "trackers": ["tensorboard --logdir /r/tb", "mlflow ui x"]}
-    lines = outcome_lines(train, measured, {}, "r1")
+    lines = outcome(train, measured, {}, "r1")
     assert lines[-2] == "trackers: tensorboard --logdir /r/tb; mlflow ui x"
     assert lines[-1].startswith("to ship it: eagle-panel export r1 ")
     # not measured: nothing to export; no trackers configured: no line
-    lines = outcome_lines({"checkpoint": "2", "acceptance_length": 2.5}, {}, {}, "r1")
+    lines = outcome({"checkpoint": "2", "acceptance_length": 2.5}, {}, {}, "r1")
     assert not any("export" in ln or "trackers" in ln for ln in lines)
-    assert outcome_lines(train, {}, {}, "r1")[-1] == "trackers: tensorboard --logdir /r/tb"
+    assert outcome(train, {}, {}, "r1")[-1] == "trackers: tensorboard --logdir /r/tb"
 
 
 def test_a_long_runs_counts_fit_the_progress_column_and_never_round_up_to_done():

@@ -73,16 +73,17 @@ def test_the_total_loss_alone_until_the_positions_are_asked_for():
 
 def test_a_train_that_stopped_on_a_plateau_says_so_not_a_part_filled_bar():
     ev = {"done": 1620, "total": 2592, "unit": "steps"}
-    plateau = {"stopped": "plateau at epoch 5: estimate 3.10, +0.2% over the best of 2"}
+    plateau = "plateau at epoch 5: estimate 3.10, +0.2% over the best of 2"   # train's `stopped`
     running = StageTable._progress(ev, Status.RUNNING).plain
     assert "1620/2592" in running and running != "1620 steps"   # the bar while it runs
     assert StageTable._progress(ev, Status.SUCCEEDED, plateau).plain == \
         "1620 steps, plateau at epoch 5"
-    assert StageTable._progress({**ev, "done": 2592}, Status.SUCCEEDED, {}).plain == \
+    assert StageTable._progress({**ev, "done": 2592}, Status.SUCCEEDED).plain == \
         "2592 steps"                                                 # it did what it planned
     assert "1620/2592" in StageTable._progress(ev, Status.CANCELLED).plain
-    assert StageTable._progress({"done": 7, "total": 9, "unit": "rows"}, Status.SUCCEEDED,
-                                {}).plain == "7/9 rows"   # no reason given: no bar, no guess
+    # no reason given: no bar, no guess
+    assert StageTable._progress({"done": 7, "total": 9, "unit": "rows"},
+                                Status.SUCCEEDED).plain == "7/9 rows"
     # the row: the end runs on into the empty Rate / ETA column, the Exit column stays put
     table = StageTable()
     row = table._row_text({"Stage": "train", "Status": "succeeded", "Progress":

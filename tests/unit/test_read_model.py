@@ -144,7 +144,7 @@ def picture(snap) -> dict:
     """Everything a snapshot shows, as plain values."""
     stages = {}
     for name, st in snap.stages.items():
-        stages[name] = (st.attempts, st.progress, dict(st.summary), st.warnings, st.last_error,
+        stages[name] = (st.attempts, st.progress, st.summary, st.warnings, st.last_error,
                         st.servers, dict(st.kv_reports), st.kv_usage, st.online, st.backend,
                         st.target_loads, st.loading_s, st.finished)
     metrics = {k: (list(s.x), list(s.y), s.added, s.last_x, s.last_y)

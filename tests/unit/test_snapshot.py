@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import RunReader
+from pipeline.run.summaries import TrainSummary
 
 
 def _reader(tmp_path) -> RunReader:
@@ -92,9 +93,9 @@ def test_an_attempt_shows_its_own_summary_and_time_since_the_last_success(tmp_pa
     ev = lambda t, **kw: r._apply("train", {"t": kw.pop("at", 0.0), "type": t, **kw})  # noqa: E731
     ev("stage_started", attempt=1, at=0.0)
     ev("stage_finished", status="succeeded", duration_s=100.0, summary={"acceptance_length": 3.1})
-    assert r.snapshot().stages["train"].summary["acceptance_length"] == 3.1
+    assert r.snapshot().stages["train"].summary.acceptance_length == 3.1
     ev("stage_started", attempt=2, at=200.0)   # a forced re-run: its own summary, none yet
-    assert dict(r.snapshot().stages["train"].summary) == {}
+    assert r.snapshot().stages["train"].summary == TrainSummary()
     ev("stage_started", attempt=3, at=300.0)   # attempt 2 never finished: killed
     ev("stage_finished", status="cancelled", duration_s=20.0, summary={})
     ev("stage_started", attempt=4, at=400.0)

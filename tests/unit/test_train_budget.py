@@ -12,6 +12,8 @@ import pytest
 
 from pipeline.train import budget
 from pipeline.train.budget import PlateauWatch, packed_steps, plan, plateau_reason
+from tests.helpers import outcome_words as outcome
+from tests.helpers import summary_words as text
 
 
 def lengths(n: int, seed: int = 0, low: int = 30, high: int = 256) -> list[int]:
@@ -154,15 +156,14 @@ def test_config_accepts_the_rule_and_best_k(tmp_path):
 
 
 def test_the_summary_says_why_training_stopped_and_which_draft():
-    from pipeline.fmt import outcome_lines, summary_text
     train = {"checkpoint": "/r/train/out/checkpoints/5", "val_loss": 0.64,
              "acceptance_length": 3.08, "checkpoint_chosen_by": "highest acceptance estimate, "
              "epoch 6", "stopped": "plateau at epoch 7: estimate 3.08, +0.2% over 2 epochs",
              "epochs_trained": 7, "total_seq_len": 384}
-    assert summary_text("train", train) == (
+    assert text("train", train) == (
         "validation loss 0.640 · acceptance 3.08 estimated · checkpoint 5 · "
         "stopped: plateau at epoch 7: estimate 3.08, +0.2% over 2 epochs")
-    lines = outcome_lines(train, {}, {})
+    lines = outcome(train, {}, {})
     assert lines[1] == "trained draft (highest acceptance estimate, epoch 6): " \
                        "/r/train/out/checkpoints/5"
     assert lines[2] == "training stopped: plateau at epoch 7: estimate 3.08, +0.2% over 2 " \
@@ -170,12 +171,12 @@ def test_the_summary_says_why_training_stopped_and_which_draft():
     evaluate = {"checkpoint": "4", "checkpoint_path": "/r/train/out/checkpoints/4",
                 "checkpoint_chosen_by": "highest measured acceptance of 3",
                 "acceptance_length": 3.2, "prompts": 48}
-    assert outcome_lines(train, evaluate, {})[1] == \
+    assert outcome(train, evaluate, {})[1] == \
         "trained draft (highest measured acceptance of 3): /r/train/out/checkpoints/4"
     # one measured (checkpoints = "last") while train's best estimate was another:
     # the draft named is the one whose acceptance is printed
     last = {"checkpoint": "7", "checkpoint_path": "/r/train/out/checkpoints/7",
             "checkpoint_chosen_by": "last checkpoint", "acceptance_length": 3.1, "prompts": 48}
-    lines = outcome_lines(train, last, {})
+    lines = outcome(train, last, {})
     assert lines[1] == "trained draft (last checkpoint): /r/train/out/checkpoints/7"
     assert "checkpoint 7" in lines[3]

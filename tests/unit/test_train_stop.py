@@ -89,6 +89,7 @@ def test_an_online_give_up_fails_the_stage_with_the_servers_error(monkeypatch):
     to stop (it saves at the next step): the stage fails quoting the server's
     error, where a user's cancel stays a cancel. (The trainer is a stand-in
     raising what run_in_process raises after such a stop.)"""
+    from pipeline.run.summaries import TrainSummary
     from pipeline.stages import train as train_stage
 
     class Servers:   # OnlineServers after _give_up
@@ -99,7 +100,7 @@ def test_an_online_give_up_fails_the_stage_with_the_servers_error(monkeypatch):
             self.stopped = True
 
     def stopped_after_a_save(ctx, argv, device_type, servers):
-        raise Interrupted({"resume_checkpoint": "checkpoints/0"})
+        raise Interrupted(TrainSummary(resume_checkpoint="checkpoints/0"))
     monkeypatch.setattr(train_stage, "run_in_process", stopped_after_a_save)
     ctx = SimpleNamespace(devices=["cpu"], section=SimpleNamespace(ranks_per_node=0),
                           cfg=SimpleNamespace(cluster=SimpleNamespace(nodes=1)))
