@@ -70,7 +70,7 @@ def _checkpoints_choice(value: str, where: str, src: str) -> None:
         choice(value, ("chosen", "last", "best", "all", "best-3"), where, src)
 
 
-def _each_once(value: list, where: str, src: str) -> None:
+def _each_tracker_once(value: list, where: str, src: str) -> None:
     for i, name in enumerate(value):
         if name in value[:i]:
             raise ConfigError(f"{src}: `{where}` names {name!r} twice. Name each tracker once.")
@@ -177,7 +177,7 @@ class TrackingSection:
     # in the same run (pipeline.tracking): any of "tensorboard", "mlflow",
     # "wandb", "trackio"; local, under <run>/tracking/, unless the stage's
     # environment names a server (MLFLOW_TRACKING_URI, WANDB_MODE).
-    loggers: list[Literal[TRACKER_NAMES]] = opt([], _each_once)
+    loggers: list[Literal[TRACKER_NAMES]] = opt([], _each_tracker_once)
 
 
 @dataclass

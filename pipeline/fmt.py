@@ -114,12 +114,11 @@ def _made_lines(train: TrainSummary, evaluate: EvaluateSummary,
     # several, or the one `checkpoints` chose), so the acceptance printed below
     # is that draft's; else train's pick.
     measured = evaluate.acceptance_length
-    if evaluate.checkpoint_path and measured is not None:
-        why = f" ({evaluate.checkpoint_chosen_by})" if evaluate.checkpoint_chosen_by else ""
-        lines += ["", f"trained draft{why}: {evaluate.checkpoint_path}"]
-    elif train.checkpoint:
-        why = f" ({train.checkpoint_chosen_by})" if train.checkpoint_chosen_by else ""
-        lines += ["", f"trained draft{why}: {train.checkpoint}"]
+    draft, chosen_by = (evaluate.checkpoint_path, evaluate.checkpoint_chosen_by) \
+        if evaluate.checkpoint_path and measured is not None else \
+        (train.checkpoint, train.checkpoint_chosen_by)
+    if draft:
+        lines += ["", f"trained draft{f' ({chosen_by})' if chosen_by else ''}: {draft}"]
     if train.stopped:
         lines.append(f"training stopped: {train.stopped} ({train.epochs_trained} "
                      f"epochs, total_seq_len {train.total_seq_len})")

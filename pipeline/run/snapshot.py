@@ -242,6 +242,9 @@ class RunReader:
         self._polls = 0
         self._unsafe: set[str] = set()   # stages whose events file is damaged or a link out
         self._jobs: dict[str, str] = {}  # a running stage's job, as its scheduler says
+        # each stage's typed summary, with the stage_finished event it was read from:
+        # read once per event, not at every refresh
+        self._summaries: dict[str, tuple[dict | None, Summary]] = {}
         self.version = 0
 
     def poll(self) -> bool:
@@ -373,8 +376,17 @@ class RunReader:
             kv_usage=info.kv_usage, online=info.online, backend=info.backend,
             target_loads=info.loads, loading_s=info.loading_s,
             last_error=info.last_error, warnings=tuple(info.warnings),
-            summary=summaries.read(name, info.summary), finished=info.finished,
+            summary=self._summary(name, info), finished=info.finished,
             state=MappingProxyType(st))
+
+    def _summary(self, name: str, info: StageFold) -> Summary:
+        """The stage's summary, typed (pipeline.run.summaries.read) once per
+        stage_finished event."""
+        fin, typed = self._summaries.get(name, (None, None))
+        if typed is None or fin is not info.finished:
+            typed = summaries.read(name, info.summary)
+            self._summaries[name] = (info.finished, typed)
+        return typed
 
 
 def _size(path) -> int:

@@ -305,11 +305,12 @@ def test_draft_steps_synthetic_profiles_both_drafts_untrained(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("opt", ["--target-steps", "--min-steps", "--max-epochs"])
-def test_vs_speculators_refuses_a_budget_it_cannot_plan(opt, tmp_path):
-    """The budget rule's options: a negative or non-number is exit 2, said,
-    before any data or run is made."""
-    p = subprocess.run([sys.executable, str(BENCH / "vs_speculators.py"), opt, "-3", "--keep",
+@pytest.mark.parametrize("opt, value", [("--target-steps", "-3"), ("--min-steps", "2.5"),
+                                        ("--max-epochs", "many")])
+def test_vs_speculators_refuses_a_budget_it_cannot_plan(opt, value, tmp_path):
+    """The budget rule's options: a negative, a fraction or a word is exit 2,
+    said, before any data or run is made."""
+    p = subprocess.run([sys.executable, str(BENCH / "vs_speculators.py"), opt, value, "--keep",
                         str(tmp_path / "w")], cwd=tmp_path, capture_output=True, text=True,
                        timeout=110, check=False)
     assert p.returncode == 2 and "a whole number >= 0" in p.stderr, p.stderr
