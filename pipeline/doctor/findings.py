@@ -81,9 +81,13 @@ def blocking(findings: list[Finding]) -> bool:
     return any(x.level == BLOCK for x in findings)
 
 
-def as_json(findings: list[Finding]) -> str:
-    return json.dumps({"ok": not blocking(findings), "findings": [asdict(x) for x in findings]},
-                      indent=1)
+def as_json(findings: list[Finding], plans=None) -> str:
+    """`doctor --json`: the findings, and the plans as figures (`plans`: a
+    pipeline.run.plans.Plans; None: none made)."""
+    out = {"ok": not blocking(findings), "findings": [asdict(x) for x in findings]}
+    if plans is not None:
+        out["plans"] = plans.to_json()
+    return json.dumps(out, indent=1)
 
 
 def as_text(findings: list[Finding]) -> str:

@@ -32,6 +32,7 @@ class Inputs:
     model: ModelInfo | None = None
     layer_ids: list[int] | None = None
     extra: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)   # what the plan checks made: "kv", "disk", "loads"
 
     @property
     def packages(self) -> dict:

@@ -1,6 +1,12 @@
 """doctor's plans, figures a launch would otherwise find out hours in: how
 many times the run loads the target into a vLLM server, the KV cache per
-GPU (or the CPU build's KV space), and the hidden states' disk forecast."""
+GPU (or the CPU build's KV space), and the hidden states' disk forecast.
+
+Each plan is made as a typed value (pipeline/run/plans.py: `TargetLoads`,
+`KvPlan`, `DiskPlan`), kept in `Inputs.plans` for `doctor --json`, and
+said as a finding by the check. The KV plan is made by the functions the
+servers themselves are sized with (pipeline/vllm/kv_plan.py), so doctor's
+CPU space is the one extract's server gets."""
 
 from __future__ import annotations
 
@@ -19,27 +25,10 @@ from pipeline.model.info import (
     kv_bytes_per_token,
     recurrent_bytes_per_seq,
 )
+from pipeline.run.plans import DiskPlan, KvPlan, TargetLoad, TargetLoads
 from pipeline.run.rundir import RunDir
-from pipeline.vllm import contract_strings, draft_swap, start_history
-from pipeline.vllm.environment import cpu_kv_space_gib
-from pipeline.vllm.memory_fraction import default_fraction
-
-
-def server_util(cfg: Config, src) -> tuple[float, str]:
-    """(the share of each GPU the extract server takes, where that figure comes
-    from): the run's own --gpu-memory-utilization, else the installed release's
-    default by its own rule (pipeline/vllm/memory_fraction.py: 0.9, 0.92, or
-    1.0 with 0.34's extensible KV cache on CUDA)."""
-    args = list(cfg.stages.extract.server_args)
-    for i, a in enumerate(args):
-        if a.startswith(contract_strings.FLAG_GPU_UTIL):
-            val = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-            try:
-                return float(val), f"{contract_strings.FLAG_GPU_UTIL} in server_args"
-            except ValueError:
-                pass
-    rule = default_fraction(src, cuda=True)
-    return rule.fraction, rule.why
+from pipeline.vllm import draft_swap, start_history
+from pipeline.vllm import kv_plan as sizing
 
 
 def evaluated_checkpoints(cfg: Config) -> int:
@@ -50,10 +39,10 @@ def evaluated_checkpoints(cfg: Config) -> int:
     return int(which[5:]) if which.startswith("best-") else 1
 
 
-def planned_loads(x: Inputs, swap_why: str | None) -> list[tuple[str, int, int, str]]:
-    """(what, loads, tensor-parallel size, speculative method) of the target
-    loads the run makes: a vLLM server's each (regenerate, extract's per
-    data-parallel group, online train's, evaluate's and its baseline's);
+def planned_loads(x: Inputs, swap_why: str | None) -> TargetLoads:
+    """The target loads the run makes: a vLLM server's each (regenerate,
+    extract's per data-parallel group, online train's, evaluate's and its
+    baseline's), with how long the last such start took here;
     `swap_why`: why evaluate cannot swap drafts (None: one server)."""
     from pipeline.extract.shared_server import why_not as not_shared
     cfg, out = x.cfg, []
@@ -77,7 +66,12 @@ def planned_loads(x: Inputs, swap_why: str | None) -> list[tuple[str, int, int, 
                     1 if one else n, tp, "eagle3"))
         if sec.baseline:
             out.append(("evaluate's baseline", 1, tp, ""))
-    return out
+    target = str(cfg.target_path())
+    loads = []
+    for what, n, tp, method in out:
+        last = start_history.last(f"{target}|tp={tp}|{method}")
+        loads.append(TargetLoad(what, n, tp, method, last["elapsed_s"] if last else None))
+    return TargetLoads(tuple(loads), swap_why)
 
 
 @check(160)
@@ -90,23 +84,21 @@ def check_target_loads(x: Inputs) -> list[Finding]:
     sec = x.cfg.stages.evaluate
     why = draft_swap.unavailable(x.source, sec.server_args) if sec.one_server else \
         "[stages.evaluate] one_server = false"
-    plan = planned_loads(x, why)
-    target = str(x.cfg.target_path())
-    total, known, parts = 0, 0.0, []
-    for what, n, tp, method in plan:
-        last = start_history.last(f"{target}|tp={tp}|{method}")
-        total += n
-        took = f", ~{fmt.duration(last['elapsed_s'])} each here last time" if last else ""
-        known += n * last["elapsed_s"] if last else 0.0
-        parts.append(f"{what} {n}{took}")
-    msg = f"{total} target load{'s' * (total != 1)}: " + "; ".join(parts)
-    if known:
-        msg += f" (~{fmt.duration(known)} of loading measured here)"
-    out = [Finding("servers", OK, msg)]
+    plan = x.plans["loads"] = planned_loads(x, why)
+    out = [Finding("servers", OK, loads_text(plan))]
     if x.cfg.enabled("evaluate") and sec.one_server and why and evaluated_checkpoints(x.cfg) > 1:
         out.append(Finding("servers", WARN, f"evaluate: a server per checkpoint ({why})",
                            "vLLM >= 0.32 loads a new draft into its running server"))
     return out
+
+
+def loads_text(plan: TargetLoads) -> str:
+    parts = [f"{x.what} {x.count}" + (f", ~{fmt.duration(x.last_start_s)} each here last time"
+                                       if x.last_start_s else "") for x in plan.loads]
+    msg = f"{plan.total} target load{'s' * (plan.total != 1)}: " + "; ".join(parts)
+    if plan.measured_s:
+        msg += f" (~{fmt.duration(plan.measured_s)} of loading measured here)"
+    return msg
 
 
 @check(170)
@@ -120,11 +112,14 @@ def check_kv_cache(x: Inputs) -> list[Finding]:
     tp = max(1, sec.tensor_parallel)
     if not x.cfg.gpus.devices:
         if x.vllm is not None and x.vllm.cpu_build:
-            return [cpu_kv_plan(x.model, x.cfg, x.layer_ids)]
+            plan = x.plans["kv"] = extract_cpu_plan(x.model, x.cfg, x.layer_ids)
+            return [cpu_kv_finding(plan)]
         return []
     util, why = (sec.gpu_memory_utilization, "[stages.extract] gpu_memory_utilization") \
-        if x.backend == "vllm-engine" else server_util(x.cfg, x.source)
-    return kv_plan(x.model, tp, planned_gpus(x), x.cfg, util, why)
+        if x.backend == "vllm-engine" else \
+        sizing.server_util(list(sec.server_args), x.source, "server_args")
+    plan = x.plans["kv"] = gpu_kv_plan(x.model, tp, planned_gpus(x), x.cfg, util, why)
+    return [gpu_kv_finding(plan, x.model)]
 
 
 def planned_gpus(x: Inputs) -> list[dict]:
@@ -151,55 +146,69 @@ def check_disk(x: Inputs) -> list[Finding]:
     if x.model is None or x.layer_ids is None:
         return []
     gpu = bool(x.cfg.gpus.devices)
-    bpt, how = stored_per_token(x.cfg, x.model, len(x.layer_ids), gpu)
+    n_layers = len(x.layer_ids)
+    mode = x.cfg.pipeline.mode
+    if mode == "offline":
+        plan = x.plans["disk"] = disk_plan(x.cfg, x.model, n_layers, gpu)
+        return [disk_finding(plan, x.model.hidden)]
+    bpt, how = stored_per_token(x.cfg, x.model, n_layers, gpu)
     keep = x.cfg.stages.train.keep_generated_gb
     kept = f"; up to {keep:g} GB of what the servers generate is kept for later epochs" \
         if keep else ""
-    if x.cfg.pipeline.mode == "online":
+    if mode == "online":
+        x.plans["disk"] = DiskPlan(mode, bpt, _stored(x.cfg, gpu), n_layers,
+                                   keep_generated_bytes=int(keep * 1e9))
         return [Finding("disk", OK, f"online: hidden states are not kept on disk{kept}; the "
                         f"buffer holds the samples in flight, {bpt / 1024:.1f} KiB/token ({how}) "
                         f"x at most {x.cfg.stages.prepare.seq_length} tokens each")]
-    if x.cfg.pipeline.mode == "hybrid":
-        folder = RunDir(x.cfg.runs_dir() / x.cfg.run.name).out_dir("extract") / "hidden_states"
-        files = list(folder.glob("hs_*.safetensors")) if folder.is_dir() else []
-        size = sum(f.stat().st_size for f in files)
-        return [Finding("disk", OK, f"hybrid: train reads the {len(files):,} hidden-state files "
-                        f"on disk ({size / GIB:,.2f} GiB at {folder}) and asks vLLM for the "
-                        f"rest ({bpt / 1024:.1f} KiB/token, {how}){kept}")]
-    return [disk_forecast(x.cfg, x.model, len(x.layer_ids), gpu)]
+    folder = RunDir(x.cfg.runs_dir() / x.cfg.run.name).out_dir("extract") / "hidden_states"
+    files = list(folder.glob("hs_*.safetensors")) if folder.is_dir() else []
+    size = sum(f.stat().st_size for f in files)
+    x.plans["disk"] = DiskPlan(mode, bpt, _stored(x.cfg, gpu), n_layers, at=str(folder),
+                               on_disk_files=len(files), on_disk_bytes=size,
+                               keep_generated_bytes=int(keep * 1e9))
+    return [Finding("disk", OK, f"hybrid: train reads the {len(files):,} hidden-state files "
+                    f"on disk ({size / GIB:,.2f} GiB at {folder}) and asks vLLM for the "
+                    f"rest ({bpt / 1024:.1f} KiB/token, {how}){kept}")]
 
 
-def cpu_kv_plan(m: ModelInfo, cfg: Config, layer_ids: list[int] | None) -> Finding:
-    """The CPU build's KV cache: VLLM_CPU_KVCACHE_SPACE as the extract stage
-    sizes it (requests in flight x the longest sample) against free RAM."""
-    sec = cfg.stages.extract
+def _stored(cfg: Config, gpu: bool) -> str:
+    """The dtype the hidden states are stored in."""
+    return "fp8" if cfg.stages.extract.hidden_states_dtype == "fp8" else cfg.dtype_name(gpu)
+
+
+def extract_cpu_plan(m: ModelInfo, cfg: Config, layer_ids: list[int] | None) -> KvPlan:
+    """The CPU build's KV space as extract's server gets it: the shared
+    server's sizing when regenerate and extract share one, else extract's
+    own (max_inflight requests of seq_length + 8); online, train's servers'
+    requests in flight."""
+    from pipeline.extract.shared_server import kv_sizing
+    from pipeline.extract.shared_server import why_not as not_shared
+    n_layers = len(layer_ids or [0])
+    per_seq = recurrent_bytes_per_seq(m, 1, 4 if cfg.dtype_name(False) == "float32" else 2)
+    if not cfg.online and cfg.enabled("regenerate") and not_shared(cfg) is None:
+        requests, max_len, per_tok = kv_sizing(cfg, m, n_layers)
+        return sizing.cpu_plan(requests, max_len, per_tok, per_seq)
     elem = 4 if cfg.dtype_name(False) == "float32" else 2
-    hs = hs_bytes_per_token(m, len(layer_ids or [0]), elem)
-    per_tok = kv_bytes_per_token(m, 1, elem) + hs
-    max_len = cfg.stages.prepare.seq_length + 8
-    # a linear-attention layer's state is per sequence, whatever its length
-    per_seq = recurrent_bytes_per_seq(m, 1, elem)
-    gib = cpu_kv_space_gib(sec.max_inflight, max_len * per_tok + per_seq)
-    avail = _mem_available()
-    state = f" + {size_text(per_seq)} of fixed state each" if per_seq else ""
-    msg = (f"KV cache on the CPU: VLLM_CPU_KVCACHE_SPACE={gib} GiB for {sec.max_inflight} "
-           f"requests x {max_len} tokens x {per_tok:,} B/token (K,V + hidden states){state}; "
-           + (f"{avail / GIB:.1f} GiB of RAM available" if avail else "RAM unknown"))
-    if avail is not None and gib * GIB > avail:
+    per_tok = sizing.extraction_bytes_per_token(m, 1, elem, n_layers)
+    requests = cfg.stages.train.online_max_inflight if cfg.online else \
+        cfg.stages.extract.max_inflight
+    return sizing.cpu_plan(requests, cfg.stages.prepare.seq_length + 8, per_tok, per_seq)
+
+
+def cpu_kv_finding(plan: KvPlan) -> Finding:
+    """The CPU plan said: the space against the RAM available."""
+    state = f" + {size_text(plan.bytes_per_seq)} of fixed state each" if plan.bytes_per_seq \
+        else ""
+    ram = plan.ram_available
+    msg = (f"KV cache on the CPU: VLLM_CPU_KVCACHE_SPACE={plan.space_gib} GiB for "
+           f"{plan.requests} requests x {plan.max_len} tokens x {plan.bytes_per_token:,} B/token "
+           f"(K,V + hidden states){state}; "
+           + (f"{ram / GIB:.1f} GiB of RAM available" if ram else "RAM unknown"))
+    if not plan.fits:
         return Finding("kv_cache", BLOCK, msg, "lower [stages.extract] max_inflight or "
                        "[stages.prepare] seq_length, or free memory")
     return Finding("kv_cache", OK, msg)
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def kv_kind(m: ModelInfo, tp: int) -> str:
@@ -214,62 +223,85 @@ def kv_kind(m: ModelInfo, tp: int) -> str:
             if m.mla else "2 (K,V) x layers x KV heads per rank x head_dim x 2 B")
 
 
+def gpu_kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float,
+                util_why: str = "") -> KvPlan:
+    """Extract's server on the smallest of its GPUs (bf16 KV of the target)."""
+    devices = [g for g in gpus if g["index"] in (cfg.stage_devices("extract") or [])]
+    mem = min(g["memory_total"] for g in devices) if devices else None
+    return sizing.gpu_plan(tp, cfg.stages.prepare.seq_length + 8, kv_bytes_per_token(m, tp),
+                           recurrent_bytes_per_seq(m, tp), mem, util, util_why, m.weights_bytes)
+
+
 def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float,
             util_why: str = "") -> list[Finding]:
-    per_tok = kv_bytes_per_token(m, tp)
-    per_seq = recurrent_bytes_per_seq(m, tp)
-    max_len = cfg.stages.prepare.seq_length + 8
-    kind = kv_kind(m, tp)
-    devices = [g for g in gpus if g["index"] in (cfg.stage_devices("extract") or [])]
-    if not devices:
-        return [Finding("kv_cache", OK, f"KV cache: {per_tok:,} B/token per GPU at TP={tp} "
-                        f"({kind}); no GPU memory to plan against (no GPU here: set [gpus] "
-                        "memory_gb to plan for the GPUs the jobs will get)")]
-    mem = min(g["memory_total"] for g in devices)
-    weights = (m.weights_bytes or 0) / tp
-    free = mem * util - weights
+    """The GPU plan, said (doctor's check and its callers' one call)."""
+    return [gpu_kv_finding(gpu_kv_plan(m, tp, gpus, cfg, util, util_why), m)]
+
+
+def gpu_kv_finding(plan: KvPlan, m: ModelInfo) -> Finding:
+    """The GPU plan said: the arithmetic from a GPU's memory to tokens."""
+    tp, kind = plan.tp, kv_kind(m, plan.tp)
+    if plan.gpu_memory is None:
+        return Finding("kv_cache", OK, f"KV cache: {plan.bytes_per_token:,} B/token per GPU at "
+                       f"TP={tp} ({kind}); no GPU memory to plan against (no GPU here: set "
+                       "[gpus] memory_gb to plan for the GPUs the jobs will get)")
+    mem, util, weights = plan.gpu_memory, plan.util or 0.0, plan.weights_per_gpu or 0
+    free = plan.space_bytes or 0
     if free <= 0:
         need = math.ceil((m.weights_bytes or 0) / (mem * util))
-        return [Finding("kv_cache", BLOCK, f"weights {weights / GIB:.1f} GiB per GPU at TP={tp} "
-                        f"exceed {util:.0%} of {mem / GIB:.0f} GiB",
-                        f"use [stages.extract] tensor_parallel >= {need}")]
-    # A sequence of max_len tokens holds its KV and (hybrid targets) its fixed state.
-    seqs = free / (max_len * per_tok + per_seq)
-    tokens = int(free // per_tok) if not per_seq else int(seqs * max_len)
-    note = "" if m.weights_bytes else " (weights size unknown: not subtracted)"
-    return [Finding("kv_cache", OK if tokens >= max_len else BLOCK,
-                    f"KV cache per GPU at TP={tp}: {per_tok:,} B/token ({kind}); "
-                    f"{util:.0%}{f' ({util_why})' if util_why else ''} of {mem / GIB:.0f} GiB"
-                    f" - weights {weights / GIB:.1f} GiB = "
-                    f"{free / GIB:.1f} GiB -> ~{tokens:,} tokens, max concurrency "
-                    f"~{seqs:.1f} at {max_len} tokens{note}",
-                    "" if tokens >= max_len else "raise tensor_parallel or lower seq_length")]
+        return Finding("kv_cache", BLOCK, f"weights {weights / GIB:.1f} GiB per GPU at TP={tp} "
+                       f"exceed {util:.0%} of {mem / GIB:.0f} GiB",
+                       f"use [stages.extract] tensor_parallel >= {need}")
+    note = "" if plan.weights_per_gpu is not None else " (weights size unknown: not subtracted)"
+    why = f" ({plan.util_why})" if plan.util_why else ""
+    return Finding("kv_cache", OK if plan.fits else BLOCK,
+                   f"KV cache per GPU at TP={tp}: {plan.bytes_per_token:,} B/token ({kind}); "
+                   f"{util:.0%}{why} of {mem / GIB:.0f} GiB - weights {weights / GIB:.1f} GiB = "
+                   f"{free / GIB:.1f} GiB -> ~{plan.tokens:,} tokens, max concurrency "
+                   f"~{plan.concurrency:.1f} at {plan.max_len} tokens{note}",
+                   "" if plan.fits else "raise tensor_parallel or lower seq_length")
+
+
+def disk_plan(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
+              tokens: int | None = None) -> DiskPlan:
+    """Offline: every token's hidden states on disk, against the free space
+    where the runs go."""
+    bpt, _ = stored_per_token(cfg, m, n_layers, gpu)
+    exact = tokens is not None
+    if tokens is None:
+        tokens, exact = prepared_tokens(cfg)
+    probe = cfg.runs_dir()
+    while not probe.exists():
+        probe = probe.parent
+    fp8_alt = cfg.stages.extract.hidden_states_dtype != "fp8" and gpu and tokens is not None
+    return DiskPlan("offline", bpt, _stored(cfg, gpu), n_layers, tokens, exact,
+                    shutil.disk_usage(probe).free, str(probe),
+                    int(cfg.stages.extract.min_free_gb * GIB),
+                    tokens * fp8.bytes_per_token(n_layers, m.hidden) if fp8_alt else None)
 
 
 def disk_forecast(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
                   tokens: int | None = None) -> Finding:
-    bpt, how = stored_per_token(cfg, m, n_layers, gpu)
-    exact = tokens is not None
-    if tokens is None:
-        tokens, exact = prepared_tokens(cfg)
-    runs = cfg.runs_dir()
-    probe = runs
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if tokens is None:
+    """The offline disk plan, said (doctor's check and its callers' one call)."""
+    return disk_finding(disk_plan(cfg, m, n_layers, gpu, tokens), m.hidden)
+
+
+def disk_finding(plan: DiskPlan, hidden: int) -> Finding:
+    """The offline plan said: the hidden states' size against the free space."""
+    bpt, free = plan.bytes_per_token, plan.free_bytes or 0
+    how = (f"{plan.layers} layers x {hidden} x 1 B FP8" if plan.stored == "fp8" else
+           f"{plan.layers} layers x {hidden} x {4 if plan.stored == 'float32' else 2} B")
+    if plan.tokens is None:
         return Finding("disk", OK, f"hidden states: {bpt / 1024:.1f} KiB/token ({how}); data "
-                       f"size unknown, {free / GIB:.0f} GiB free at {probe}")
-    need = tokens * bpt
-    room = free - cfg.stages.extract.min_free_gb * GIB
-    what = "" if exact else "at most "
-    msg = (f"hidden states: {bpt / 1024:.1f} KiB/token ({how}) x {what}{tokens:,} tokens = "
-           f"{what}{need / GIB:,.1f} GiB; {free / GIB:,.0f} GiB free at {probe}")
-    if cfg.stages.extract.hidden_states_dtype != "fp8" and gpu:
-        half = tokens * fp8.bytes_per_token(n_layers, m.hidden)
-        msg += f" (FP8: {what}{half / GIB:,.1f} GiB)"
+                       f"size unknown, {free / GIB:.0f} GiB free at {plan.at}")
+    need, room = plan.need_bytes or 0, plan.room_bytes or 0
+    what = "" if plan.exact else "at most "
+    msg = (f"hidden states: {bpt / 1024:.1f} KiB/token ({how}) x {what}{plan.tokens:,} tokens = "
+           f"{what}{need / GIB:,.1f} GiB; {free / GIB:,.0f} GiB free at {plan.at}")
+    if plan.fp8_bytes is not None:
+        msg += f" (FP8: {what}{plan.fp8_bytes / GIB:,.1f} GiB)"
     if need > room:
-        level = BLOCK if exact else WARN
+        level = BLOCK if plan.exact else WARN
         return Finding("disk", level, msg, "free space, move [run] runs_dir to a bigger disk, "
                        'set [stages.extract] hidden_states_dtype = "fp8" (half of bf16), '
                        '[pipeline] mode = "online" or "hybrid", or lower [data] max_samples / '

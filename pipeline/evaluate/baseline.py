@@ -58,7 +58,7 @@ class BaselineAhead:
             return False
         import psutil
         weights = sum(f.stat().st_size for f in Path(ev.target).glob("*.safetensors"))
-        kv = ev.sec.concurrency * ev.max_len * ev.kv_per_token
+        kv = ev.sec.concurrency * ev.max_len * ev.draft_kv_per_token
         return psutil.virtual_memory().available > 2 * (weights + kv) + (4 << 30)
 
 

@@ -47,9 +47,13 @@ class ServerPool:
         self.devices = ctx.cfg.stage_devices("evaluate")
         self.dtype = ctx.cfg.dtype_name(bool(self.devices))
         elem = 4 if self.dtype == "float32" else 2
-        # the target's KV plus the draft's (one layer): a generous plan
-        self.kv_per_token = 2 * kv_bytes_per_token(read_model(self.target),
-                                                   max(1, len(self.devices)), elem)
+        # the target's KV; a server with a draft adds the draft's layers, at the
+        # target's attention shape (an EAGLE-3 draft's layer copies it)
+        m = read_model(self.target)
+        self.kv_per_token = kv_bytes_per_token(m, max(1, len(self.devices)), elem)
+        with_kv = sum(k != "linear" for k in m.kinds) or m.layers
+        self.draft_kv_per_token = self.kv_per_token + self.kv_per_token * algorithms.num_layers(
+            ctx.cfg.stages.train) // max(1, with_kv)
         # each request's acceptance in its response where the vLLM has it
         per_request = parser_has(env.source(), vs.FLAG_PER_REQUEST_SPEC_METRICS)
         self.per_request = "response" if per_request else "metrics"
@@ -86,7 +90,8 @@ class ServerPool:
         return make_server(k, self.env, self.target, self.devices,
                            server_log(self.ctx.run.stage_dir("evaluate"), k), self.dtype,
                            self.max_len, self.ctx.cfg.model.trust_remote_code, flags,
-                           sec.serve_command, sec.concurrency * self.max_len, self.kv_per_token,
+                           sec.serve_command, sec.concurrency * self.max_len,
+                           self.kv_per_token if draft is None else self.draft_kv_per_token,
                            what=f"vLLM server ({'checkpoint ' + draft.name if draft else 'no draft'})",
                            report=lambda kind, f: self.ctx.events.emit(kind, **f),
                            stall_after_s=sec.stall_after_s,

@@ -97,29 +97,38 @@ def regenerate_max_len(cfg) -> int:
     return cfg.stages.prepare.seq_length + cfg.stages.regenerate.max_tokens + 8
 
 
+def kv_sizing(cfg, m, captured: int) -> tuple[int, int, int]:
+    """(requests in flight, the longest request, KV bytes a token) the shared
+    server is sized for (and doctor plans with): the more of the two stages'
+    requests; the captured hidden states (`captured` layers) take their room
+    beside K and V (vLLM's HiddenStateCacheSpec)."""
+    from pipeline.vllm.kv_plan import extraction_bytes_per_token
+    devices = cfg.stage_devices("extract")
+    elem = 4 if cfg.dtype_name(bool(devices)) == "float32" else 2
+    per_token = extraction_bytes_per_token(m, max(1, len(devices)), elem, captured)
+    requests = max(cfg.stages.regenerate.concurrency, cfg.stages.extract.max_inflight)
+    return requests, regenerate_max_len(cfg), per_token
+
+
 class SharedServer:
     """The driver's: started before regenerate, stopped after extract."""
 
     def __init__(self, run: RunDir, cfg, env):
         self.env = env
-        from pipeline.model.info import kv_bytes_per_token, read_model
+        from pipeline.model.info import read_model
         from pipeline.vllm.server import make_server, server_log
         self.run, self.cfg = run, cfg
         self.folder = run.path / FOLDER
         devices = cfg.stage_devices("extract")
         self.flags, max_len, captured = capture_flags(cfg, run.out_dir("extract") / "hidden_states")
-        rg, ex = cfg.stages.regenerate, cfg.stages.extract
-        elem = 4 if cfg.dtype_name(bool(devices)) == "float32" else 2
-        m = read_model(cfg.target_path())
-        # KV for the more of the two stages' requests in flight; the captured
-        # hidden states take their room beside the KV (aux layers + the last)
-        per_token = kv_bytes_per_token(m, max(1, len(devices)), elem) + captured * m.hidden * elem
+        ex = cfg.stages.extract
+        requests, _, per_token = kv_sizing(cfg, read_model(cfg.target_path()), captured)
         self.token = f"{run.id}/shared-server/{secrets.token_hex(4)}"
         self.server = make_server(0, env, cfg.target_path(), devices,
                                   server_log(self.folder, 0), cfg.dtype_name(bool(devices)),
                                   max_len, cfg.model.trust_remote_code, self.flags,
-                                  ex.serve_command, max(rg.concurrency, ex.max_inflight) * max_len,
-                                  per_token, what="vLLM server (regenerate + extract)",
+                                  ex.serve_command, requests * max_len, per_token,
+                                  what="vLLM server (regenerate + extract)",
                                   stall_after_s=ex.stall_after_s,
                                   # the stages' own environment, as a stage's server gets it
                                   extra_env={**cfg.runtime.env, **ex.env, TOKEN_VAR: self.token},
@@ -151,7 +160,9 @@ class SharedServer:
                      "python": self.env.python},
             # what make_server adapted for the target (in this process): the
             # stages that adopt the server report them as their own
-            "adaptations": compat.fired_so_far()})
+            "adaptations": compat.fired_so_far(),
+            # its KV plan, which the adopting stages report with the allocation
+            "kv_plan": self.server.kv_plan.to_json() if self.server.kv_plan else None})
 
     def stop(self, grace: float) -> None:
         """The server's whole tree stopped; its endpoint and record gone."""
@@ -260,6 +271,7 @@ def adopt(what: str, report=None, stall_after_s: float = 600.0):
     """The run's shared server for this stage, or None (none was started for
     it: the stage starts its own)."""
     from pipeline.run import provenance
+    from pipeline.run.plans import read_kv
     from pipeline.vllm.server import VllmServer
     path = os.environ.get(ENV)
     if not path:
@@ -297,6 +309,7 @@ def adopt(what: str, report=None, stall_after_s: float = 600.0):
     server = AdoptedServer(0, argv, int(url.rsplit(":", 1)[1]), key, devices, Path(log), {},
                            what, report, stall_after_s)
     server.proc = _Process(pid, ep.get("create_time"))
+    server.kv_plan = read_kv(ep.get("kv_plan"))
     return server
 
 

@@ -30,11 +30,12 @@ from pipeline.extract import shared_server
 from pipeline.extract.job import ExtractJob
 from pipeline.extract.server_flags import extraction_flags
 from pipeline.model.hsfile import Counters, check_header, hs_path, write_sample
-from pipeline.model.info import kv_bytes_per_token, read_model
+from pipeline.model.info import read_model
 from pipeline.run.diskspace import DiskFull
 from pipeline.stage_error import StageError
 from pipeline.vllm import compat
 from pipeline.vllm import contract_strings as vs
+from pipeline.vllm.kv_plan import extraction_bytes_per_token
 from pipeline.vllm.server import VllmServer, make_server, served_model_name, server_log
 from pipeline.vllm.source import VllmSource
 
@@ -140,8 +141,8 @@ class Extraction:
         # KV for the requests in flight: the target's K and V plus the hidden
         # states extract_hidden_states caches beside them.
         target = read_model(job.target)
-        per_token = (kv_bytes_per_token(target, sec.tensor_parallel, job.dtype.itemsize)
-                     + job.bytes_per_token)
+        per_token = extraction_bytes_per_token(target, sec.tensor_parallel, job.dtype.itemsize,
+                                               len(job.layer_ids))
         self.servers: list[VllmServer] = []
         self.salt = None
         shared = self.adopt_shared(job, max_len, "linear" in target.kinds) \

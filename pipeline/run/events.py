@@ -92,6 +92,7 @@ class _KvCacheExtra(TypedDict, total=False):
     devices: list[int]
     pool: str | None
     cache_dtype: str | None
+    planned: dict         # the server's KV plan (pipeline.run.plans.KvPlan.to_json)
 
 
 class KvCacheEvent(_KvCacheExtra):
@@ -103,7 +104,7 @@ class KvCacheEvent(_KvCacheExtra):
     max_concurrency: float | None
     max_model_len: int | None
     groups: list[dict]
-    source: str           # "engine" | "log" | "plan"
+    source: str           # "engine" | "log" | "log+metrics"
 
 
 class KvUsageEvent(TypedDict):

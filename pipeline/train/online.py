@@ -37,10 +37,11 @@ from pathlib import Path
 from pipeline.drive.stage_context import StageContext, StageError
 from pipeline.extract.job import gpu_groups
 from pipeline.extract.server_flags import extraction_flags
-from pipeline.model.info import kv_bytes_per_token, read_model
+from pipeline.model.info import read_model
 from pipeline.run.events import EventType
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import probe
+from pipeline.vllm.kv_plan import extraction_bytes_per_token
 from pipeline.vllm.metrics import samples
 from pipeline.vllm.server import VllmServer, make_server, served_model_name, server_log
 
@@ -102,7 +103,8 @@ class OnlineServers:
         dtype = meta["dtype"]
         elem = 4 if dtype == "float32" else 2
         model = read_model(target)
-        per_token = kv_bytes_per_token(model, ext.tensor_parallel, elem) + meta["bytes_per_token"]
+        per_token = extraction_bytes_per_token(model, ext.tensor_parallel, elem,
+                                               len(meta["layer_ids"]))
         self.servers: list[VllmServer] = [
             make_server(k, self.env, target, group, server_log(ctx.run.stage_dir("train"), k),
                         dtype, max_len, ctx.cfg.model.trust_remote_code,

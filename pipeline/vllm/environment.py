@@ -17,7 +17,6 @@ machine's RAM), sized here from what the stage will ask of it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -25,8 +24,6 @@ from pathlib import Path
 
 from pipeline.paths import PROJECT_ROOT, pythonpath_with_project
 from pipeline.vllm import contract
-
-GIB = 1 << 30
 
 
 @dataclass
@@ -98,12 +95,6 @@ def probe(python: str, timeout: float = 60.0) -> VllmEnv:
     return VllmEnv(python, version=info["packages"].get("vllm"), dist=info.get("vllm_dist"),
                    vllm_dir=info.get("vllm_dir"), cpu_flags=info.get("cpu_flags") or [],
                    triton=bool(info.get("triton_usable")))
-
-
-def cpu_kv_space_gib(tokens: int, bytes_per_token: int, headroom: float = 1.5) -> int:
-    """VLLM_CPU_KVCACHE_SPACE for `tokens` in flight at `bytes_per_token`
-    (whole GiB, at least 1)."""
-    return max(1, math.ceil(tokens * bytes_per_token * headroom / GIB))
 
 
 def process_env(env: VllmEnv, devices: list[int], kv_space_gib: int | None,

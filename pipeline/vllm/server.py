@@ -25,16 +25,19 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.model.info import read_model, recurrent_bytes_per_seq
 from pipeline.run import provenance
 from pipeline.run.events import tail_lines
 from pipeline.run.exit_reasons import explain_exit, quote_error
+from pipeline.run.plans import KvPlan
 from pipeline.run.proctree import TOKEN_VAR, stop_tree
 from pipeline.stage_error import StageError
-from pipeline.vllm import compat, start_history
+from pipeline.vllm import compat, contract, kv_plan, start_history
 from pipeline.vllm import contract_strings as vs
-from pipeline.vllm.environment import VllmEnv, cpu_kv_space_gib, process_env
+from pipeline.vllm.environment import VllmEnv, process_env
 from pipeline.vllm.kv import KvLogReader, cache_config, parse_metrics
 from pipeline.vllm.log_shape import VLLM
+from pipeline.vllm.memory_fraction import ASSUMED
 from pipeline.vllm.startup import STOPPED, StartupWatch
 from pipeline.vllm.target_flags import target_flags
 
@@ -124,6 +127,7 @@ class VllmServer:
         self.stopped = False
         self.kv = KvLogReader()
         self.kv_reported = False
+        self.kv_plan: KvPlan | None = None   # make_server's plan, reported with the allocation
         self.startup = StartupWatch(stall_after_s)
         self.report = report
         self._reported: tuple | None = None
@@ -218,7 +222,8 @@ class VllmServer:
         if more:   # what /metrics adds to the log's figures (blocks, bytes, dtype)
             event.update(more, source="log+metrics")
         self.kv_reported = True
-        return {**event, "server": self.k, "devices": self.devices}
+        planned = {"planned": self.kv_plan.to_json()} if self.kv_plan else {}
+        return {**event, "server": self.k, "devices": self.devices, **planned}
 
     def failure(self, what: str, hint: str) -> StageError:
         lines, _ = tail_lines(self.log_path, 300)
@@ -359,15 +364,64 @@ def make_server(k: int, env: VllmEnv, target: Path, devices: list[int], log_path
                 die_with_parent: bool = False) -> VllmServer:
     """A server (not started) the way every stage starts one: the stage's
     own `flags` then the user's server_args in them; tensor parallel over
-    its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight."""
+    its GPUs; on the CPU build a KV space for `kv_tokens` tokens in flight
+    (whole requests of `max_model_len`) at `kv_bytes_per_token`. Its KV plan
+    (`server.kv_plan`) goes out with what vLLM allocates."""
     port, key = free_port(), secrets.token_hex(16)
     argv, _ = serve_args(env, target, devices, dtype, max_model_len, trust, flags,
                          serve_command, port, fired=True)
-    kv_gib = cpu_kv_space_gib(kv_tokens, kv_bytes_per_token) if kv_tokens else None
+    plan = server_kv_plan(env, target, devices, dtype, max_model_len, flags, kv_tokens,
+                          kv_bytes_per_token, extra_env or {})
     provenance.note_server(argv, env.version, env.dist, env.python)
-    return VllmServer(k, argv, port, key, devices, log_path,
-                      {**process_env(env, devices, kv_gib), **(extra_env or {})}, what, report,
-                      stall_after_s, die_with_parent)
+    server = VllmServer(k, argv, port, key, devices, log_path,
+                        {**process_env(env, devices, plan.space_gib if plan else None),
+                         **(extra_env or {})}, what, report, stall_after_s, die_with_parent)
+    server.kv_plan = plan
+    return server
+
+
+def server_kv_plan(env: VllmEnv, target: Path, devices: list[int], dtype: str, max_len: int,
+                   flags: list[str], kv_tokens: int, per_token: int,
+                   extra_env: dict) -> KvPlan | None:
+    """The server's KV cache as planned (pipeline.vllm.kv_plan): on the CPU
+    build the space it is given — the user's VLLM_CPU_KVCACHE_SPACE where
+    one is set, which the server keeps; on GPUs what its share of the
+    smallest one should leave after the weights. None: nothing to plan with."""
+    if not per_token:
+        return None
+    elem = 4 if dtype == "float32" else 2
+    tp = max(1, len(devices))
+    try:
+        m = read_model(target)
+        per_seq, weights = recurrent_bytes_per_seq(m, tp, elem), m.weights_bytes
+    except (OSError, ValueError, KeyError):   # a target config.json cannot say: plan without
+        per_seq, weights = 0, None
+    if env.cpu_build:
+        if not kv_tokens:
+            return None
+        plan = kv_plan.cpu_plan(max(1, -(-kv_tokens // max_len)), max_len, per_token, per_seq)
+        user = extra_env.get(contract.ENV_CPU_KV_SPACE) or os.environ.get(contract.ENV_CPU_KV_SPACE)
+        return kv_plan.with_space(plan, user) if user else plan
+    try:
+        util, why = kv_plan.server_util(flags, env.source(), "the server's flags")
+    except (OSError, SyntaxError, ValueError) as e:   # a source it cannot read: a forecast
+        util, why = ASSUMED, f"vLLM's default assumed: its source unread ({e})"   # not a start
+    return kv_plan.gpu_plan(tp, max_len, per_token, per_seq, gpu_memory(devices), util, why,
+                            weights)
+
+
+def gpu_memory(devices: list[int]) -> int | None:
+    """The smallest of `devices`' memory (NVML); None without a driver."""
+    try:
+        from pipeline.telemetry import NvmlSource
+        src = NvmlSource()
+    except Exception:  # noqa: BLE001 - no library, no driver: no figure to plan with
+        return None
+    try:
+        sizes = [g["memory_total"] for g in src.inventory() if g["index"] in devices]
+    finally:
+        src.close()
+    return min(sizes) if sizes else None
 
 
 def bring_up(server: VllmServer, startup_timeout: float, should_stop, poll=None) -> None:

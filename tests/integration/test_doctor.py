@@ -25,6 +25,11 @@ def test_doctor_cli_on_the_tiny_model(tmp_path):
     msgs = {f["area"]: f["message"] for f in report["findings"]}
     assert "4 layers, hidden 128" in msgs["model"]
     assert "2.0 KiB/token" in msgs["disk"]            # 4 layers x 128 x 4 B (fp32 on CPU) + 8
+    # the plan's figures beside its sentence (pipeline.run.plans.DiskPlan)
+    disk = report["plans"]["disk"]
+    assert (disk["layers"], disk["bytes_per_token"], disk["stored"]) == (4, 4 * 128 * 4 + 8,
+                                                                         "float32")
+    assert f"{disk['tokens']:,} tokens" in msgs["disk"] and disk["need_bytes"] < disk["room_bytes"]
     assert "usable extract backends: hf" in msgs["backends"]
     r = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "config.toml"),
                         "doctor"], capture_output=True, text=True, cwd=tmp_path,

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pipeline.paths import VLLM_VENV
+from pipeline.run.plans import read_kv
 from pipeline.run.proctree import environ, live_pids
 from pipeline.run.rundir import RunDir
 from pipeline.vllm import contract_strings as vs
@@ -139,6 +140,13 @@ def test_kv_events_come_from_the_real_server(extracted):
     k = kv[-1]
     assert k["tokens_capacity"] <= k["num_blocks"] * k["block_size"]
     assert k["bytes_per_block"] * k["num_blocks"] == k["total_bytes"] and k["cache_dtype"]
+    # the server's KV plan (pipeline.vllm.kv_plan) against what vLLM made of it: the
+    # bytes a token takes (K,V + the captured hidden states) are vLLM's own, and the
+    # space the panel gave it (VLLM_CPU_KVCACHE_SPACE) is the cache vLLM allocated
+    plan = read_kv(k["planned"])
+    assert plan.where == "cpu" and plan.bytes_per_token == k["bytes_per_block"] // k["block_size"]
+    assert k["num_blocks"] == plan.space_bytes // k["bytes_per_block"]
+    assert abs(plan.tokens - k["num_blocks"] * k["block_size"]) < k["block_size"]
     usage = [e for e in events if e["type"] == "kv_usage"]
     assert usage and all(0.0 <= u["usage_perc"] <= 1.0 for u in usage)
 
@@ -155,6 +163,9 @@ async def test_kv_tab_shows_the_real_report(extracted):
     # the server has stopped: its allocation stays, its live use is history, not shown
     assert f"{kv['tokens_capacity']:,}" in text and "live use" not in text
     assert "log+metrics, CPU memory" in text and f"{kv['max_concurrency']:.2f}x" in text
+    # the plan beside the allocation: the space given, all of it made into slots
+    plan = read_kv(kv["planned"])
+    assert f"~{plan.tokens:,} tokens: {plan.space_gib} GiB for {plan.requests} x" in text, text
     # nothing the server reports is shown as "-"
     for row in ("blocks", "bytes per block", "total", "bytes per token", "cache dtype"):
         line = next(ln for ln in text.splitlines() if ln.strip().startswith(row))
