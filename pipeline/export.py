@@ -184,7 +184,7 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
              f"# {algo.display} draft from eagle-panel run `{rd.id}` (checkpoint {name})", "",
              *measured_lines(results, m), "", "## Serve it", "", "```",
              served_command(m["vllm_command"], to, pin), "```", ""]
-    kv = snap.stages["evaluate"].kv_cache() if "evaluate" in snap.stages else None
+    kv = draft_server_kv(snap, name)
     plan = read_kv(kv.get("planned")) if kv else None
     lines += kv_lines(kv, plan)
     # the CPU build's own KV-cache default asks for most of the machine's memory
@@ -210,6 +210,17 @@ def model_card(rd: RunDir, snap, results: dict, name: str, m: dict, to: Path,
               "## Versions", "", "```", json.dumps(vers, indent=1), "```", "",
               "## Publish", "", "```", f"hf upload <user>/<repo> {to}", "```", ""]
     return "\n".join(lines)
+
+
+def draft_server_kv(snap, name: str):
+    """The KV report of the server that served checkpoint `name` (its label
+    names it), else of one that served a draft (a swap serves the next
+    checkpoints on the first one's server); never the baseline's."""
+    st = snap.stages.get("evaluate")
+    reports = list(st.kv_reports.values()) if st is not None else []
+    drafts = [e for e in reports if "(no draft)" not in str(e.get("label", "(no draft)"))]
+    named = [e for e in drafts if str(e.get("label", "")).endswith(f"(checkpoint {name})")]
+    return (named or drafts or [None])[-1]
 
 
 def kv_lines(kv, plan: KvPlan | None) -> list[str]:

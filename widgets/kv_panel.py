@@ -131,7 +131,8 @@ def plan_text(plan: KvPlan, counted: int | None) -> str:
     the slots: a server with a draft pages each layer group on its own, so
     its blocks x block size counts one token several times.)"""
     if plan.tokens is None:
-        return f"{plan.bytes_per_token:,} B/token at TP={plan.tp}: no GPU memory to plan against"
+        return (f"{plan.space_why}: not a whole number of GiB" if plan.where == "cpu" else
+                f"{plan.bytes_per_token:,} B/token at TP={plan.tp}: no GPU memory to plan against")
     if plan.where == "cpu":
         how = (f"{plan.space_gib} GiB ({plan.space_why})" if plan.space_why else
                f"{plan.space_gib} GiB for {plan.requests} x {plan.max_len} tokens")

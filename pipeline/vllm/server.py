@@ -223,7 +223,7 @@ class VllmServer:
             event.update(more, source="log+metrics")
         self.kv_reported = True
         planned = {"planned": self.kv_plan.to_json()} if self.kv_plan else {}
-        return {**event, "server": self.k, "devices": self.devices, **planned}
+        return {**event, "server": self.k, "label": self.what, "devices": self.devices, **planned}
 
     def failure(self, what: str, hint: str) -> StageError:
         lines, _ = tail_lines(self.log_path, 300)
@@ -404,7 +404,7 @@ def server_kv_plan(env: VllmEnv, target: Path, devices: list[int], dtype: str, m
         return kv_plan.with_space(plan, user) if user else plan
     try:
         util, why = kv_plan.server_util(flags, env.source(), "the server's flags")
-    except (OSError, SyntaxError, ValueError) as e:   # a source it cannot read: a forecast
+    except (OSError, SyntaxError, ValueError, TypeError) as e:   # a source unread: a forecast
         util, why = ASSUMED, f"vLLM's default assumed: its source unread ({e})"   # not a start
     return kv_plan.gpu_plan(tp, max_len, per_token, per_seq, gpu_memory(devices), util, why,
                             weights)
@@ -419,6 +419,8 @@ def gpu_memory(devices: list[int]) -> int | None:
         return None
     try:
         sizes = [g["memory_total"] for g in src.inventory() if g["index"] in devices]
+    except Exception:  # noqa: BLE001 - a GPU lost, a call the driver lacks: the plan is a
+        return None   # forecast, never a reason for the server not to start
     finally:
         src.close()
     return min(sizes) if sizes else None

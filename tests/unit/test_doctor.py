@@ -156,9 +156,12 @@ def test_a_login_node_plans_for_the_gpus_the_config_names(tmp_path):
     cfg.gpus.memory_gb = H200 / 1e9
     findings = diagnose(cfg, ENV_0_17, None, "0.22.0")
     (kv,) = by_area(findings, "kv_cache")
-    # the arithmetic of test_kimi_plan_on_eight_h200 at vLLM 0.22's default, 0.92:
-    # 0.92 x 150,754,820,096 B - 595e9 / 8 B = 64,319,434,488 B / 70,272 B = 915,292 tokens
-    assert "70,272 B/token" in kv.message and "~915,292 tokens" in kv.message
+    # the arithmetic of test_kimi_plan_on_eight_h200 at vLLM 0.22's default, 0.92, for
+    # extract's server: a token also holds the 4 captured layers' hidden states (vLLM's
+    # HiddenStateCacheSpec: 4 x 7168 x 2 B = 57,344 B beside the MLA's 70,272 B):
+    # 0.92 x 150,754,820,096 B - 595e9 / 8 B = 64,319,434,488 B / 127,616 B = 504,007 tokens
+    assert "70,272 B/token" in kv.message and "~504,007 tokens" in kv.message
+    assert "+ 57,344 B/token of the captured hidden states" in kv.message
     assert "92% (vLLM 0.22.0's default)" in kv.message
     cfg.gpus.memory_gb = 0
     (kv,) = by_area(diagnose(cfg, ENV_0_17, None, "0.22.0"), "kv_cache")
@@ -322,8 +325,9 @@ def test_doctor_on_kimi_k3(tmp_path, version):
     assert "13,824 B/token" in kv.message and "36 KDA + 12 MLA of 48 layers" in kv.message
     assert "14.4 MiB per sequence" in kv.message
     # 0.92 (the default of 0.32 and 0.33) x H200 - 595e9/8 = 64,319,434,488 B over
-    # 4,104 x 13,824 + 15,151,104 = 71,884,800 B a sequence
-    assert "max concurrency ~894.8 at 4104 tokens" in kv.message
+    # 4,104 x (13,824 + 57,344 of the 4 captured layers' hidden states) + 15,151,104
+    # = 307,224,576 B a sequence
+    assert "max concurrency ~209.4 at 4104 tokens" in kv.message
     layers = " ".join(f.message for f in by_area(findings, "layers"))
     assert "aux ids 2 (KDA), 24 (MLA), 45 (KDA)" in layers
     (disk,) = by_area(findings, "disk")

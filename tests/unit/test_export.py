@@ -150,17 +150,21 @@ def test_a_draft_measured_on_the_cpu_build_says_what_that_build_needs(run, monke
 
 
 def test_the_card_says_the_measured_servers_kv_cache_beside_its_plan(run, monkeypatch):
-    """The evaluate server's kv_cache report and its plan (pipeline.run.plans):
-    the card gives vLLM's count beside the plan, and on the CPU build the
-    space that server was given, not a guess."""
+    """The kv_cache report of the server that served the draft, and its plan
+    (pipeline.run.plans): the card gives vLLM's count beside the plan, and
+    on the CPU build the space that server was given, not a guess — not the
+    baseline's server, reported last."""
     from pipeline.vllm.kv_plan import cpu_plan
     tmp, rd = run
     plan = cpu_plan(8, 392, 1 << 16)   # 8 x 392 tokens x 64 KiB x 1.5, in whole GiB: 1
     with EventWriter(rd.events_path("evaluate")) as ev:
-        ev.emit("kv_cache", num_blocks=128, block_size=128, bytes_per_block=1 << 23,
-                total_bytes=1 << 30, tokens_capacity=16_384, max_concurrency=41.8,
-                max_model_len=392, groups=[], source="log+metrics", server=0, devices=[],
-                planned=plan.to_json())
+        for k, label, cap in ((0, "vLLM server (checkpoint 1)", 16_384),
+                              (1, "vLLM server (no draft)", 99_999)):
+            ev.emit("kv_cache", num_blocks=128, block_size=128, bytes_per_block=1 << 23,
+                    total_bytes=1 << 30, tokens_capacity=cap, max_concurrency=41.8,
+                    max_model_len=392, groups=[], source="log+metrics", server=k, devices=[],
+                    label=label, planned=cpu_plan(8, 392, 1 << 14).to_json() if k else
+                    plan.to_json())
     monkeypatch.setattr(export_mod, "versions", lambda prov: {
         "vllm (evaluate's servers)": "0.32.0+cpu"})
     card = (export_mod.export(rd) / "README.md").read_text()

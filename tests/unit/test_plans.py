@@ -57,14 +57,16 @@ def test_doctor_plans_the_cpu_space_the_shared_server_gets(tmp_path):
         "regenerate": {"enabled": True, "share_server": True},
         "extract": {"backend": "vllm-server"}}})
     m = read_model(target)
-    shared = extract_cpu_plan(m, cfg, [1, 2, 3, 4])
+    shared, keys = extract_cpu_plan(m, cfg, [1, 2, 3, 4])
     requests, max_len, per_token = kv_sizing(cfg, m, 4)
     assert (shared.requests, shared.max_len, shared.bytes_per_token) == \
         (requests, max_len, per_token)
     assert max_len == regenerate_max_len(cfg) and requests == max(
         cfg.stages.regenerate.concurrency, cfg.stages.extract.max_inflight)
     cfg.stages.regenerate.share_server = False
-    own = extract_cpu_plan(m, cfg, [1, 2, 3, 4])
+    assert "[stages.regenerate] concurrency or max_tokens" in keys   # what the fix names
+    own, keys = extract_cpu_plan(m, cfg, [1, 2, 3, 4])
+    assert keys == "[stages.extract] max_inflight or [stages.prepare] seq_length"
     elem = 4   # float32 on the CPU
     assert (own.requests, own.max_len) == (cfg.stages.extract.max_inflight,
                                            cfg.stages.prepare.seq_length + 8)
@@ -82,7 +84,10 @@ def test_a_server_plans_as_it_is_started(tmp_path, monkeypatch):
     assert (cpu.where, cpu.requests, cpu.space_gib) == ("cpu", 32, 1)
     user = server_kv_plan(CPU_VLLM, target, [], "float32", 392, [], 32 * 392, 4096,
                           {"VLLM_CPU_KVCACHE_SPACE": "6"})
-    assert user.space_gib == 6 and "set in the environment" in user.space_why
+    assert user.space_gib == 6 and user.space_why == "VLLM_CPU_KVCACHE_SPACE=6 set for the server"
+    # vLLM reads it with int(): anything else is theirs to refuse, and no figure here
+    odd = kv_plan.with_space(cpu, "1e400")
+    assert odd.space_gib is None and odd.tokens is None and "1e400" in odd.space_why
     assert server_kv_plan(CPU_VLLM, target, [], "float32", 392, [], 0, 0, {}) is None
     monkeypatch.setattr("pipeline.vllm.server.gpu_memory", lambda devices: H200)
     gpu = server_kv_plan(VllmEnv("/x/python", version="0.22.0"), target, [0, 1], "bfloat16",

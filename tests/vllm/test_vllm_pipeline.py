@@ -123,15 +123,15 @@ def test_doctor_planned_the_kv_space_the_shared_server_was_given(run):
     tmp, rd, _ = run
     cfg = control.load_config(tmp / "config.toml")
     m = read_model(cfg.target_path())
-    doctors = extract_cpu_plan(m, cfg, validate_layer_ids(list(cfg.stages.extract.layer_ids),
-                                                          m.layers))
+    doctors, keys = extract_cpu_plan(m, cfg, validate_layer_ids(
+        list(cfg.stages.extract.layer_ids), m.layers))
     (kv, *_) = [e for e in read_events(rd.events_path("extract")) if e["type"] == "kv_cache"]
     served = read_kv(kv["planned"])
     assert (served.requests, served.max_len, served.bytes_per_token, served.space_gib) == \
         (doctors.requests, doctors.max_len, doctors.bytes_per_token, doctors.space_gib)
     assert served.bytes_per_token == kv["bytes_per_block"] // kv["block_size"]
     assert f"VLLM_CPU_KVCACHE_SPACE={served.space_gib} GiB for {served.requests} requests" \
-        in cpu_kv_finding(doctors).message
+        in cpu_kv_finding(doctors, keys).message
 
 
 def test_evaluate_measured_every_checkpoint_on_one_server_and_resumed(run):
