@@ -117,11 +117,12 @@ def check_kv_cache(x: Inputs) -> list[Finding]:
             x.plans["kv"] = plan
             return [cpu_kv_finding(plan, keys)]
         return []
-    if x.backend == "vllm-engine":
+    _, max_len, per_tok, _ = extract_sizing(x.cfg, x.model, len(x.layer_ids or [0]), True)
+    if x.backend == "vllm-engine":   # its hooks take the hidden states: the cache holds K,V
         util, why = sec.gpu_memory_utilization, "[stages.extract] gpu_memory_utilization"
+        per_tok = None
     else:
         util, why = sizing.server_util(list(sec.server_args), x.source, "server_args")
-    _, max_len, per_tok, _ = extract_sizing(x.cfg, x.model, len(x.layer_ids or [0]), True)
     plan = x.plans["kv"] = gpu_kv_plan(x.model, max(1, sec.tensor_parallel), planned_gpus(x),
                                        x.cfg, util, why, per_tok, max_len)
     return [gpu_kv_finding(plan, x.model)]
@@ -198,8 +199,8 @@ def extract_sizing(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool
     (pipeline.extract.shared_server.kv_sizing), else extract's own
     (max_inflight requests of seq_length + 8; online, train's servers'
     online_max_inflight). A token holds the target's K,V and the captured
-    layers' hidden states (the server backend; vllm-engine captures them
-    outside the cache, but plans the same way: a generous figure)."""
+    layers' hidden states (vLLM's HiddenStateCacheSpec, on the server
+    route)."""
     from pipeline.extract.shared_server import kv_sizing
     from pipeline.extract.shared_server import why_not as not_shared
     if not cfg.online and cfg.enabled("regenerate") and not_shared(cfg) is None:
@@ -317,7 +318,8 @@ def disk_plan(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
 
 def disk_forecast(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool,
                   tokens: int | None = None) -> Finding:
-    """The offline disk plan, said (doctor's check and its callers' one call)."""
+    """The offline disk plan, said (for tests and scripts: check_disk keeps
+    the plan it says)."""
     return disk_finding(disk_plan(cfg, m, n_layers, gpu, tokens), m.hidden)
 
 
