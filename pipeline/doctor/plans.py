@@ -13,6 +13,7 @@ seq_length)."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 
 from pipeline import fmt
@@ -29,7 +30,7 @@ from pipeline.model.info import (
 )
 from pipeline.run.plans import DiskPlan, KvPlan, TargetLoad, TargetLoads
 from pipeline.run.rundir import RunDir
-from pipeline.vllm import draft_swap, start_history
+from pipeline.vllm import contract, draft_swap, start_history
 from pipeline.vllm import kv_plan as sizing
 
 
@@ -217,11 +218,16 @@ def extract_sizing(cfg: Config, m: ModelInfo, n_layers: int, gpu: bool
 
 def extract_cpu_plan(m: ModelInfo, cfg: Config, layer_ids: list[int] | None
                      ) -> tuple[KvPlan, str]:
-    """The CPU build's KV space as extract's server gets it, and the keys
+    """The CPU build's KV space as extract's server gets it — the user's own
+    VLLM_CPU_KVCACHE_SPACE where the stage's environment sets one, as the
+    server keeps it (pipeline.vllm.server.server_kv_plan) — and the keys
     that size it (for the fix)."""
     requests, max_len, per_tok, keys = extract_sizing(cfg, m, len(layer_ids or [0]), False)
     per_seq = recurrent_bytes_per_seq(m, 1, 4 if cfg.dtype_name(False) == "float32" else 2)
-    return sizing.cpu_plan(requests, max_len, per_tok, per_seq), keys
+    plan = sizing.cpu_plan(requests, max_len, per_tok, per_seq)
+    environ = {**os.environ, **cfg.runtime.env, **cfg.stage("extract").env}
+    user = environ.get(contract.ENV_CPU_KV_SPACE)
+    return (sizing.with_space(plan, user) if user else plan), keys
 
 
 def cpu_kv_finding(plan: KvPlan, keys: str) -> Finding:
@@ -229,7 +235,12 @@ def cpu_kv_finding(plan: KvPlan, keys: str) -> Finding:
     state = f" + {size_text(plan.bytes_per_seq)} of fixed state each" if plan.bytes_per_seq \
         else ""
     ram = plan.ram_available
-    msg = (f"KV cache on the CPU: VLLM_CPU_KVCACHE_SPACE={plan.space_gib} GiB for "
+    if plan.space_gib is None:   # the user's, which vLLM itself reads with int()
+        return Finding("kv_cache", BLOCK, f"KV cache on the CPU: {plan.space_why}, which vLLM "
+                       "reads as a whole number of GiB", f"set {contract.ENV_CPU_KV_SPACE} to "
+                       "whole GiB, or unset it: the panel sizes the space")
+    msg = (f"KV cache on the CPU: VLLM_CPU_KVCACHE_SPACE={plan.space_gib} GiB"
+           + (f" ({plan.space_why})" if plan.space_why else "") + " for "
            f"{plan.requests} requests x {plan.max_len} tokens x {plan.bytes_per_token:,} B/token "
            f"(K,V + hidden states){state}; "
            + (f"{ram / GIB:.1f} GiB of RAM available" if ram else "RAM unknown"))

@@ -123,3 +123,27 @@ def test_the_kv_tab_says_the_plan_beside_vllms_count(where):
     assert ("1 GiB for 32 x 392 tokens" if where == "cpu" else "90% of") in rows["planned"]
     assert "planned" not in dict(figure_rows({k: v for k, v in kv.items() if k != "planned"},
                                              None))
+
+
+def test_doctor_plans_the_users_own_cpu_space_as_the_server_keeps_it(tmp_path, monkeypatch):
+    """A VLLM_CPU_KVCACHE_SPACE in [stages.extract] env (or the panel's
+    environment) is what the server keeps: doctor plans with it, and blocks
+    one vLLM cannot read (it parses the variable with int())."""
+    from pipeline.doctor.plans import cpu_kv_finding
+    from tests.unit.test_doctor import cfg_for
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    target = model_dir(tmp_path, "llama-3.1-8b")
+    m = read_model(target)
+    cfg = cfg_for(tmp_path, target, {"stages": {"extract": {"env": {
+        "VLLM_CPU_KVCACHE_SPACE": "3"}}}})
+    plan, keys = extract_cpu_plan(m, cfg, [1, 2, 3, 4])
+    said = cpu_kv_finding(plan, keys)
+    assert plan.space_gib == 3 and plan.tokens == 3 * GIB // plan.bytes_per_token
+    assert "VLLM_CPU_KVCACHE_SPACE=3 GiB (VLLM_CPU_KVCACHE_SPACE=3 set for the server)" \
+        in said.message
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2.5")
+    cfg.stages.extract.env = {}
+    plan, keys = extract_cpu_plan(m, cfg, [1, 2, 3, 4])
+    bad = cpu_kv_finding(plan, keys)
+    assert bad.level == doctor.BLOCK and "VLLM_CPU_KVCACHE_SPACE=2.5" in bad.message
+    assert "whole GiB" in bad.fix
