@@ -32,7 +32,7 @@ from pipeline.run.exit_reasons import explain_exit, quote_error
 from pipeline.run.plans import KvPlan
 from pipeline.run.proctree import TOKEN_VAR, stop_tree
 from pipeline.stage_error import StageError
-from pipeline.vllm import compat, contract, kv_plan, start_history
+from pipeline.vllm import compat, contract, kv_plan, scratch, start_history
 from pipeline.vllm import contract_strings as vs
 from pipeline.vllm.environment import VllmEnv, process_env
 from pipeline.vllm.kv import KvLogReader, cache_config, parse_metrics
@@ -134,6 +134,7 @@ class VllmServer:
         self._reported_at = 0.0
         self._gpu_memory = gpu_memory_reader(devices)
         self._log_pos = 0
+        self.scratch: Path | None = None   # its temporary files (pipeline.vllm.scratch)
 
     @property
     def name(self) -> str:
@@ -166,11 +167,18 @@ class VllmServer:
             attempt = {TOKEN_VAR: self.env.get(TOKEN_VAR) or os.environ[TOKEN_VAR]} \
                 if TOKEN_VAR in self.env or TOKEN_VAR in os.environ else {}
             rest = {k: v for k, v in self.env.items() if k != TOKEN_VAR}
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**rest, "VLLM_API_KEY": self.api_key, SERVER_TOKEN_VAR: self.token,
-                     **attempt},
-                **(_dying_with_parent() if self.die_with_parent else OWN_GROUP))
+            scratch.remove(self.scratch)   # a restart's
+            self.scratch = scratch.make(self.token)
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env={**rest, **scratch.server_env(self.scratch, rest),
+                         "VLLM_API_KEY": self.api_key, SERVER_TOKEN_VAR: self.token, **attempt},
+                    **(_dying_with_parent() if self.die_with_parent else OWN_GROUP))
+            except BaseException:
+                scratch.remove(self.scratch)
+                raise
+            scratch.mark_owner(self.scratch, self.proc.pid)
 
     # -- its log ---------------------------------------------------------------
     def new_log_lines(self) -> list[str]:
@@ -312,6 +320,8 @@ class VllmServer:
             self.proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
+        if not left:   # a survivor may still use it: the next start's sweep removes it
+            scratch.remove(self.scratch)
         return left
 
 

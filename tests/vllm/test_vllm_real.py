@@ -290,6 +290,18 @@ def test_servers_listen_on_loopback_only_and_want_the_runs_key(served):
             assert s.api_key.encode() not in f.read()
 
 
+def test_the_real_server_keeps_its_sockets_in_a_folder_of_its_own(served):
+    """vLLM binds its ZMQ IPC sockets under VLLM_RPC_BASE_PATH and leaves them
+    in the temporary directory when signalled: the server's own folder
+    (pipeline.vllm.scratch) holds them, and goes at its stop (the stop:
+    tests/integration/test_server_scratch.py)."""
+    import stat
+    folder = served.scratch
+    sockets = [p.name for p in folder.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets, sorted(p.name for p in folder.iterdir())
+    assert len(str(folder / sockets[0])) < 107   # a unix socket's path limit
+
+
 def test_the_real_server_renders_tool_conversations_as_prepare_does(served):
     """Agentic rows (tools, tool_calls with content null, tool turns) and a
     conversation the assistant opens, through vLLM's own render endpoint:

@@ -1,0 +1,93 @@
+"""A vLLM server's temporary files in a folder of its own (pipeline.vllm.scratch):
+vLLM leaves its IPC sockets and torch.distributed's file store in the
+temporary directory when its processes are signalled. Here a stand-in command
+started the way VllmServer starts vLLM; that the real vLLM puts its sockets
+there: tests/vllm/test_vllm_real.py."""
+
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+from pipeline.vllm import scratch
+from pipeline.vllm.server import VllmServer
+from tests.helpers import wait_for
+
+# what vLLM does with its temporary directory: a socket at VLLM_RPC_BASE_PATH (here a
+# plain file: a test's folder is deeper than a socket's path allows), a file store in
+# TMPDIR (vllm/utils/network_utils.py), then it serves
+STAND_IN = textwrap.dedent("""\
+    import json, os, sys, tempfile, time
+    open(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "0c49f3d0-ipc"), "w").close()
+    tempfile.mkstemp(prefix="vllm_dist_")
+    keys = ("TMPDIR", "VLLM_RPC_BASE_PATH", "TORCHINDUCTOR_CACHE_DIR")
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(600)
+    """)
+
+
+def stand_in(tmp_path, out):
+    return VllmServer(0, [sys.executable, "-c", STAND_IN, str(out)], 1, "k", [],
+                      tmp_path / "server.log", {})
+
+
+def test_a_server_keeps_its_temporary_files_in_a_folder_removed_at_its_stop(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for var in ("VLLM_RPC_BASE_PATH", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "env.json"
+    server = stand_in(tmp_path, out)
+    server.start()
+    try:
+        wait_for(lambda: out.exists() or server.proc.poll() is not None, timeout=60,
+                 what="the stand-in server's environment")
+        assert out.exists(), (tmp_path / "server.log").read_text()
+        seen = json.loads(out.read_text())
+        folder = server.scratch
+        assert folder.parent == tmp_path and folder.name.startswith(scratch.PREFIX)
+        assert seen["TMPDIR"] == seen["VLLM_RPC_BASE_PATH"] == str(folder)
+        # torch's compile cache stays where every start finds it
+        assert seen["TORCHINDUCTOR_CACHE_DIR"] == scratch.inductor_default()
+        assert seen["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "torchinductor_"))
+        names = sorted(p.name for p in folder.iterdir())
+        assert names[0] == "0c49f3d0-ipc" and names[1] == scratch.OWNER, names
+        assert names[2].startswith("vllm_dist_"), names
+    finally:
+        assert server.stop(grace=5) == []
+    assert not folder.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["env.json", "server.log"]
+
+
+def test_a_users_own_settings_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/user/ipc")
+    env = scratch.server_env(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": "/cache/inductor"})
+    assert env == {"TMPDIR": str(tmp_path)}
+
+
+def test_a_folder_is_swept_once_its_server_is_gone(tmp_path):
+    """A server SIGKILLed with its starter leaves its folder: the next start
+    here removes it. One whose server runs, or is still starting (no owner
+    recorded yet), stays."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        folders = {}
+        for name, pid in (("gone", gone.pid), ("running", running.pid), ("starting", None)):
+            folders[name] = tmp_path / f"{scratch.PREFIX}{name}"
+            folders[name].mkdir()
+            (folders[name] / "socket").touch()
+            if pid is not None:
+                scratch.mark_owner(folders[name], pid)
+        (tmp_path / "someone-else").mkdir()
+        assert scratch.sweep(str(tmp_path)) == [folders["gone"]]
+        assert sorted(p.name for p in tmp_path.iterdir()) == \
+            sorted([f"{scratch.PREFIX}running", f"{scratch.PREFIX}starting", "someone-else"])
+    finally:
+        running.kill()
+        running.wait()
+    assert scratch.sweep(str(tmp_path)) == [folders["running"]]
