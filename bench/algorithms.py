@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NEEDS = ("vllm",)   # to run at its defaults (bench/run_all.py): acceptance is vLLM's
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# what it needs at its defaults (bench/run_all.py): CUDA (--device cpu checks, measures nothing)
+NEEDS = ("gpu",)
 sys.path.insert(0, str(ROOT))
 
 

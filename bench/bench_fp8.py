@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NEEDS = ("vllm",)   # to run at its defaults (bench/run_all.py): extraction through vLLM's server
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))   # its sibling bench_online
 

@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NEEDS = ("gpu",)   # at its defaults (bench/run_all.py): a ~1B model and NVML; a CPU takes days
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import extract_direct  # noqa: E402

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NEEDS = ("vllm",)   # to run at its defaults (bench/run_all.py): extraction through vLLM
 sys.path.insert(0, str(ROOT))
 
 from pipeline.paths import VLLM_VENV, pythonpath_with_project  # noqa: E402

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NEEDS = ("vllm",)   # to run at its defaults (bench/run_all.py): evaluate's servers
 sys.path.insert(0, str(ROOT))
 
 import stage_process  # noqa: E402

@@ -73,6 +73,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NEEDS = ("vllm",)   # to run at its defaults (bench/run_all.py): their server and both acceptances
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

@@ -1,0 +1,142 @@
+"""Every benchmark at its default size, one after the other, each in its own
+process and working folder; one JSON file a script (bench/results.py: the
+machine, versions, commit, command, exit code, output and the script's own
+`--json` figures). With `--docs`, docs/benchmarks.md's measured sections are
+rewritten from the files.
+
+    python bench/run_all.py [--only NAME ...] [--skip NAME ...] [--json DIR]
+                            [--docs [PATH]] [--docs-only]
+
+A script that needs what this machine lacks (its `NEEDS`: "gpu", "vllm") is
+not run; its file says why. At the defaults every script takes 1.5 to 2 hours
+on 2 CPU cores (algorithms.py ~40 min, bench_fp8.py ~20, chaos.py ~15,
+bench_watch.py 10, vs_speculators.py 10); `--only` measures some. Each script
+runs with the scripts' defaults: the figures in the docs are what a user's
+`python bench/NAME.py` gives.
+
+Exit: 0 every script that ran exited 0 (skipped ones included); 1 one did
+not (its file holds its exit code and output); 2 bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import results
+
+BENCH = Path(__file__).resolve().parent
+DOCS = results.ROOT / "docs" / "benchmarks.md"
+
+
+def scripts() -> list[Path]:
+    return sorted(p for p in BENCH.glob("*.py") if results.is_script(p) and p.name != "run_all.py")
+
+
+def unmet(path: Path, vllm_python: str | None) -> str | None:
+    """Why a script cannot run at its defaults here (None: it can)."""
+    need = results.needs(path)
+    if "gpu" in need and not results.gpus():
+        return "needs a GPU (its defaults run on CUDA); NVML sees none here"
+    if "vllm" in need and vllm_python is None:
+        return "needs the real vLLM (.venv-vllm: scripts/install.sh makes it)"
+    return None
+
+
+def usable_vllm() -> str | None:
+    """The python of this machine's real vLLM, when it can serve here."""
+    from pipeline.paths import VLLM_VENV
+    from pipeline.vllm.environment import probe
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists() or probe(str(py)).unusable([]):
+        return None
+    return str(py)
+
+
+def run_one(path: Path, out_dir: Path, base: dict, vllm_python: str | None) -> dict:
+    """One script at its defaults in a working folder of its own (removed
+    after: a default-size run leaves gigabytes), its record written."""
+    record = {"script": path.name, **base, "started_at": time.time(), "skipped": None}
+    why = unmet(path, vllm_python)
+    if why:
+        record["skipped"] = why
+        results.write(out_dir / f"{path.stem}.json", record)
+        print(f"{path.name:24} skipped: {why}", flush=True)
+        return record
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{path.stem}-"))
+    figures = work / "figures.json"
+    args = ["--json", str(figures)] if results.writes_json(path) else []
+    log = out_dir / f"{path.stem}.log"
+    t0 = time.monotonic()
+    try:
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, str(path), *args], cwd=work, stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        shown = ["python", f"bench/{path.name}", *(["--json", "FILE"] if args else [])]
+        record.update(command=shown, exit_code=rc, wall_s=round(time.monotonic() - t0, 1),
+                      output=log.read_text(errors="replace").splitlines(),
+                      figures=json.loads(figures.read_text()) if figures.exists() else None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results.write(out_dir / f"{path.stem}.json", record)
+    print(f"{path.name:24} exit {rc} in {record['wall_s']:.0f} s", flush=True)
+    return record
+
+
+def rewrite_docs(out_dir: Path, doc: Path) -> None:
+    recs = results.read_all(out_dir)
+    text = results.rewrite(doc.read_text(), recs)
+    tmp = doc.with_name(doc.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, doc)
+    print(f"{doc}: {len(recs)} measured sections rewritten from {out_dir}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", default=[], metavar="NAME",
+                    help="these scripts (bench_events or bench_events.py)")
+    ap.add_argument("--skip", nargs="+", default=[], metavar="NAME")
+    ap.add_argument("--json", type=Path, default=Path("bench-results"), metavar="DIR",
+                    help="where the records go (default: bench-results/)")
+    ap.add_argument("--docs", nargs="?", const=DOCS, type=Path, metavar="PATH",
+                    help=f"rewrite the measured sections of PATH (default {DOCS.name}) "
+                         "from every record in DIR")
+    ap.add_argument("--docs-only", action="store_true", help="run nothing: only --docs")
+    a = ap.parse_args()
+    known = {p.stem: p for p in scripts()}
+    chosen = [n.removesuffix(".py") for n in a.only] or list(known)
+    bad = [n for n in [*chosen, *(s.removesuffix(".py") for s in a.skip)] if n not in known]
+    if bad:
+        ap.error(f"no bench/ script {', '.join(bad)}; there are: {', '.join(known)}")
+    if a.docs_only and a.docs is None:
+        a.docs = DOCS
+    a.json.mkdir(parents=True, exist_ok=True)
+    failed = []
+    if not a.docs_only:
+        vllm_python = usable_vllm()
+        base = {"commit": results.commit(), "machine": results.machine(),
+                "versions": results.versions(vllm_python)}
+        for name in chosen:
+            if name in {s.removesuffix(".py") for s in a.skip}:
+                continue
+            rec = run_one(known[name], a.json, base, vllm_python)
+            if not rec["skipped"] and rec["exit_code"] != 0:
+                failed.append(f"{name}.py (exit {rec['exit_code']}: {a.json / name}.log)")
+    if a.docs is not None:
+        rewrite_docs(a.json, a.docs)
+    if failed:
+        print(f"failed: {'; '.join(failed)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
