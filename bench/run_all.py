@@ -72,16 +72,19 @@ def run_one(path: Path, out_dir: Path, base: dict, vllm_python: str | None) -> d
     work = Path(tempfile.mkdtemp(prefix=f"bench-{path.stem}-"))
     figures = work / "figures.json"
     args = ["--json", str(figures)] if results.writes_json(path) else []
-    log = out_dir / f"{path.stem}.log"
+    out, log = work / "stdout", out_dir / f"{path.stem}.log"
     t0 = time.monotonic()
     try:
-        with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, str(path), *args], cwd=work, stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False,
+        # its report on stdout; libraries' warnings, progress bars and logging on
+        # stderr, kept whole in NAME.log, in the record only where the script failed
+        with open(out, "w") as o, open(log, "w") as e:
+            rc = subprocess.run([sys.executable, str(path), *args], cwd=work, stdout=o, stderr=e,
+                                stdin=subprocess.DEVNULL, check=False,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
         shown = ["python", f"bench/{path.name}", *(["--json", "FILE"] if args else [])]
+        errors = log.read_text(errors="replace").splitlines()[-40:] if rc else []
         record.update(command=shown, exit_code=rc, wall_s=round(time.monotonic() - t0, 1),
-                      output=log.read_text(errors="replace").splitlines(),
+                      output=out.read_text(errors="replace").splitlines(), stderr_tail=errors,
                       figures=json.loads(figures.read_text()) if figures.exists() else None)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -11,8 +11,9 @@ checked to be used by a script instead."""
 
 from __future__ import annotations
 
-import ast
 import functools
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -27,6 +28,9 @@ from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
 BENCH = ROOT / "bench"
+_spec = importlib.util.spec_from_file_location("bench_results", BENCH / "results.py")
+results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(results)   # bench/results.py: what a script is, what it needs
 NUM = r"[\d,]+(?:\.\d+)?"   # a figure as the scripts print it: 1,234 or 0.98
 
 
@@ -181,6 +185,14 @@ CASES = {
            for n in ("50", "400")),
          rf"^seq_length\s+128\s+50 turns, every turn rendered:\s+{NUM} ms a row",
          rf"^seq_length\s+128\s+400 turns / 50 turns: {NUM}x the time a row"], timeout=300),
+    "run_all.py": Case(   # ~15 s: two scripts at their defaults, one a GPU's (skipped here)
+        ["--only", "long_rows", "cluster_sim", "bench_capture", "--json", "{tmp}/records",
+         "--docs", "{tmp}/benchmarks.md"],
+        [rf"^long_rows.py\s+exit 0 in {NUM} s$", rf"^cluster_sim.py\s+exit 0 in {NUM} s$",
+         r"^bench_capture.py\s+(skipped: needs a GPU|exit 0 in)",
+         r"^\S+benchmarks.md: 3 measured sections rewritten from "],
+        timeout=300, run_by="tests/bench/test_bench.py (test_run_all_records_every_"
+                            "script_and_rewrites_the_docs)"),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"
@@ -189,14 +201,6 @@ CASES = {
         timeout=900, vllm=True,
         run_by="tests/vllm/test_vllm_online.py (its offline reference, at 64 samples)"),
 }
-
-
-def is_script(path) -> bool:
-    """A script has a `if __name__ == "__main__":` block; a helper module has none."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-            return True
-    return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -211,13 +215,15 @@ def vllm_unusable() -> str | None:
 
 
 def test_every_script_has_its_smallest_size():
-    scripts = sorted(p.name for p in BENCH.glob("*.py") if is_script(p))
+    scripts = sorted(p.name for p in BENCH.glob("*.py") if results.is_script(p))
     assert scripts == sorted(CASES), "each bench/ script needs a Case here"
     for name, case in CASES.items():
         if case.run_by:   # that test runs the script itself
             assert name in (ROOT / case.run_by.split()[0]).read_text(), case.run_by
+        # what run_all reads to skip it where it cannot run is what this tier skips on
+        assert case.vllm == ("vllm" in results.needs(BENCH / name)), name
     sources = "\n".join(p.read_text() for p in BENCH.glob("*.py"))
-    for helper in sorted(p for p in BENCH.glob("*.py") if not is_script(p)):
+    for helper in sorted(p for p in BENCH.glob("*.py") if not results.is_script(p)):
         assert re.search(rf"^\s*import {helper.stem}\b", sources, re.M), \
             f"{helper.name} is neither a script nor imported by one"
 
@@ -241,7 +247,6 @@ def test_script_at_smallest_size(script, tmp_path):
     missing = [rx for rx in case.expect if not re.search(rx, out, re.M)]
     assert not missing, f"figures not reported: {missing}\n--- output ---\n{out[-4000:]}"
     if case.json_keys:
-        import json
         written = json.loads(Path(args[args.index("--json") + 1]).read_text())
         assert [k for k in case.json_keys if written.get(k) is None] == [], written.keys()
 
@@ -333,3 +338,42 @@ def test_flex_heads_refuses_what_it_cannot_time(args, says, tmp_path):
                        capture_output=True, text=True, timeout=110, check=False)
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.timeout(360)
+def test_run_all_records_every_script_and_rewrites_the_docs(tmp_path):
+    """bench/run_all.py on two scripts at their defaults and one that needs a
+    GPU: a record each (the conditions, the command, the output, or why it was
+    not run), and the docs' measured sections rewritten from them, where they
+    were and, where there were none yet, at the end of the script's part. A
+    second rewrite from the same records changes nothing."""
+    case = CASES["run_all.py"]
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text((ROOT / "docs" / "benchmarks.md").read_text())
+    args = [a.replace("{tmp}", str(tmp_path)) for a in case.args]
+    p = subprocess.run([sys.executable, str(BENCH / "run_all.py"), *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=case.timeout, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    missing = [rx for rx in case.expect if not re.search(rx, p.stdout, re.M)]
+    assert not missing, p.stdout
+    recs = {f.stem: json.loads(f.read_text()) for f in (tmp_path / "records").glob("*.json")}
+    assert sorted(recs) == ["bench_capture", "cluster_sim", "long_rows"]
+    for rec in recs.values():
+        assert rec["commit"] and rec["machine"]["cores"] >= 1 and rec["versions"]["torch"]
+    rows = recs["long_rows"]
+    assert rows["exit_code"] == 0 and rows["command"] == ["python", "bench/long_rows.py"]
+    assert any("turns / 200 turns:" in ln for ln in rows["output"]), rows["output"]
+    if not results.gpus():
+        assert recs["bench_capture"]["skipped"].startswith("needs a GPU")
+    text = doc.read_text()
+    for name in ("long_rows.py", "cluster_sim.py", "bench_capture.py"):
+        part = text[text.index(f"### {name}\n"):]
+        part = part[:part.find("\n### ", 1)]   # the script's own part holds its section
+        assert results.MARK.format(name) in part and results.END.format(name) in part, name
+    shown = [ln for ln in rows["output"] if "turns / 200 turns:" in ln]
+    assert all(ln in text for ln in shown)
+    again = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--docs-only", "--docs",
+                            str(doc), "--json", str(tmp_path / "records")], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 0, again.stderr
+    assert doc.read_text() == text
