@@ -116,16 +116,23 @@ def write(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
+class RecordError(Exception):
+    """A record or the docs cannot be used as they are; the message says what to do."""
+
+
 def read_all(folder: Path) -> dict[str, dict]:
     """The records in a folder by script name; an unreadable one is named."""
+    if not Path(folder).is_dir():
+        raise RecordError(f"{folder}: no such folder of records; run bench/run_all.py "
+                          f"--json {folder} first")
     out = {}
     for p in sorted(Path(folder).glob("*.json")):
         try:
             rec = json.loads(p.read_text())
             out[rec["script"]] = rec
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"{p}: not a benchmark record ({e}); run bench/run_all.py "
-                             f"--only {p.stem}.py again") from None
+            raise RecordError(f"{p}: not a benchmark record ({e}); run bench/run_all.py "
+                              f"--only {p.stem}.py again") from None
     return out
 
 
@@ -171,18 +178,27 @@ def _fmt(v) -> str:
 def rewrite(doc: str, records: dict[str, dict]) -> str:
     """docs/benchmarks.md with each recorded script's measured section
     rewritten. A section without markers gets them at the end of the
-    script's `### NAME` part; a script with no part there is an error."""
+    script's `### NAME` part; a script with no part there is an error. A
+    record of a script not run here, or that failed, never replaces a section
+    there is: a CPU machine's run keeps a GPU's figures, and a broken script
+    is run_all's exit code, not a lost figure."""
     for name, rec in records.items():
-        block = f"{MARK.format(name)}\n{section(rec)}\n{END.format(name)}"
-        marked = re.compile(re.escape(MARK.format(name)) + r".*?" + re.escape(END.format(name)),
-                            re.S)
-        if marked.search(doc):
-            doc = marked.sub(lambda _m, b=block: b, doc, count=1)
+        mark, end = MARK.format(name), END.format(name)
+        if doc.count(mark) > 1 or doc.count(mark) != doc.count(end) or \
+                (mark in doc and doc.index(end) < doc.index(mark)):
+            raise RecordError(f"the docs' markers for {name} are not one '{mark}' followed by "
+                              f"one '{end}': mend them by hand, then rewrite")
+        block = f"{mark}\n{section(rec)}\n{end}"
+        if mark in doc:
+            if rec.get("skipped") or rec.get("exit_code") != 0:
+                continue
+            start, stop = doc.index(mark), doc.index(end) + len(end)
+            doc = doc[:start] + block + doc[stop:]
             continue
         head = re.search(rf"^### {re.escape(name)}\n", doc, re.M)
         if head is None:
-            raise SystemExit(f"docs/benchmarks.md has no '### {name}' part for its figures: "
-                             "add one (what the script measures, how to run it)")
+            raise RecordError(f"the docs have no '### {name}' part for its figures: add one "
+                              "(what the script measures, how to run it)")
         nxt = re.compile(r"^#{1,3} ", re.M).search(doc, head.end())
         at = nxt.start() if nxt else len(doc)
         doc = doc[:at].rstrip("\n") + "\n\n" + block + "\n\n" + doc[at:]

@@ -11,11 +11,17 @@ gone. A folder whose server died with its starter (a SIGKILL nobody cleaned up
 after) is removed by the next server start on the machine, once its owner is
 gone.
 
-The folder sits directly in the temporary directory under a short name: a unix
-socket's path is limited to 107 bytes, and vLLM's sockets are 37 more.
-Torch's compile cache stays where it is by default (it is named from the
-temporary directory), so that a server start still finds the kernels the last
-one compiled."""
+The folder sits directly in the server's temporary directory (a TMPDIR the
+user gave the stage is kept as the base) under a short name: a unix socket's
+path is limited to 107 bytes and vLLM's names are 37 of them; where the folder
+would leave too few, the sockets stay where vLLM puts them. Torch's compile
+cache stays where it is by default (named from the temporary directory), so a
+server start still finds the kernels the last one compiled. What else vLLM
+keeps in the temporary directory is off the CPU and default GPU paths and is
+per start now: a hub download's file lock, the NCCL allocator's build under
+symmetric memory, a weight-cache daemon's socket. Owners are told apart by
+pid and start time: containers with their own pid namespaces that share one
+/tmp should give each a TMPDIR of its own."""
 
 from __future__ import annotations
 
@@ -29,41 +35,59 @@ from pathlib import Path
 from pipeline.run.rundir import proc_start_ticks
 
 PREFIX = "ep-vllm-"
-OWNER = "owner"   # "pid start_ticks" of the server's process, written once it is started
+OWNER = "owner"        # "pid start_ticks": the starter's, then its server's once started
+SOCKET_PATH_MAX = 107  # sun_path less its NUL
+VLLM_SOCKET_NAME = 37  # "/" + a uuid4
 
 
-def make(name: str) -> Path:
-    """A new folder for one server; name: a short unique tag (its token's end)."""
-    sweep()
-    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{name[-8:]}-"))
+def base(env: dict[str, str]) -> str:
+    """The server's temporary directory: the stage's TMPDIR, else this process's."""
+    return env.get("TMPDIR") or tempfile.gettempdir()
+
+
+def make(env: dict[str, str]) -> Path:
+    """A new folder for one server, owned by its starter until the server runs
+    (a starter killed before that leaves it to the next sweep)."""
+    where = base(env)
+    sweep(where)
+    folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=where))
+    mark_owner(folder, os.getpid())
+    return folder
 
 
 def server_env(folder: Path, env: dict[str, str]) -> dict[str, str]:
     """What the server's environment adds: its temporary files in the folder.
     A user's own VLLM_RPC_BASE_PATH or TORCHINDUCTOR_CACHE_DIR is kept."""
     out = {"TMPDIR": str(folder)}
-    if not (env.get("VLLM_RPC_BASE_PATH") or os.environ.get("VLLM_RPC_BASE_PATH")):
+    room = len(str(folder)) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX
+    if room and not (env.get("VLLM_RPC_BASE_PATH") or os.environ.get("VLLM_RPC_BASE_PATH")):
         out["VLLM_RPC_BASE_PATH"] = str(folder)
     if not (env.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get("TORCHINDUCTOR_CACHE_DIR")):
-        out["TORCHINDUCTOR_CACHE_DIR"] = inductor_default()
+        out["TORCHINDUCTOR_CACHE_DIR"] = inductor_default(base(env))
     return out
 
 
-def inductor_default() -> str:
+def inductor_default(tmp: str) -> str:
     """Torch's default compile cache (torch/_inductor/runtime/cache_dir_utils.py,
-    default_cache_dir), named from this process's temporary directory: with a
-    TMPDIR of the server's own, torch would compile into a folder removed at its
-    stop, and every start would compile again."""
-    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    default_cache_dir), named from the temporary directory: with a TMPDIR of the
+    server's own, torch would compile into a folder removed at its stop, and
+    every start would compile again."""
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):   # a uid without a name (docker run -u 1234): torch's fallback
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tmp, f"torchinductor_{user}")
 
 
 def mark_owner(folder: Path, pid: int) -> None:
-    """Record the server's process (pid and start time: a pid is reused)."""
+    """Record the folder's owner (pid and start time: a pid is reused), whole
+    or not at all: a sweep reads it at any instant."""
+    tmp = folder / f"{OWNER}.tmp"
     try:
-        (folder / OWNER).write_text(f"{pid} {proc_start_ticks(pid)}\n")
+        tmp.write_text(f"{pid} {proc_start_ticks(pid)}\n")
+        os.replace(tmp, folder / OWNER)
     except OSError:
-        pass   # a folder without an owner is left to its own server's stop
+        pass   # the folder keeps its last owner
 
 
 def remove(folder: Path | None) -> None:
@@ -72,8 +96,8 @@ def remove(folder: Path | None) -> None:
 
 
 def sweep(tmp: str | None = None) -> list[Path]:
-    """Remove the folders of servers that are gone; returns them. A folder
-    without an owner yet (its server is starting) is left alone."""
+    """Remove the folders whose owner is gone; returns them. One without a
+    readable owner (another account's, or just being made) is left alone."""
     removed = []
     for folder in Path(tmp or tempfile.gettempdir()).glob(f"{PREFIX}*"):
         try:

@@ -167,8 +167,8 @@ class VllmServer:
             attempt = {TOKEN_VAR: self.env.get(TOKEN_VAR) or os.environ[TOKEN_VAR]} \
                 if TOKEN_VAR in self.env or TOKEN_VAR in os.environ else {}
             rest = {k: v for k, v in self.env.items() if k != TOKEN_VAR}
-            scratch.remove(self.scratch)   # a restart's
-            self.scratch = scratch.make(self.token)
+            # a restart's old folder: the sweep removes it once its server is gone
+            self.scratch = scratch.make(rest)
             try:
                 self.proc = subprocess.Popen(
                     self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -310,6 +310,7 @@ class VllmServer:
         if self.proc is None or self.stopped:
             return []
         self.stopped = True
+        folder = self.scratch   # this server's, whatever a restart in another thread makes
         if self.report is not None:
             self.report("server", {"phase": STOPPED, "server": self.k, "label": self.what,
                                    "elapsed_s": 0.0, "phase_s": 0.0, "last_line": "",
@@ -321,7 +322,7 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             pass
         if not left:   # a survivor may still use it: the next start's sweep removes it
-            scratch.remove(self.scratch)
+            scratch.remove(folder)
         return left
 
 

@@ -191,8 +191,8 @@ CASES = {
         [rf"^long_rows.py\s+exit 0 in {NUM} s$", rf"^cluster_sim.py\s+exit 0 in {NUM} s$",
          r"^bench_capture.py\s+(skipped: needs a GPU|exit 0 in)",
          r"^\S+benchmarks.md: 3 measured sections rewritten from "],
-        timeout=300, run_by="tests/bench/test_bench.py (test_run_all_records_every_"
-                            "script_and_rewrites_the_docs)"),
+        timeout=300,
+        run_by="tests/bench/test_bench.py (test_run_all_records_every_script_and_rewrites_the_docs)"),
     "bench_online.py": Case(
         ["--samples", "16", "--epochs", "1"],
         [*(rf"^{m}\s+{NUM} s \(extract \+ train\)\s+data wait {NUM}%\s+disk {NUM} B\s+"
@@ -219,7 +219,10 @@ def test_every_script_has_its_smallest_size():
     assert scripts == sorted(CASES), "each bench/ script needs a Case here"
     for name, case in CASES.items():
         if case.run_by:   # that test runs the script itself
-            assert name in (ROOT / case.run_by.split()[0]).read_text(), case.run_by
+            source = (ROOT / case.run_by.split()[0]).read_text()
+            assert name in source, case.run_by
+            for test in re.findall(r"\((test_\w+)\)", case.run_by.replace("\n", "")):
+                assert f"def {test}(" in source, case.run_by
         # what run_all reads to skip it where it cannot run is what this tier skips on
         assert case.vllm == ("vllm" in results.needs(BENCH / name)), name
     sources = "\n".join(p.read_text() for p in BENCH.glob("*.py"))

@@ -5,10 +5,15 @@ started the way VllmServer starts vLLM; that the real vLLM puts its sockets
 there: tests/vllm/test_vllm_real.py."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
+
+import pytest
 
 from pipeline.vllm import scratch
 from pipeline.vllm.server import VllmServer
@@ -34,9 +39,19 @@ def stand_in(tmp_path, out):
                       tmp_path / "server.log", {})
 
 
-def test_a_server_keeps_its_temporary_files_in_a_folder_removed_at_its_stop(tmp_path,
+@pytest.fixture
+def short_tmp(monkeypatch):
+    """A temporary directory short enough for a socket path (a test's own folder
+    is too deep: the folder would leave vLLM's sockets where vLLM puts them)."""
+    short = Path(tempfile.mkdtemp(prefix="ep-t-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(short))
+    yield short
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_server_keeps_its_temporary_files_in_a_folder_removed_at_its_stop(short_tmp,
                                                                              monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tmp_path = short_tmp
     for var in ("VLLM_RPC_BASE_PATH", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "env.json"
@@ -51,7 +66,7 @@ def test_a_server_keeps_its_temporary_files_in_a_folder_removed_at_its_stop(tmp_
         assert folder.parent == tmp_path and folder.name.startswith(scratch.PREFIX)
         assert seen["TMPDIR"] == seen["VLLM_RPC_BASE_PATH"] == str(folder)
         # torch's compile cache stays where every start finds it
-        assert seen["TORCHINDUCTOR_CACHE_DIR"] == scratch.inductor_default()
+        assert seen["TORCHINDUCTOR_CACHE_DIR"] == scratch.inductor_default(str(tmp_path))
         assert seen["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "torchinductor_"))
         names = sorted(p.name for p in folder.iterdir())
         assert names[0] == "0c49f3d0-ipc" and names[1] == scratch.OWNER, names
@@ -66,6 +81,23 @@ def test_a_users_own_settings_are_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/user/ipc")
     env = scratch.server_env(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": "/cache/inductor"})
     assert env == {"TMPDIR": str(tmp_path)}
+    # a TMPDIR the stage was given (a small or noexec /tmp) is where the folder and
+    # torch's cache go, not this process's temporary directory
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    mine = tmp_path / "big-disk"
+    mine.mkdir()
+    folder = scratch.make({"TMPDIR": str(mine)})
+    assert folder.parent == mine and (folder / scratch.OWNER).read_text().split()[0] == \
+        str(os.getpid())   # its starter's until the server runs
+    env = scratch.server_env(folder, {"TMPDIR": str(mine)})
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(mine / "torchinductor_"))
+    # where vLLM's socket names would not fit in the folder, vLLM keeps its own place
+    assert ("VLLM_RPC_BASE_PATH" in env) == \
+        (len(str(folder)) + scratch.VLLM_SOCKET_NAME <= scratch.SOCKET_PATH_MAX)
+    assert "VLLM_RPC_BASE_PATH" not in scratch.server_env(Path("/" + "d" * 80), {})
+    assert scratch.server_env(Path("/tmp/ep-vllm-x"), {})["VLLM_RPC_BASE_PATH"] == \
+        "/tmp/ep-vllm-x"
 
 
 def test_a_folder_is_swept_once_its_server_is_gone(tmp_path):

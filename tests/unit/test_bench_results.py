@@ -71,10 +71,28 @@ def test_sections_are_rewritten_in_place_or_added_at_the_end_of_their_part():
     assert results.rewrite(doc, {"a.py": record("a.py"), "b.py": record("b.py")}) == doc
 
 
-def test_a_record_without_its_part_or_a_damaged_one_is_named(tmp_path):
-    with pytest.raises(SystemExit, match=r"no '### c.py' part"):
+def test_a_skipped_or_failed_record_never_replaces_figures():
+    """A CPU machine's run keeps the section a GPU measured; a failed script
+    is run_all's exit code, not a lost figure. Where there is no section yet,
+    either says what happened."""
+    skipped, failed = record("b.py", skipped="needs a GPU"), record("b.py", exit_code=1)
+    assert results.rewrite(DOC, {"b.py": skipped}) == DOC
+    assert results.rewrite(DOC, {"b.py": failed}) == DOC
+    doc = results.rewrite(DOC, {"a.py": skipped | {"script": "a.py"}})
+    assert "Not run there: needs a GPU." in doc[doc.index("### a.py"):doc.index("### b.py")]
+    assert "exit 1 in 12 s" in results.rewrite(DOC, {"a.py": failed | {"script": "a.py"}})
+
+
+def test_a_record_without_its_part_a_damaged_one_or_broken_markers_are_named(tmp_path):
+    with pytest.raises(results.RecordError, match=r"no '### c.py' part"):
         results.rewrite(DOC, {"c.py": record("c.py")})
+    for broken in (DOC.replace("<!-- /measured: b.py -->\n", ""),
+                   DOC + "<!-- measured: b.py -->\n<!-- /measured: b.py -->\n"):
+        with pytest.raises(results.RecordError, match=r"markers for b.py .*mend them"):
+            results.rewrite(broken, {"b.py": record("b.py")})
     (tmp_path / "a.json").write_text(json.dumps(record("a.py")))
     (tmp_path / "b.json").write_text('{"script": "b.py", "mach')
-    with pytest.raises(SystemExit, match=r"b.json: not a benchmark record .*--only b.py"):
+    with pytest.raises(results.RecordError, match=r"b.json: not a benchmark record .*--only b.py"):
         results.read_all(tmp_path)
+    with pytest.raises(results.RecordError, match=r"no such folder of records"):
+        results.read_all(tmp_path / "typo")
