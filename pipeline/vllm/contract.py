@@ -196,8 +196,9 @@ ENV_CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"     # the CPU build's KV cache (GiB)
 ENV_API_KEY = "VLLM_API_KEY"                    # each server's key (server.py)
 ENV_MLA_DISABLE = "VLLM_MLA_DISABLE"            # doctor: MLA run as plain attention
 ENV_SERVER_DEV_MODE = "VLLM_SERVER_DEV_MODE"    # config.py: owned by the server stages
+ENV_RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"        # where its IPC sockets go (scratch.py)
 ENV_VARS = (ENV_V2_RUNNER, ENV_TARGET_DEVICE, ENV_CPU_KV_SPACE, ENV_API_KEY, ENV_MLA_DISABLE,
-            ENV_SERVER_DEV_MODE)
+            ENV_SERVER_DEV_MODE, ENV_RPC_BASE_PATH)
 # `vllm serve` flags, HTTP routes, metric names and log lines: one table per
 # kind in contract_strings.py.
 

@@ -20,22 +20,24 @@ server start still finds the kernels the last one compiled. What else vLLM
 keeps in the temporary directory is off the CPU and default GPU paths and is
 per start now: a hub download's file lock, the NCCL allocator's build under
 symmetric memory, a weight-cache daemon's socket. Owners are told apart by
-pid and start time: containers with their own pid namespaces that share one
-/tmp should give each a TMPDIR of its own."""
+pid and start time within a pid namespace and host: a folder another namespace
+or host made (containers or a cluster's nodes sharing one /tmp) is left to
+that namespace's own sweep."""
 
 from __future__ import annotations
 
 import getpass
 import os
-import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
 from pipeline.run.rundir import proc_start_ticks
+from pipeline.vllm.contract import ENV_RPC_BASE_PATH
 
 PREFIX = "ep-vllm-"
-OWNER = "owner"        # "pid start_ticks": the starter's, then its server's once started
+OWNER = "owner"        # "pid start_ticks where": the starter's, then its server's once started
 SOCKET_PATH_MAX = 107  # sun_path less its NUL
 VLLM_SOCKET_NAME = 37  # "/" + a uuid4
 
@@ -60,8 +62,8 @@ def server_env(folder: Path, env: dict[str, str]) -> dict[str, str]:
     A user's own VLLM_RPC_BASE_PATH or TORCHINDUCTOR_CACHE_DIR is kept."""
     out = {"TMPDIR": str(folder)}
     room = len(str(folder)) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX
-    if room and not (env.get("VLLM_RPC_BASE_PATH") or os.environ.get("VLLM_RPC_BASE_PATH")):
-        out["VLLM_RPC_BASE_PATH"] = str(folder)
+    if room and not (env.get(ENV_RPC_BASE_PATH) or os.environ.get(ENV_RPC_BASE_PATH)):
+        out[ENV_RPC_BASE_PATH] = str(folder)
     if not (env.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get("TORCHINDUCTOR_CACHE_DIR")):
         out["TORCHINDUCTOR_CACHE_DIR"] = inductor_default(base(env))
     return out
@@ -73,18 +75,28 @@ def inductor_default(tmp: str) -> str:
     server's own, torch would compile into a folder removed at its stop, and
     every start would compile again."""
     try:
-        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+        user = getpass.getuser().translate({ord(c): "_" for c in '\\/:*?"<>|'})
     except (KeyError, OSError):   # a uid without a name (docker run -u 1234): torch's fallback
         user = f"uid_{os.getuid()}"
     return os.path.join(tmp, f"torchinductor_{user}")
 
 
+def where() -> str:
+    """This process's pid namespace and host: a pid means something only there
+    (the host's init namespace has the same number on every machine)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "?"
+    return f"{ns}@{socket.gethostname()}".replace(" ", "_")
+
+
 def mark_owner(folder: Path, pid: int) -> None:
-    """Record the folder's owner (pid and start time: a pid is reused), whole
-    or not at all: a sweep reads it at any instant."""
+    """Record the folder's owner (pid and start time: a pid is reused; where
+    they mean something), whole or not at all: a sweep reads it at any instant."""
     tmp = folder / f"{OWNER}.tmp"
     try:
-        tmp.write_text(f"{pid} {proc_start_ticks(pid)}\n")
+        tmp.write_text(f"{pid} {proc_start_ticks(pid)} {where()}\n")
         os.replace(tmp, folder / OWNER)
     except OSError:
         pass   # the folder keeps its last owner
@@ -97,11 +109,14 @@ def remove(folder: Path | None) -> None:
 
 def sweep(tmp: str | None = None) -> list[Path]:
     """Remove the folders whose owner is gone; returns them. One without a
-    readable owner (another account's, or just being made) is left alone."""
-    removed = []
+    readable owner (another account's, or just being made), or made in another
+    pid namespace or on another host, is left alone."""
+    removed, here = [], where()
     for folder in Path(tmp or tempfile.gettempdir()).glob(f"{PREFIX}*"):
         try:
-            pid, ticks = (folder / OWNER).read_text().split()
+            pid, ticks, made = (folder / OWNER).read_text().split()
+            if made != here or "?" in here:
+                continue
             gone = ticks == "None" or str(proc_start_ticks(int(pid))) != ticks
         except (OSError, ValueError):
             continue

@@ -116,9 +116,17 @@ def test_a_folder_is_swept_once_its_server_is_gone(tmp_path):
             if pid is not None:
                 scratch.mark_owner(folders[name], pid)
         (tmp_path / "someone-else").mkdir()
+        # a gone owner in another pid namespace or on another host (a cluster's
+        # nodes, containers sharing /tmp): its pid means nothing here
+        for name, made in (("other-ns", "pid:[1]@" + scratch.where().split("@")[1]),
+                           ("other-host", scratch.where().split("@")[0] + "@elsewhere")):
+            (tmp_path / f"{scratch.PREFIX}{name}").mkdir()
+            (tmp_path / f"{scratch.PREFIX}{name}" / scratch.OWNER).write_text(
+                f"{gone.pid} None {made}\n")
         assert scratch.sweep(str(tmp_path)) == [folders["gone"]]
-        assert sorted(p.name for p in tmp_path.iterdir()) == \
-            sorted([f"{scratch.PREFIX}running", f"{scratch.PREFIX}starting", "someone-else"])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [f"{scratch.PREFIX}{n}" for n in ("running", "starting", "other-ns", "other-host")]
+            + ["someone-else"])
     finally:
         running.kill()
         running.wait()
