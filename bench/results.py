@@ -102,6 +102,23 @@ def versions(vllm_python: str | None) -> dict:
     return out
 
 
+def vllm_unusable() -> str | None:
+    """Why this machine's real vLLM (.venv-vllm) cannot serve here; None when
+    it can. The bench tier skips on it, run_all records it."""
+    from pipeline.paths import VLLM_VENV
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists():
+        return f"no real vLLM in {VLLM_VENV} (scripts/install.sh makes it)"
+    from pipeline.vllm.environment import probe
+    why = probe(str(py)).unusable([])
+    return f"the vLLM in {VLLM_VENV} is unusable here: {why}" if why else None
+
+
+def vllm_python() -> str:
+    from pipeline.paths import VLLM_VENV
+    return str(VLLM_VENV / "bin" / "python")
+
+
 def commit() -> str:
     from pipeline.run.provenance import eagle_panel_commit
     return eagle_panel_commit()

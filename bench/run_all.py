@@ -42,24 +42,15 @@ def scripts() -> list[Path]:
     return sorted(p for p in BENCH.glob("*.py") if results.is_script(p) and p.name != "run_all.py")
 
 
-def unmet(path: Path, vllm_python: str | None) -> str | None:
-    """Why a script cannot run at its defaults here (None: it can)."""
+def unmet(path: Path, no_vllm: str | None) -> str | None:
+    """Why a script cannot run at its defaults here (None: it can);
+    no_vllm: why the real vLLM cannot (results.vllm_unusable)."""
     need = results.needs(path)
     if "gpu" in need and not results.gpus():
         return "needs a GPU (its defaults run on CUDA); NVML sees none here"
-    if "vllm" in need and vllm_python is None:
-        return "needs the real vLLM (.venv-vllm: scripts/install.sh makes it)"
+    if "vllm" in need and no_vllm:
+        return f"needs the real vLLM: {no_vllm}"
     return None
-
-
-def usable_vllm() -> str | None:
-    """The python of this machine's real vLLM, when it can serve here."""
-    from pipeline.paths import VLLM_VENV
-    from pipeline.vllm.environment import probe
-    py = VLLM_VENV / "bin" / "python"
-    if not py.exists() or probe(str(py)).unusable([]):
-        return None
-    return str(py)
 
 
 def _run(argv: list[str], cwd: Path, out, err, timeout: float) -> int:
@@ -100,12 +91,12 @@ def _figures(path: Path):
         return None
 
 
-def run_one(path: Path, out_dir: Path, base: dict, vllm_python: str | None,
+def run_one(path: Path, out_dir: Path, base: dict, no_vllm: str | None,
             timeout: float) -> dict:
     """One script at its defaults in a working folder of its own (removed
     after: a default-size run leaves gigabytes), its record written."""
     record = {"script": path.name, **base, "started_at": time.time(), "skipped": None}
-    why = unmet(path, vllm_python)
+    why = unmet(path, no_vllm)
     if why:
         record["skipped"] = why
         (out_dir / f"{path.stem}.log").unlink(missing_ok=True)   # an earlier run's
@@ -171,13 +162,13 @@ def main() -> int:
         a.json.mkdir(parents=True, exist_ok=True)
     failed = []
     if not a.docs_only:
-        vllm_python = usable_vllm()
+        no_vllm = results.vllm_unusable()
         base = {"commit": results.commit(), "machine": results.machine(),
-                "versions": results.versions(vllm_python)}
+                "versions": results.versions(None if no_vllm else results.vllm_python())}
         for name in chosen:
             if name in {s.removesuffix(".py") for s in a.skip}:
                 continue
-            rec = run_one(known[name], a.json, base, vllm_python, a.timeout)
+            rec = run_one(known[name], a.json, base, no_vllm, a.timeout)
             if not rec["skipped"] and rec["exit_code"] != 0:
                 failed.append(f"{name}.py (exit {rec['exit_code']}: {a.json / name}.log)")
     if a.docs is not None:

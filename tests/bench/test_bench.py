@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.paths import VLLM_VENV
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
@@ -203,15 +202,7 @@ CASES = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_unusable() -> str | None:
-    """Why the real vLLM cannot run here (None when it can)."""
-    py = VLLM_VENV / "bin" / "python"
-    if not py.exists():
-        return f"no real vLLM in {VLLM_VENV} (scripts/install.sh makes it)"
-    from pipeline.vllm.environment import probe
-    why = probe(str(py)).unusable([])
-    return f"the vLLM in {VLLM_VENV} is unusable here: {why}" if why else None
+vllm_unusable = functools.lru_cache(maxsize=1)(results.vllm_unusable)
 
 
 def test_every_script_has_its_smallest_size():
@@ -380,3 +371,19 @@ def test_run_all_records_every_script_and_rewrites_the_docs(tmp_path):
                            capture_output=True, text=True, timeout=120, check=False)
     assert again.returncode == 0, again.stderr
     assert doc.read_text() == text
+
+
+def test_run_all_refuses_bad_input_before_running_anything(tmp_path):
+    """A script name that is not one, or records that are not there: exit 2,
+    a message naming what to do, no traceback, nothing created or rewritten."""
+    def run_all(*args):
+        return subprocess.run([sys.executable, str(BENCH / "run_all.py"), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, check=False)
+    p = run_all("--only", "nonesuch", "--json", str(tmp_path / "records"))
+    assert p.returncode == 2 and "no bench/ script nonesuch; there are: " in p.stderr, p.stderr
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("### long_rows.py\n")
+    p = run_all("--docs-only", "--docs", str(doc), "--json", str(tmp_path / "typo"))
+    assert p.returncode == 2 and "typo: no such folder of records" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and sorted(tmp_path.iterdir()) == [doc]
+    assert doc.read_text() == "### long_rows.py\n"
