@@ -36,6 +36,7 @@ import results
 
 BENCH = Path(__file__).resolve().parent
 DOCS = results.ROOT / "docs" / "benchmarks.md"
+STOP_GRACE_S = (30, 10)   # after --timeout: SIGTERM, then SIGKILL, each waited on this long
 
 
 def scripts() -> list[Path]:
@@ -69,7 +70,7 @@ def _run(argv: list[str], cwd: Path, out, err, timeout: float) -> int:
 
 
 def _stop(p: subprocess.Popen) -> int:
-    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    for sig, grace in zip((signal.SIGTERM, signal.SIGKILL), STOP_GRACE_S, strict=True):
         try:
             os.killpg(p.pid, sig)
         except ProcessLookupError:

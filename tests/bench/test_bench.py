@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_for
 
 pytestmark = pytest.mark.integration
 BENCH = ROOT / "bench"
@@ -387,3 +387,54 @@ def test_run_all_refuses_bad_input_before_running_anything(tmp_path):
     assert p.returncode == 2 and "typo: no such folder of records" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and sorted(tmp_path.iterdir()) == [doc]
     assert doc.read_text() == "### long_rows.py\n"
+
+
+HANGS = '''\
+"""A benchmark that never ends and does not stop when asked: SIGTERM ignored,
+here and in the process it starts (an ignored signal stays ignored across exec)."""
+import os, signal, subprocess, sys, time
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    with open({pids!r} + ".tmp", "w") as f:
+        f.write(f"{{os.getpid()}} {{child.pid}}")
+    os.replace({pids!r} + ".tmp", {pids!r})
+    print("measuring", flush=True)
+    time.sleep(3600)
+'''
+
+
+def _gone(pid: int) -> bool:
+    """Dead: no such process, or a zombie its new parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_run_all_timeout_stops_the_whole_group_and_records_it(tmp_path, monkeypatch):
+    """--timeout: a script past it is stopped with everything it started, even
+    one that ignores SIGTERM (SIGKILL after the grace); its record says exit 124
+    with run_all's words at the end of its stderr, and what it printed so far.
+    The script never ends, so the timeout is the only way out: its 10 s leave
+    a stdlib-only script ~100x the time it needs to write its pids."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_run_all", BENCH / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    monkeypatch.setattr(run_all, "STOP_GRACE_S", (1, 30))
+    pids = tmp_path / "pids"
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS.format(pids=str(pids)))
+    out = tmp_path / "records"
+    out.mkdir()
+    rec = run_all.run_one(script, out, {"commit": "test"}, None, timeout=10)
+    assert rec["exit_code"] == 124 and rec["skipped"] is None, rec
+    assert rec["stderr_tail"][-1] == "run_all: stopped after --timeout 10 s", rec["stderr_tail"]
+    assert rec["output"] == ["measuring"]
+    assert json.loads((out / "hangs.json").read_text())["exit_code"] == 124
+    assert "stopped after --timeout" in (out / "hangs.log").read_text()
+    script_pid, child_pid = map(int, pids.read_text().split())
+    assert _gone(script_pid)   # run_all waited on it
+    wait_for(lambda: _gone(child_pid), what=f"the script's own child {child_pid} killed")
