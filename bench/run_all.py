@@ -8,9 +8,10 @@ rewritten from the files.
                             [--docs [PATH]] [--docs-only] [--timeout S]
 
 A script that needs what this machine lacks (its `NEEDS`: "gpu", "vllm") is
-not run; its file says why. At the defaults every script takes 1.5 to 2 hours
-on 2 CPU cores (algorithms.py ~40 min, bench_fp8.py ~20, chaos.py ~15,
-bench_watch.py 10, vs_speculators.py 10); `--only` measures some. Each script
+not run; its file says why. At the defaults every script takes about 80 minutes
+on 2 idle CPU cores (the records of docs/bench-records/: algorithms.py 28 min,
+bench_fp8.py 11, vs_speculators.py 10, bench_watch.py 10, chaos.py 5, the rest
+under 4 each); `--only` measures some. Each script
 runs with the scripts' defaults: the figures in the docs are what a user's
 `python bench/NAME.py` gives.
 

@@ -227,7 +227,7 @@ class Bench:
         self.s = {"seq_length": demo["prepare"]["seq_length"],
                   "layer_ids": demo["extract"]["layer_ids"],
                   "draft_vocab_size": demo["vocab"]["draft_vocab_size"],
-                  "epochs": a.epochs or st.get("epochs", 0), "lr": st["lr"],
+                  "epochs": a.epochs or st.get("epochs", 0), "lr": a.lr or st["lr"],
                   "total_seq_len": st.get("total_seq_len", 0), "ttt_steps": st["ttt_steps"],
                   "rule": {**{k: st[k] for k in ("target_steps", "min_steps", "max_epochs",
                                                  "patience", "min_delta") if k in st},
@@ -672,6 +672,17 @@ def count(text: str) -> int:
     return int(text)
 
 
+def positive_or_zero(text: str) -> float:
+    """A learning rate: a number >= 0 (0: the demo's)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number >= 0, e.g. 0.01")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="builtin:tiny-llama",
@@ -684,6 +695,9 @@ def main() -> None:
                     help="bundled conversations held out from both: their first turns are "
                          "the prompts vLLM measures acceptance on")
     ap.add_argument("--max-tokens", type=int, default=0, help="per prompt; 0: the demo's")
+    ap.add_argument("--lr", type=positive_or_zero, default=0.0,
+                    help="both trainers' learning rate; 0: the demo's (a small size reaches "
+                         "its plateau in few steps only at a larger one)")
     for opt in ("target-steps", "min-steps", "max-epochs"):   # the budget rule, smaller
         ap.add_argument(f"--{opt}", type=count, default=0,
                         help=f"[stages.train] {opt.replace('-', '_')} for the rule (with "
