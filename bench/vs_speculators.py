@@ -830,7 +830,7 @@ def main() -> None:
         n = b.out["eval_prompts"]
         if acc_t is not None:
             print(f"acceptance length (vLLM, {n} held-out prompts): ours {acc_o:.3f}, theirs "
-                  f"{acc_t:.3f}: ours / theirs {acc_o / acc_t:.3f} (target 1 +- 0.02)", flush=True)
+                  f"{acc_t:.3f}: ours / theirs {acc_o / acc_t:.3f} (target >= 1.02)", flush=True)
         else:
             print(f"acceptance length (vLLM, {n} held-out prompts): ours {acc_o:.3f}, theirs "
                   f"not measured: {why}", flush=True)

@@ -126,7 +126,7 @@ CASES = {
         # steps plans 28 epochs) at a learning rate that reaches its plateau in a few epochs,
         # so train stops early, and its choice and speculators' checkpoint_best can be earlier
         # epochs than the last (both were, 2026-12-08: ours stopped at 6 of 28 and measured
-        # its 4th, whose estimate stood 9.7% above the 6th's; theirs' best was their epoch 4);
+        # its 4th, whose estimate stood 9.7% above the 6th's; theirs' best was their 5th);
         # the steps-matched rerun (here refused by config's rules: said); the probes of what
         # cannot run on a CPU (a server start and a training whose errors are the same on
         # every CPU run) left out: the bench's full size runs them
