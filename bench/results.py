@@ -106,15 +106,16 @@ def vllm_unusable() -> str | None:
     """Why this machine's real vLLM (.venv-vllm) cannot serve here; None when
     it can. The bench tier skips on it, run_all records it."""
     from pipeline.paths import VLLM_VENV
-    py = VLLM_VENV / "bin" / "python"
-    if not py.exists():
+    py = vllm_python()
+    if not Path(py).exists():
         return f"no real vLLM in {VLLM_VENV} (scripts/install.sh makes it)"
     from pipeline.vllm.environment import probe
-    why = probe(str(py)).unusable([])
+    why = probe(py).unusable([])
     return f"the vLLM in {VLLM_VENV} is unusable here: {why}" if why else None
 
 
 def vllm_python() -> str:
+    """The interpreter of this machine's real vLLM (.venv-vllm)."""
     from pipeline.paths import VLLM_VENV
     return str(VLLM_VENV / "bin" / "python")
 
